@@ -1,0 +1,160 @@
+"""One configuration for every process: a TOML file, then environment overrides.
+
+Every process of a deployment reads the same file, so all of them agree on the socket
+addresses. Addresses default to ``ipc://`` sockets in a per-deployment run directory keyed by
+the HTTP port, so two deployments on one host never collide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "ops" / "vlm.toml"
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = ""
+    request_timeout_s: float = 300.0
+    max_request_bytes: int = 64 * 1024 * 1024
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # empty: the built-in demo checkpoint
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda if available, else cpu
+
+
+@dataclass
+class FetcherConfig:
+    http_timeout_s: float = 15.0
+    max_media_bytes: int = 32 * 1024 * 1024
+    max_image_pixels: int = 64_000_000
+    max_images_per_request: int = 16
+    max_redirects: int = 3
+    allow_private_addresses: bool = False
+    credits: int = 8
+    encode_attempts: int = 3
+    encode_timeout_s: float = 60.0
+    threads: int = 4
+
+
+@dataclass
+class EncoderConfig:
+    count: int = 0  # 0: one per visible GPU, or one on a CPU host
+    credits: int = 4
+
+
+@dataclass
+class CacheConfig:
+    pool_bytes: int = 256 * 1024 * 1024
+    lease_ttl_s: float = 120.0
+    pending_ttl_s: float = 60.0
+
+
+@dataclass
+class DecoderConfig:
+    max_running: int = 16
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    media_wait_s: float = 90.0
+
+
+@dataclass
+class LivenessConfig:
+    heartbeat_s: float = 0.5
+    dead_after_s: float = 3.0
+    call_timeout_s: float = 5.0
+
+
+@dataclass
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    fetcher: FetcherConfig = field(default_factory=FetcherConfig)
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)
+    run_dir: str = ""  # empty: <repo>/run/<port>
+    endpoints: dict[str, str] = field(default_factory=dict)
+    source: str = ""
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else REPO_ROOT / "run" / str(self.server.port)
+
+    @property
+    def deployment_id(self) -> str:
+        """Short, host-unique name for shared-memory segments of this deployment."""
+        return hashlib.sha1(str(self.run_path.resolve()).encode()).hexdigest()[:10]
+
+    def endpoint(self, name: str) -> str:
+        """The ZMQ address of a named hub (``gateway``, ``fetch``, ``cache``, ``decoder``, ``encoder.K``)."""
+        if name in self.endpoints:
+            return self.endpoints[name]
+        if name.startswith("encoder.") and "encoder" in self.endpoints:
+            return self.endpoints["encoder"].replace("{gpu}", name.split(".", 1)[1])
+        return f"ipc://{self.run_path / (name + '.sock')}"
+
+    def model_path(self) -> Path:
+        if self.model.path:
+            return Path(self.model.path).expanduser()
+        from workers.models.synth import demo_checkpoint
+
+        return demo_checkpoint()
+
+
+_ENV = {
+    "VLM_MODEL": ("model", "path", str),
+    "VLM_HOST": ("server", "host", str),
+    "VLM_PORT": ("server", "port", int),
+    "VLM_DEVICE": ("model", "device", str),
+    "VLM_DTYPE": ("model", "dtype", str),
+}
+
+
+def _apply_section(target: Any, values: dict[str, Any], where: str) -> None:
+    names = {f.name: f for f in dataclasses.fields(target)}
+    for key, value in values.items():
+        if key not in names:
+            raise ValueError(f"{where}: unknown setting {key!r}; known: {', '.join(sorted(names))}")
+        current = getattr(target, key)
+        if isinstance(current, bool) and not isinstance(value, bool):
+            raise ValueError(f"{where}.{key}: expected true/false, got {value!r}")
+        if isinstance(current, int | float) and not isinstance(current, bool):
+            value = type(current)(value)
+        setattr(target, key, value)
+
+
+def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None) -> Config:
+    """Read the TOML file (``VLM_CONFIG`` or the one in ``ops/``), then the ``VLM_*`` variables."""
+    env = dict(os.environ) if env is None else env
+    path = Path(path or env.get("VLM_CONFIG") or DEFAULT_CONFIG)
+    raw: dict[str, Any] = tomllib.loads(path.read_text()) if path.exists() else {}
+    cfg = Config(source=str(path))
+    for key, value in raw.items():
+        if key in ("run_dir",):
+            cfg.run_dir = str(value)
+        elif key == "endpoints":
+            cfg.endpoints = {str(k): str(v) for k, v in value.items()}
+        elif isinstance(value, dict) and hasattr(cfg, key):
+            _apply_section(getattr(cfg, key), value, f"{path}: [{key}]")
+        else:
+            raise ValueError(f"{path}: unknown section or key {key!r}")
+    for var, (section, key, kind) in _ENV.items():
+        if env.get(var):
+            setattr(getattr(cfg, section), key, kind(env[var]))
+    if env.get("VLM_RUN_DIR"):
+        cfg.run_dir = env["VLM_RUN_DIR"]
+    return cfg

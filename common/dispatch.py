@@ -1,0 +1,132 @@
+"""Work distribution to live workers only, with re-issue of work held by a worker that died.
+
+A hub keeps one ``Dispatcher`` per worker pool. Workers announce themselves with
+``WorkerStatus`` (ready handshake, then heartbeats) carrying how many jobs they take at once;
+jobs go to the live worker with the most free credits. A worker that is silent for
+``dead_after_s`` or comes back as a new incarnation loses its jobs to the queue again; a job
+that has failed ``max_attempts`` times, or waited past its deadline, is failed through
+``on_fail`` — never dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.protocol import Message, WorkerStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Peer:
+    key: bytes
+    incarnation: str
+    credits: int
+    last_seen: float
+    jobs: set[str] = field(default_factory=set)
+
+    @property
+    def free(self) -> int:
+        return self.credits - len(self.jobs)
+
+
+@dataclass
+class Job:
+    job_id: str
+    payload: Message
+    deadline: float
+    attempts: int = 0
+    peer: bytes | None = None
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        send: Callable[[bytes, Message], bool],
+        on_fail: Callable[[Job, str], None],
+        *,
+        dead_after_s: float,
+        max_attempts: int = 3,
+    ) -> None:
+        self.send = send
+        self.on_fail = on_fail
+        self.dead_after_s = dead_after_s
+        self.max_attempts = max_attempts
+        self.peers: dict[bytes, Peer] = {}
+        self.jobs: dict[str, Job] = {}
+        self.queue: deque[str] = deque()
+
+    # ------------------------------------------------------------------ liveness
+    def peer_status(self, key: bytes, status: WorkerStatus) -> None:
+        peer = self.peers.get(key)
+        if peer is not None and peer.incarnation != status.incarnation:
+            self._lose_peer(peer, "restarted")
+            peer = None
+        if peer is None:
+            log.info("worker %s (%s) is live with %d credits", key, status.incarnation, status.credits)
+            peer = self.peers[key] = Peer(key, status.incarnation, status.credits, time.monotonic())
+        peer.credits = status.credits
+        peer.last_seen = time.monotonic()
+        self.dispatch()
+
+    def live_peers(self) -> int:
+        return len(self.peers)
+
+    def _lose_peer(self, peer: Peer, why: str) -> None:
+        log.warning("worker %s %s; re-issuing %d job(s)", peer.key, why, len(peer.jobs))
+        self.peers.pop(peer.key, None)
+        for job_id in sorted(peer.jobs):
+            job = self.jobs.get(job_id)
+            if job is not None:
+                job.peer = None
+                self.queue.appendleft(job_id)
+
+    # ------------------------------------------------------------------ jobs
+    def submit(self, job_id: str, payload: Message, timeout_s: float) -> None:
+        self.jobs[job_id] = Job(job_id, payload, time.monotonic() + timeout_s)
+        self.queue.append(job_id)
+        self.dispatch()
+
+    def complete(self, job_id: str) -> Job | None:
+        job = self.jobs.pop(job_id, None)
+        if job is not None and job.peer is not None and job.peer in self.peers:
+            self.peers[job.peer].jobs.discard(job_id)
+        return job
+
+    def cancel(self, job_id: str) -> None:
+        if self.complete(job_id) is not None:
+            self.queue = deque(j for j in self.queue if j != job_id)
+
+    def dispatch(self) -> None:
+        while self.queue:
+            peer = max(self.peers.values(), key=lambda p: p.free, default=None)
+            if peer is None or peer.free <= 0:
+                return
+            job = self.jobs.get(self.queue.popleft())
+            if job is None or job.peer is not None:
+                continue
+            if job.attempts >= self.max_attempts:
+                self._fail(job, f"gave up after {job.attempts} attempts: its workers kept dying")
+                continue
+            job.attempts += 1
+            job.peer = peer.key
+            peer.jobs.add(job.job_id)
+            if not self.send(peer.key, job.payload):
+                self._lose_peer(peer, "is unreachable")
+
+    def tick(self) -> None:
+        """Drop silent workers (re-issuing their jobs) and fail jobs past their deadline."""
+        now = time.monotonic()
+        for peer in [p for p in self.peers.values() if now - p.last_seen > self.dead_after_s]:
+            self._lose_peer(peer, f"silent for {now - peer.last_seen:.1f}s")
+        for job in [j for j in self.jobs.values() if j.deadline < now]:
+            self._fail(job, "timed out waiting for a live worker")
+        self.dispatch()
+
+    def _fail(self, job: Job, why: str) -> None:
+        self.complete(job.job_id)
+        self.on_fail(job, why)

@@ -1,0 +1,45 @@
+"""What every process does the same way: arguments, logging, clean SIGTERM, start-up banner."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+from common.config import Config, load_config
+
+
+def parse_args(role: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m {role}", description=f"vlm-serve {role} process")
+    parser.add_argument("--config", default=None, help="TOML config (default: $VLM_CONFIG or ops/vlm.toml)")
+    parser.add_argument("--log-level", default="INFO")
+    if extra is not None:
+        extra(parser)
+    return parser.parse_args()
+
+
+def start_process(role: str, args: argparse.Namespace) -> Config:
+    """Configure logging and load the config; a bad config ends the process with a clear message."""
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return load_config(args.config)
+    except (OSError, ValueError) as exc:
+        logging.getLogger(role).error("cannot load config: %s", exc)
+        raise SystemExit(2) from exc
+
+
+def on_terminate(stop: Callable[[], None]) -> None:
+    """SIGTERM/SIGINT ask the main loop to finish its current step and exit."""
+
+    def handler(signum: int, _frame: object) -> None:
+        logging.getLogger("lifecycle").info("signal %d: stopping", signum)
+        stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)

@@ -1,0 +1,311 @@
+"""Every message that crosses a socket, in one place.
+
+A message is a frozen dataclass registered under its class name. On the wire it is msgpack:
+``[PROTOCOL_VERSION, tag, {field: value}]``; nested messages (``TensorRef``, ``MediaInput`` ...)
+are maps carrying their own tag. Decoding accepts only the registered set, so a stray or
+malicious frame becomes a ``ProtocolError``, never an arbitrary object (no pickle anywhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+_TAG = "~t"
+
+_REGISTRY: dict[str, type[Message]] = {}
+
+M = TypeVar("M", bound="Message")
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a message of this protocol version."""
+
+
+class Message:
+    """Base of all wire messages; subclasses are frozen dataclasses registered by ``@message``."""
+
+    TAG: ClassVar[str] = ""
+
+
+def message(cls: type[M]) -> type[M]:
+    cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+    cls.TAG = cls.__name__
+    if cls.TAG in _REGISTRY:
+        raise TypeError(f"duplicate message tag {cls.TAG}")
+    _REGISTRY[cls.TAG] = cls
+    return cls
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, Message):
+        out = {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}  # type: ignore[arg-type]
+        out[_TAG] = value.TAG
+        return out
+    if isinstance(value, list | tuple):
+        return [_to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
+    return value
+
+
+def _from_wire(obj: dict[str, Any]) -> Any:
+    tag = obj.get(_TAG)
+    if tag is None:
+        return obj
+    cls = _REGISTRY.get(tag)
+    if cls is None:
+        raise ProtocolError(f"unknown message tag {tag!r}")
+    fields = {k: v for k, v in obj.items() if k != _TAG}
+    try:
+        return cls(**fields)
+    except TypeError as exc:
+        raise ProtocolError(f"bad fields for {tag}: {exc}") from exc
+
+
+def encode(msg: Message) -> bytes:
+    if not isinstance(msg, Message):
+        raise TypeError(f"not a protocol message: {type(msg).__name__}")
+    body = _to_wire(msg)
+    tag = body.pop(_TAG)
+    return msgpack.packb([PROTOCOL_VERSION, tag, body], use_bin_type=True)
+
+
+def decode(frame: bytes) -> Message:
+    try:
+        version, tag, body = msgpack.unpackb(frame, raw=False, object_hook=_from_wire, strict_map_key=True)
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolError(f"undecodable frame: {exc}") from exc
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version}, expected {PROTOCOL_VERSION}")
+    if not isinstance(body, dict):
+        raise ProtocolError("message body is not a map")
+    return _from_wire({**body, _TAG: tag})
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+@message
+class TensorRef(Message):
+    """Where a tensor lives: ``inline`` bytes, or ``shm`` (POSIX shared memory name + offset).
+
+    ``cuda_ipc`` arrives with the GPU vision path.
+    """
+
+    kind: str
+    dtype: str
+    shape: list[int]
+    data: bytes | None = None
+    shm_name: str = ""
+    offset: int = 0
+    pool_incarnation: str = ""
+
+
+@message
+class SamplingParams(Message):
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+@message
+class MediaInput(Message):
+    """One media item as the client gave it (before fetching)."""
+
+    kind: str  # "image"
+    url: str
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+
+@message
+class PreparedMedia(Message):
+    """One media item after fetching: its content hash names its embedding in the cache."""
+
+    kind: str
+    content_hash: str
+    grid_thw: list[int]
+    num_tokens: int
+
+
+# --------------------------------------------------------------------------- liveness
+
+
+@message
+class WorkerStatus(Message):
+    """Ready handshake and heartbeat: a worker says it is alive and how much work it will take."""
+
+    role: str
+    worker_id: str
+    incarnation: str
+    credits: int
+
+
+@message
+class Ping(Message):
+    sender: str
+
+
+# --------------------------------------------------------------------------- gateway -> fetcher -> decoder
+
+
+@message
+class GenerateRequest(Message):
+    request_id: str
+    prompt_ids: list[int]
+    media: list[MediaInput]
+    sampling: SamplingParams
+
+
+@message
+class FetchDone(Message):
+    """Fetcher -> gateway: the request left the fetcher (handed to the decoder or failed)."""
+
+    request_id: str
+
+
+@message
+class PreparedRequest(Message):
+    """Token ids with one placeholder per media item; the decoder expands them."""
+
+    request_id: str
+    prompt_ids: list[int]
+    media: list[PreparedMedia]
+    sampling: SamplingParams
+
+
+@message
+class Abort(Message):
+    request_id: str
+
+
+# --------------------------------------------------------------------------- fetcher -> encoder
+
+
+@message
+class EncodeJob(Message):
+    job_id: str
+    content_hash: str
+    pixels: TensorRef
+    grid_thw: list[int]
+    slot: TensorRef
+
+
+@message
+class EncodeResult(Message):
+    """Encoder -> fetcher: the embedding is in its slot (``status`` 200) or it failed."""
+
+    job_id: str
+    content_hash: str
+    status: int = 200
+    message: str = ""
+
+
+# --------------------------------------------------------------------------- cache daemon
+
+
+@message
+class CacheLookup(Message):
+    """Find an embedding by content hash, or reserve a slot for it."""
+
+    call_id: str
+    content_hash: str
+    nbytes: int
+    dtype: str
+    shape: list[int]
+
+
+@message
+class CacheLookupResult(Message):
+    """``state``: ``ready`` (hit), ``pending`` (someone encodes it), ``reserved`` (you encode it
+    into ``slot``), or ``error`` (``status``/``message``)."""
+
+    call_id: str
+    state: str
+    slot: TensorRef | None = None
+    status: int = 200
+    message: str = ""
+
+
+@message
+class CacheCommit(Message):
+    """Encoder -> cache: the slot for this hash holds its embedding now (or ``error``)."""
+
+    content_hash: str
+    error: str = ""
+
+
+@message
+class CacheAcquire(Message):
+    """Decoder -> cache: lease these embeddings for a request; answered once all are ready."""
+
+    call_id: str
+    request_id: str
+    content_hashes: list[str]
+
+
+@message
+class CacheAcquireResult(Message):
+    call_id: str
+    request_id: str
+    refs: list[TensorRef]
+    status: int = 200
+    message: str = ""
+
+
+@message
+class CacheRelease(Message):
+    request_id: str
+
+
+@message
+class StatsRequest(Message):
+    call_id: str
+
+
+@message
+class StatsResult(Message):
+    call_id: str
+    role: str
+    incarnation: str
+    counters: dict[str, float]
+
+
+# --------------------------------------------------------------------------- decoder -> gateway
+
+
+@message
+class TokenDelta(Message):
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@message
+class TokenBatch(Message):
+    """Token ids of one decoder step, for every request that produced some."""
+
+    deltas: list[TokenDelta]
+
+
+@message
+class RequestError(Message):
+    """The terminal message of a failed request; ``status`` is the HTTP status to answer."""
+
+    request_id: str
+    status: int
+    code: str
+    message: str

@@ -1,0 +1,118 @@
+"""Tensors across processes: inline bytes or an offset in a POSIX shared-memory pool.
+
+Pools are plain files under /dev/shm mapped with mmap. We avoid
+``multiprocessing.shared_memory`` because on Python 3.11 every process that merely attaches
+registers the segment with its resource tracker, which unlinks it when that process exits —
+an encoder restart would then delete the cache daemon's pool.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.protocol import TensorRef
+
+SHM_DIR = Path("/dev/shm")
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _TORCH_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported tensor dtype {name!r}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def nbytes_of(dtype: str, shape: list[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=torch_dtype(dtype)).element_size()
+
+
+def inline_ref(tensor: torch.Tensor) -> TensorRef:
+    tensor = tensor.detach().contiguous().cpu()
+    raw = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    return TensorRef(kind="inline", dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), data=raw)
+
+
+class ShmPool:
+    """A fixed-size shared-memory region; the cache daemon creates it, others attach by name."""
+
+    def __init__(self, name: str, size: int, *, create: bool) -> None:
+        self.name = name
+        self.path = SHM_DIR / name
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.size = os.fstat(fd).st_size
+            self.map = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.buffer = torch.frombuffer(self.map, dtype=torch.uint8) if self.size else torch.empty(0)
+
+    def view(self, ref: TensorRef) -> torch.Tensor:
+        """A tensor aliasing the pool bytes that ``ref`` names (no copy)."""
+        nbytes = nbytes_of(ref.dtype, ref.shape)
+        if ref.offset < 0 or ref.offset + nbytes > self.size:
+            raise ValueError(f"tensor ref [{ref.offset}, +{nbytes}) is outside pool {self.name} of {self.size} B")
+        raw = self.buffer[ref.offset : ref.offset + nbytes]
+        return raw.view(torch_dtype(ref.dtype)).view(ref.shape)
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        # Tensors made by view() may still alias the map; let GC close it when they are gone.
+        self.buffer = torch.empty(0)
+
+
+class ShmAttachments:
+    """A consumer's open pools, by name: each pool is attached once and then indexed by offset."""
+
+    def __init__(self) -> None:
+        self.pools: dict[str, ShmPool] = {}
+
+    def view(self, ref: TensorRef) -> torch.Tensor:
+        pool = self.pools.get(ref.shm_name)
+        if pool is None:
+            pool = self.pools[ref.shm_name] = ShmPool(ref.shm_name, 0, create=False)
+        return pool.view(ref)
+
+    def forget_except(self, keep: str) -> None:
+        """Drop attachments of pools other than ``keep`` (a restarted cache made a new pool)."""
+        for name in [n for n in self.pools if n != keep]:
+            self.pools.pop(name).close()
+
+
+def read_tensor(ref: TensorRef, attachments: ShmAttachments | None = None) -> torch.Tensor:
+    """Materialise a ref as a tensor: inline refs are copied, shm refs alias the pool."""
+    if ref.kind == "inline":
+        if ref.data is None:
+            raise ValueError("inline tensor ref without data")
+        expected = nbytes_of(ref.dtype, ref.shape)
+        if len(ref.data) != expected:
+            raise ValueError(f"inline tensor has {len(ref.data)} B, shape {ref.shape} needs {expected}")
+        flat = torch.frombuffer(bytearray(ref.data), dtype=torch.uint8) if expected else torch.empty(0)
+        return flat.view(torch_dtype(ref.dtype)).view(ref.shape)
+    if ref.kind == "shm":
+        if attachments is None:
+            raise ValueError("a shm tensor ref needs pool attachments")
+        return attachments.view(ref)
+    raise ValueError(f"unsupported tensor ref kind {ref.kind!r}")

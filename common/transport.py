@@ -1,0 +1,218 @@
+"""Typed ZeroMQ sockets: they send and receive protocol messages, never raw frames."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from common.protocol import Message, ProtocolError, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+def _prepare(sock: zmq.Socket, address: str, bind: bool, identity: bytes | None) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if sock.socket_type == zmq.ROUTER:
+        # A reply to a peer that vanished must fail loudly in our code, not block the hub.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if bind:
+        if address.startswith("ipc://"):
+            Path(address[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
+        sock.bind(address)
+    else:
+        sock.connect(address)
+
+
+class Channel:
+    """A socket speaking protocol messages. ROUTER channels address peers by identity."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        kind: int,
+        address: str,
+        *,
+        bind: bool,
+        identity: bytes | None = None,
+    ) -> None:
+        self.address = address
+        self.sock: zmq.Socket = ctx.socket(kind)
+        self.is_router = kind == zmq.ROUTER
+        _prepare(self.sock, address, bind, identity)
+
+    def send(self, msg: Message) -> None:
+        self.sock.send(encode(msg), copy=False)
+
+    def send_to(self, peer: bytes, msg: Message) -> bool:
+        """Send to one ROUTER peer; False if that peer is gone."""
+        try:
+            self.sock.send_multipart([peer, encode(msg)], copy=False)
+            return True
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+
+    def recv(self) -> tuple[bytes, Message | None]:
+        """Receive one message: ``(peer identity or b"", message)``; None for a bad frame (logged)."""
+        frames = self.sock.recv_multipart(copy=True)
+        peer = frames[0] if self.is_router else b""
+        try:
+            return peer, decode(frames[-1])
+        except ProtocolError as exc:
+            log.warning("dropping a bad frame on %s: %s", self.address, exc)
+            return peer, None
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class AsyncChannel:
+    """The asyncio twin of ``Channel`` for the gateway's event loop."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        kind: int,
+        address: str,
+        *,
+        bind: bool,
+        identity: bytes | None = None,
+    ) -> None:
+        self.address = address
+        self.sock: zmq.asyncio.Socket = ctx.socket(kind)
+        self.is_router = kind == zmq.ROUTER
+        _prepare(self.sock, address, bind, identity)
+
+    async def send(self, msg: Message) -> None:
+        await self.sock.send(encode(msg), copy=False)
+
+    async def send_to(self, peer: bytes, msg: Message) -> bool:
+        try:
+            await self.sock.send_multipart([peer, encode(msg)], copy=False)
+            return True
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+
+    async def recv(self) -> tuple[bytes, Message | None]:
+        frames = await self.sock.recv_multipart(copy=True)
+        peer = frames[0] if self.is_router else b""
+        try:
+            return peer, decode(frames[-1])
+        except ProtocolError as exc:
+            log.warning("dropping a bad frame on %s: %s", self.address, exc)
+            return peer, None
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+Handler = Callable[[bytes, Message], None]
+
+
+class EventLoop:
+    """A worker's main loop: wait on sockets or the next timer, never sleep-poll.
+
+    Handlers run to completion one at a time, so worker state needs no locks.
+    """
+
+    def __init__(self) -> None:
+        self.poller = zmq.Poller()
+        self.handlers: dict[zmq.Socket, tuple[Channel, Handler]] = {}
+        self.timers: list[tuple[float, float, Callable[[], None]]] = []  # (next_due, period, fn)
+        self.fd_handlers: dict[int, Callable[[], None]] = {}
+        self.stopping = False
+
+    def on_message(self, channel: Channel, handler: Handler) -> None:
+        self.poller.register(channel.sock, zmq.POLLIN)
+        self.handlers[channel.sock] = (channel, handler)
+
+    def every(self, period_s: float, fn: Callable[[], None]) -> None:
+        self.timers.append((time.monotonic() + period_s, period_s, fn))
+
+    def stop(self) -> None:
+        self.stopping = True
+
+    def _fire_timers(self) -> float:
+        """Run due timers; return seconds until the next one."""
+        now = time.monotonic()
+        for i, (due, period, fn) in enumerate(self.timers):
+            if due <= now:
+                fn()
+                self.timers[i] = (now + period, period, fn)
+        return min((due for due, _, _ in self.timers), default=now + 1.0) - time.monotonic()
+
+    def run_once(self, max_wait_s: float | None = None) -> int:
+        """Handle what is ready, waiting at most until the next timer (or ``max_wait_s``)."""
+        wait = max(0.0, self._fire_timers())
+        if max_wait_s is not None:
+            wait = min(wait, max_wait_s)
+        handled = 0
+        for sock, _ in self.poller.poll(int(wait * 1000)):
+            if isinstance(sock, int):
+                self.fd_handlers[sock]()
+                handled += 1
+                continue
+            channel, handler = self.handlers[sock]
+            # Drain what has arrived so a busy socket cannot starve timers for long.
+            for _ in range(256):
+                try:
+                    peer, msg = channel.recv() if channel.sock.poll(0) else (b"", None)
+                except zmq.ZMQError:
+                    break
+                if msg is None and not peer:
+                    break
+                if msg is not None:
+                    handler(peer, msg)
+                    handled += 1
+        return handled
+
+    def run(self, step: Callable[[], bool] | None = None) -> None:
+        """Loop until ``stop()``. ``step`` (if any) does compute work; it returns True while it has
+        more to do, so the loop only checks sockets without waiting between steps."""
+        busy = False
+        while not self.stopping:
+            self.run_once(0.0 if busy else None)
+            if step is not None:
+                busy = step()
+
+
+def worker_identity(role: str) -> tuple[str, bytes]:
+    """A worker id stable for its slot and an identity unique to this process incarnation."""
+    incarnation = f"{os.getpid()}-{time.time_ns() % 10**9}"
+    return incarnation, f"{role}:{incarnation}".encode()
+
+
+class Wakeup:
+    """Lets worker threads hand results to an ``EventLoop``: results queue up, a pipe byte wakes the loop."""
+
+    def __init__(self, loop: EventLoop, handle: Callable[[object], None]) -> None:
+        self.items: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        self.handle = handle
+        loop.poller.register(self.read_fd, zmq.POLLIN)
+        loop.fd_handlers[self.read_fd] = self.drain
+
+    def post(self, item: object) -> None:
+        """Thread-safe."""
+        self.items.put(item)
+        os.write(self.write_fd, b"\0")
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self.read_fd, 4096)
+        while not self.items.empty():
+            self.handle(self.items.get())

@@ -1,0 +1,21 @@
+"""``python -m gateway``: the OpenAI-compatible HTTP server (aiohttp)."""
+
+import logging
+
+from aiohttp import web
+
+from common.lifecycle import parse_args, start_process
+from gateway.app import Gateway
+
+
+def main() -> None:
+    cfg = start_process("gateway", parse_args("gateway"))
+    gateway = Gateway(cfg)
+    logging.getLogger("gateway").info(
+        "serving %s on http://%s:%d", gateway.model_name, cfg.server.host, cfg.server.port
+    )
+    web.run_app(gateway.app(), host=cfg.server.host, port=cfg.server.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The OpenAI chat-completions request, validated; anything we cannot honour is refused by name."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.errors import ApiError
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(_Part):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    url: str
+    detail: str | None = None
+    min_pixels: int | None = Field(default=None, gt=0)
+    max_pixels: int | None = Field(default=None, gt=0)
+
+
+class ImagePart(_Part):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # the OpenAI API ignores fields it does not know
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    n: int = Field(default=1, ge=1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    return_token_ids: bool = False
+    logprobs: bool = False
+    user: str | None = None
+
+
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        request = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ApiError(400, f"invalid request: {where}: {first['msg']}", code="invalid_value", param=where) from exc
+    if request.n != 1:
+        raise ApiError(400, "n > 1 is not supported yet; send n=1", param="n")
+    if request.stop:
+        raise ApiError(400, "stop strings are not supported yet; use stop_token_ids", param="stop")
+    if request.logprobs:
+        raise ApiError(400, "logprobs are not supported yet", param="logprobs")
+    return request

@@ -1,0 +1,138 @@
+"""The cache daemon process: owns the embedding pool and answers lookups, commits and leases."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import zmq
+
+from common.config import Config
+from common.protocol import (
+    CacheAcquire,
+    CacheAcquireResult,
+    CacheCommit,
+    CacheLookup,
+    CacheLookupResult,
+    CacheRelease,
+    Message,
+    StatsRequest,
+    StatsResult,
+    TensorRef,
+)
+from common.tensor_ref import SHM_DIR, ShmPool
+from common.transport import Channel, EventLoop, worker_identity
+from workers.cache.store import EmbeddingStore, Entry, PoolFull
+
+log = logging.getLogger(__name__)
+
+
+class CacheDaemon:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.incarnation, _ = worker_identity("cache")
+        prefix = f"vlm-{cfg.deployment_id}-emb-"
+        for stale in SHM_DIR.glob(prefix + "*"):  # pools of our dead predecessors
+            stale.unlink(missing_ok=True)
+        self.pool = ShmPool(prefix + self.incarnation, cfg.cache.pool_bytes, create=True)
+        self.store = EmbeddingStore(cfg.cache.pool_bytes)
+        self.ctx = zmq.Context()
+        self.channel = Channel(self.ctx, zmq.ROUTER, cfg.endpoint("cache"), bind=True)
+        self.waiters: dict[str, tuple[bytes, CacheAcquire]] = {}
+        self.loop = EventLoop()
+        self.loop.on_message(self.channel, self.handle)
+        self.loop.every(0.5, self.expire)
+        log.info(
+            "cache ready: pool %s of %.1f MiB at %s", self.pool.name, cfg.cache.pool_bytes / 2**20, self.channel.address
+        )
+
+    def run(self) -> None:
+        try:
+            self.loop.run()
+        finally:
+            self.pool.unlink()
+            self.channel.close()
+
+    # ------------------------------------------------------------------ messages
+    def handle(self, peer: bytes, msg: Message) -> None:
+        match msg:
+            case CacheLookup():
+                self.channel.send_to(peer, self.lookup(msg))
+            case CacheCommit(content_hash=h, error=""):
+                self.store.commit(h)
+                self.answer_waiters()
+            case CacheCommit(content_hash=h):
+                log.warning("encode of %s failed: %s", h[:12], msg.error)
+                self.store.fail(h)
+                self.answer_waiters()
+            case CacheAcquire():
+                self.store.lease(msg.request_id, msg.content_hashes, self.cfg.cache.lease_ttl_s)
+                self.waiters[msg.call_id] = (peer, msg)
+                self.answer_waiters()
+            case CacheRelease(request_id=r):
+                self.store.release(r)
+            case StatsRequest(call_id=c):
+                self.channel.send_to(peer, StatsResult(c, "cache", self.incarnation, self.store.snapshot()))
+            case _:
+                log.warning("unexpected %s from %r", msg.TAG, peer)
+
+    def lookup(self, msg: CacheLookup) -> CacheLookupResult:
+        entry = self.store.lookup(msg.content_hash)
+        if entry is not None:
+            return CacheLookupResult(msg.call_id, "ready" if entry.ready else "pending", self.ref(entry))
+        if msg.nbytes > self.pool.size:
+            return CacheLookupResult(
+                msg.call_id,
+                "error",
+                status=413,
+                message=f"media embedding needs {msg.nbytes} B but the embedding pool holds {self.pool.size} B; "
+                "send a smaller image or raise [cache] pool_bytes",
+            )
+        try:
+            entry = self.store.reserve(msg.content_hash, msg.nbytes, msg.dtype, msg.shape)
+        except PoolFull as exc:
+            return CacheLookupResult(
+                msg.call_id, "error", status=503, message=f"embedding cache is full ({exc}); retry shortly"
+            )
+        return CacheLookupResult(msg.call_id, "reserved", self.ref(entry))
+
+    def ref(self, entry: Entry) -> TensorRef:
+        return TensorRef(
+            kind="shm",
+            dtype=entry.dtype,
+            shape=entry.shape,
+            shm_name=self.pool.name,
+            offset=entry.offset,
+            pool_incarnation=self.incarnation,
+        )
+
+    def answer_waiters(self) -> None:
+        for call_id, (peer, msg) in list(self.waiters.items()):
+            entries = [self.store.entries.get(h) for h in msg.content_hashes]
+            missing = [h for h, e in zip(msg.content_hashes, entries, strict=True) if e is None]
+            if missing:
+                reply = CacheAcquireResult(
+                    call_id,
+                    msg.request_id,
+                    [],
+                    status=503,
+                    message=f"embedding of media {missing[0][:12]} is not available (encode failed, expired "
+                    "or the cache restarted); retry the request",
+                )
+                self.store.release(msg.request_id)
+            elif all(e is not None and e.ready for e in entries):
+                reply = CacheAcquireResult(call_id, msg.request_id, [self.ref(e) for e in entries if e is not None])
+            else:
+                continue
+            del self.waiters[call_id]
+            self.channel.send_to(peer, reply)
+
+    def expire(self) -> None:
+        if self.store.expire(self.cfg.cache.pending_ttl_s):
+            self.answer_waiters()
+
+
+def cleanup_stale(cfg: Config) -> None:
+    """Remove shared memory a killed daemon left behind (used by ops scripts and tests)."""
+    for stale in SHM_DIR.glob(f"vlm-{cfg.deployment_id}-emb-*"):
+        os.unlink(stale)

@@ -1,0 +1,176 @@
+"""The decoder process: joins a request with its media embeddings, then generates its tokens.
+
+Main loop: take messages (prepared requests, aborts, cache answers), run one engine step,
+send that step's tokens to the gateway as one ``TokenBatch``. Requests whose embeddings are
+not ready wait in ``waiting`` with a deadline; a cache daemon that restarts or goes silent
+fails them at once with a retryable 503 instead of leaving them hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from common.config import Config
+from common.protocol import (
+    Abort,
+    CacheAcquire,
+    CacheAcquireResult,
+    CacheRelease,
+    Message,
+    PreparedRequest,
+    RequestError,
+    StatsRequest,
+    StatsResult,
+    TokenBatch,
+    WorkerStatus,
+)
+from common.tensor_ref import ShmAttachments, read_tensor
+from common.transport import Channel, EventLoop, worker_identity
+from workers.decoder.engine import Engine, PromptError, Sequence
+from workers.models.language import LanguageModel
+from workers.models.runtime import resolve_device, resolve_dtype
+from workers.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Waiting:
+    seq: Sequence
+    call_id: str
+    deadline: float
+
+
+class DecoderWorker:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.incarnation, _ = worker_identity("decoder")
+        path = cfg.model_path()
+        self.spec = ModelSpec.from_dir(path)
+        device = resolve_device(cfg)
+        started = time.monotonic()
+        model = LanguageModel.from_checkpoint(path, device=device, dtype=resolve_dtype(cfg, device))
+        max_len = cfg.decoder.max_model_len or self.spec.max_position_embeddings
+        self.engine = Engine(model, self.spec, max_len)
+        self.ctx = zmq.Context()
+        self.inbox = Channel(self.ctx, zmq.PULL, cfg.endpoint("decoder"), bind=True)
+        self.results = Channel(self.ctx, zmq.PUSH, cfg.endpoint("gateway"), bind=False)
+        self.cache = Channel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
+        self.pools = ShmAttachments()
+        self.waiting: dict[str, Waiting] = {}
+        self.cache_incarnation = ""
+        self.cache_seen = time.monotonic()
+        self.loop = EventLoop()
+        self.loop.on_message(self.inbox, self.on_inbox)
+        self.loop.on_message(self.cache, self.on_cache)
+        self.loop.every(cfg.liveness.heartbeat_s, self.heartbeat)
+        self.heartbeat()
+        log.info(
+            "decoder ready on %s in %.1fs: context %d at %s",
+            device,
+            time.monotonic() - started,
+            max_len,
+            self.inbox.address,
+        )
+
+    def run(self) -> None:
+        try:
+            self.loop.run(self.step)
+        finally:
+            for channel in (self.inbox, self.results, self.cache):
+                channel.close()
+
+    def step(self) -> bool:
+        if not self.engine.has_work():
+            return False
+        try:
+            deltas = self.engine.step()
+        except Exception as exc:  # a model failure must answer every request it touched
+            log.exception("engine step failed")
+            for request_id in list(self.engine.running):
+                self.engine.abort(request_id)
+                self.fail(request_id, 500, "internal_error", f"decoder failed: {exc}")
+            return False
+        if deltas:
+            self.results.send(TokenBatch(deltas))
+        return self.engine.has_work()
+
+    # ------------------------------------------------------------------ messages
+    def on_inbox(self, _peer: bytes, msg: Message) -> None:
+        match msg:
+            case PreparedRequest(request_id=rid) if rid not in self.engine.running and rid not in self.waiting:
+                self.admit(msg)
+            case Abort(request_id=rid):
+                self.engine.abort(rid)
+                if self.waiting.pop(rid, None) is not None:
+                    self.cache.send(CacheRelease(rid))
+            case _:
+                pass
+
+    def admit(self, request: PreparedRequest) -> None:
+        try:
+            seq = self.engine.prepare(request)
+        except PromptError as exc:
+            self.fail(request.request_id, 400, "invalid_prompt", str(exc))
+            return
+        if not request.media:
+            self.engine.add(seq)
+            return
+        call_id = uuid.uuid4().hex
+        deadline = time.monotonic() + self.cfg.decoder.media_wait_s
+        self.waiting[request.request_id] = Waiting(seq, call_id, deadline)
+        self.cache.send(CacheAcquire(call_id, request.request_id, [m.content_hash for m in request.media]))
+
+    def on_cache(self, _peer: bytes, msg: Message) -> None:
+        match msg:
+            case StatsResult(incarnation=inc):
+                self.cache_seen = time.monotonic()
+                if self.cache_incarnation and inc != self.cache_incarnation:
+                    self.fail_waiting("the embedding cache daemon restarted")
+                    self.pools.forget_except("")
+                self.cache_incarnation = inc
+            case CacheAcquireResult(request_id=rid):
+                waiting = self.waiting.get(rid)
+                if waiting is None or waiting.call_id != msg.call_id:
+                    return
+                del self.waiting[rid]
+                if msg.status != 200:
+                    self.fail(rid, msg.status, "media_unavailable", msg.message)
+                    return
+                try:
+                    waiting.seq.media_embeds = torch.cat([read_tensor(r, self.pools).clone() for r in msg.refs])
+                except (OSError, ValueError) as exc:
+                    self.fail(rid, 503, "media_unavailable", f"cannot read media embeddings: {exc}")
+                    return
+                finally:
+                    self.cache.send(CacheRelease(rid))  # the copy above is ours; the lease can go
+                self.engine.add(waiting.seq)
+            case _:
+                pass
+
+    # ------------------------------------------------------------------ liveness and endings
+    def heartbeat(self) -> None:
+        self.results.send(WorkerStatus("decoder", "decoder", self.incarnation, self.cfg.decoder.max_running))
+        self.cache.send(StatsRequest("ping"))
+        now = time.monotonic()
+        if self.waiting and now - self.cache_seen > self.cfg.liveness.dead_after_s:
+            self.fail_waiting("the embedding cache daemon is not answering")
+        for rid, waiting in list(self.waiting.items()):
+            if waiting.deadline < now:
+                del self.waiting[rid]
+                self.cache.send(CacheRelease(rid))
+                self.fail(rid, 504, "media_timeout", "timed out waiting for the vision encoder")
+
+    def fail_waiting(self, why: str) -> None:
+        for rid in list(self.waiting):
+            del self.waiting[rid]
+            self.fail(rid, 503, "media_unavailable", f"{why}; retry the request")
+
+    def fail(self, request_id: str, status: int, code: str, message: str) -> None:
+        self.results.send(RequestError(request_id, status, code, message))

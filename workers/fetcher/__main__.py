@@ -1,0 +1,14 @@
+"""``python -m workers.fetcher``: downloads and preprocesses media (run N of them)."""
+
+from common.lifecycle import on_terminate, parse_args, start_process
+from workers.fetcher.worker import FetcherWorker
+
+
+def main() -> None:
+    worker = FetcherWorker(start_process("fetcher", parse_args("workers.fetcher")))
+    on_terminate(worker.loop.stop)
+    worker.run()
+
+
+if __name__ == "__main__":
+    main()

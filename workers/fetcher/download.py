@@ -1,0 +1,91 @@
+"""Getting media bytes from a URL: ``data:`` base64 and http(s), with size, time and address rules."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import ipaddress
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from common.config import FetcherConfig
+from workers.fetcher.errors import MediaError
+
+
+def fetch_bytes(url: str, rules: FetcherConfig) -> bytes:
+    if url.startswith("data:"):
+        return _decode_data_url(url, rules.max_media_bytes)
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme in ("http", "https"):
+        return _download(url, rules)
+    raise MediaError(400, f"unsupported media URL scheme {scheme or '(none)'!r}: use http(s):// or a data: URL")
+
+
+def _decode_data_url(url: str, limit: int) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep:
+        raise MediaError(400, "malformed data: URL: expected 'data:<mime>;base64,<data>'")
+    if not header.endswith(";base64"):
+        raise MediaError(400, "data: URLs must be base64 encoded ('data:<mime>;base64,<data>')")
+    if len(payload) * 3 // 4 > limit:
+        raise MediaError(413, f"data: URL payload exceeds the {limit} byte media limit")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MediaError(400, f"data: URL is not valid base64: {exc}") from exc
+
+
+def _check_address(url: str, allow_private: bool) -> None:
+    host = urllib.parse.urlsplit(url).hostname
+    if not host:
+        raise MediaError(400, f"media URL has no host: {url[:200]}")
+    if allow_private:
+        return
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror as exc:
+        raise MediaError(400, f"cannot resolve media host {host!r}: {exc.strerror}") from exc
+    for info in infos:
+        address = ipaddress.ip_address(info[4][0])
+        if not address.is_global:
+            raise MediaError(
+                400, f"media host {host!r} resolves to non-public address {address}; private addresses are not allowed"
+            )
+
+
+class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
+    def __init__(self, rules: FetcherConfig) -> None:
+        self.rules = rules
+        self.max_redirections = rules.max_redirects
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> Any:
+        if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
+            raise MediaError(400, f"media URL redirects to an unsupported scheme: {newurl[:200]}")
+        _check_address(newurl, self.rules.allow_private_addresses)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _download(url: str, rules: FetcherConfig) -> bytes:
+    _check_address(url, rules.allow_private_addresses)
+    opener = urllib.request.build_opener(_CheckedRedirects(rules))
+    request = urllib.request.Request(url, headers={"User-Agent": "vlm-serve-fetcher/0.1"})
+    try:
+        with opener.open(request, timeout=rules.http_timeout_s) as response:
+            declared = response.headers.get("Content-Length")
+            if declared and declared.isdigit() and int(declared) > rules.max_media_bytes:
+                raise MediaError(413, f"media at {url[:200]} is {declared} bytes; the limit is {rules.max_media_bytes}")
+            body = response.read(rules.max_media_bytes + 1)
+    except MediaError:
+        raise
+    except urllib.error.HTTPError as exc:
+        raise MediaError(400, f"fetching media {url[:200]} failed: HTTP {exc.code} {exc.reason}") from exc
+    except urllib.error.URLError as exc:
+        raise MediaError(400, f"cannot fetch media {url[:200]}: {exc.reason}") from exc
+    except (TimeoutError, OSError) as exc:
+        raise MediaError(400, f"cannot fetch media {url[:200]}: {exc}") from exc
+    if len(body) > rules.max_media_bytes:
+        raise MediaError(413, f"media at {url[:200]} exceeds the {rules.max_media_bytes} byte limit")
+    return body

@@ -1,0 +1,246 @@
+"""The fetcher process: turns a ``GenerateRequest`` into a ``PreparedRequest`` for the decoder.
+
+Per media item: download and preprocess (in a thread, off the socket loop), look the content
+hash up in the cache daemon, and on a miss send an ``EncodeJob`` to a live encoder. The
+request goes to the decoder as soon as every item is found or reserved; the decoder waits for
+the embeddings through the cache, so encoding overlaps with the hand-off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from common.config import Config
+from common.dispatch import Dispatcher, Job
+from common.protocol import (
+    Abort,
+    CacheCommit,
+    CacheLookup,
+    CacheLookupResult,
+    EncodeJob,
+    EncodeResult,
+    FetchDone,
+    GenerateRequest,
+    Message,
+    Ping,
+    PreparedMedia,
+    PreparedRequest,
+    RequestError,
+    WorkerStatus,
+)
+from common.tensor_ref import dtype_name, inline_ref, nbytes_of
+from common.transport import Channel, EventLoop, Wakeup, worker_identity
+from workers.fetcher.errors import MediaError
+from workers.fetcher.image import ImageProcessorSpec
+from workers.fetcher.media import LoadedImage, load_image
+from workers.models.runtime import resolve_device, resolve_dtype
+from workers.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def encoder_count(cfg: Config) -> int:
+    return cfg.encoder.count or max(1, torch.cuda.device_count())
+
+
+@dataclass
+class InFlight:
+    request: GenerateRequest
+    deadline: float
+    loaded: list[LoadedImage] = field(default_factory=list)
+    prepared: dict[int, PreparedMedia] = field(default_factory=dict)
+    calls: dict[str, tuple[int, float, int]] = field(default_factory=dict)  # call_id -> (index, sent, tries)
+
+
+class FetcherWorker:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.incarnation, identity = worker_identity("fetcher")
+        model_path = cfg.model_path()
+        self.spec = ModelSpec.from_dir(model_path)
+        self.image_spec = ImageProcessorSpec.from_dir(model_path)
+        self.model_key = str(model_path.resolve())
+        self.embed_dtype = dtype_name(resolve_dtype(cfg, resolve_device(cfg)))
+        self.max_model_len = cfg.decoder.max_model_len or self.spec.max_position_embeddings
+        self.ctx = zmq.Context()
+        self.gateway = Channel(self.ctx, zmq.DEALER, cfg.endpoint("fetch"), bind=False, identity=identity)
+        self.results = Channel(self.ctx, zmq.PUSH, cfg.endpoint("gateway"), bind=False)
+        self.decoder = Channel(self.ctx, zmq.PUSH, cfg.endpoint("decoder"), bind=False)
+        self.cache = Channel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
+        self.encoders = [
+            Channel(self.ctx, zmq.DEALER, cfg.endpoint(f"encoder.{k}"), bind=False) for k in range(encoder_count(cfg))
+        ]
+        self.encode = Dispatcher(
+            self.send_encode,
+            self.encode_failed,
+            dead_after_s=cfg.liveness.dead_after_s,
+            max_attempts=cfg.fetcher.encode_attempts,
+        )
+        self.threads = ThreadPoolExecutor(cfg.fetcher.threads, thread_name_prefix="fetch")
+        self.inflight: dict[str, InFlight] = {}
+        self.loop = EventLoop()
+        self.loaded = Wakeup(self.loop, self.on_loaded)
+        self.loop.on_message(self.gateway, self.on_gateway)
+        self.loop.on_message(self.cache, self.on_cache)
+        for k, channel in enumerate(self.encoders):
+            self.loop.on_message(channel, lambda _peer, msg, k=k: self.on_encoder(k, msg))
+        self.loop.every(cfg.liveness.heartbeat_s, self.heartbeat)
+        self.heartbeat()
+        log.info("fetcher ready: %d encoder(s), embeddings %s", len(self.encoders), self.embed_dtype)
+
+    def run(self) -> None:
+        try:
+            self.loop.run()
+        finally:
+            self.threads.shutdown(wait=False, cancel_futures=True)
+            for channel in [self.gateway, self.results, self.decoder, self.cache, *self.encoders]:
+                channel.close()
+
+    # ------------------------------------------------------------------ liveness
+    def heartbeat(self) -> None:
+        self.gateway.send(WorkerStatus("fetcher", "fetcher", self.incarnation, self.cfg.fetcher.credits))
+        for channel in self.encoders:
+            channel.send(Ping("fetcher"))
+        self.encode.tick()
+        self.retry_cache_calls()
+
+    # ------------------------------------------------------------------ gateway side
+    def on_gateway(self, _peer: bytes, msg: Message) -> None:
+        match msg:
+            case GenerateRequest(request_id=rid) if rid not in self.inflight:
+                state = self.inflight[rid] = InFlight(msg, time.monotonic() + self.cfg.server.request_timeout_s)
+                if len(msg.media) > self.cfg.fetcher.max_images_per_request:
+                    self.finish_error(
+                        rid,
+                        400,
+                        f"{len(msg.media)} images in one request; the limit is "
+                        f"{self.cfg.fetcher.max_images_per_request}",
+                    )
+                    return
+                self.threads.submit(self.load_all, state)
+            case Abort(request_id=rid):
+                self.inflight.pop(rid, None)
+            case _:
+                pass
+
+    def load_all(self, state: InFlight) -> None:
+        """Thread: fetch and preprocess every item; the loop gets the result through ``loaded``."""
+        try:
+            items = [load_image(m, self.image_spec, self.cfg.fetcher, self.model_key) for m in state.request.media]
+            self.loaded.post((state.request.request_id, items))
+        except MediaError as exc:
+            self.loaded.post((state.request.request_id, exc))
+        except Exception as exc:
+            log.exception("loading media failed")
+            self.loaded.post((state.request.request_id, MediaError(500, f"media processing failed: {exc}")))
+
+    def on_loaded(self, item: object) -> None:
+        request_id, result = item  # type: ignore[misc]
+        state = self.inflight.get(request_id)
+        if state is None:
+            return  # aborted meanwhile
+        if isinstance(result, MediaError):
+            self.finish_error(request_id, result.status, result.message)
+            return
+        state.loaded = result
+        prompt_len = len(state.request.prompt_ids) - len(result) + sum(x.num_tokens for x in result)
+        if prompt_len >= self.max_model_len:
+            self.finish_error(
+                request_id,
+                400,
+                f"the prompt is {prompt_len} tokens ({prompt_len - len(state.request.prompt_ids) + len(result)} "
+                f"of them image tokens) but the model's context is {self.max_model_len}; shorten the prompt, "
+                "use fewer or smaller images, or lower max_pixels",
+            )
+            return
+        if not result:
+            self.forward(state)
+        for index in range(len(result)):
+            self.call_cache(state, index, tries=1)
+
+    # ------------------------------------------------------------------ cache side
+    def call_cache(self, state: InFlight, index: int, tries: int) -> None:
+        item = state.loaded[index]
+        call_id = f"{state.request.request_id}/{index}/{uuid.uuid4().hex[:8]}"
+        state.calls[call_id] = (index, time.monotonic(), tries)
+        shape = [item.num_tokens, self.spec.hidden_size]
+        nbytes = nbytes_of(self.embed_dtype, shape)
+        self.cache.send(CacheLookup(call_id, item.content_hash, nbytes, self.embed_dtype, shape))
+
+    def retry_cache_calls(self) -> None:
+        now = time.monotonic()
+        for state in list(self.inflight.values()):
+            for call_id, (index, sent, tries) in list(state.calls.items()):
+                if now - sent < self.cfg.liveness.call_timeout_s:
+                    continue
+                del state.calls[call_id]
+                if tries >= 3:
+                    self.finish_error(state.request.request_id, 503, "the embedding cache daemon is not answering")
+                    break
+                self.call_cache(state, index, tries + 1)
+
+    def on_cache(self, _peer: bytes, msg: Message) -> None:
+        if not isinstance(msg, CacheLookupResult):
+            return
+        state = self.inflight.get(msg.call_id.split("/", 1)[0])
+        if state is None or msg.call_id not in state.calls:
+            return
+        index, _, _ = state.calls.pop(msg.call_id)
+        item = state.loaded[index]
+        if msg.state == "error":
+            self.finish_error(state.request.request_id, msg.status, msg.message)
+            return
+        if msg.state == "reserved" and msg.slot is not None:
+            job = EncodeJob(
+                uuid.uuid4().hex,
+                item.content_hash,
+                inline_ref(torch.from_numpy(item.pixel_values)),
+                list(item.grid_thw),
+                msg.slot,
+            )
+            self.encode.submit(job.job_id, job, self.cfg.fetcher.encode_timeout_s)
+        state.prepared[index] = PreparedMedia("image", item.content_hash, list(item.grid_thw), item.num_tokens)
+        if len(state.prepared) == len(state.loaded):
+            self.forward(state)
+
+    def forward(self, state: InFlight) -> None:
+        request = state.request
+        media = [state.prepared[i] for i in range(len(state.loaded))]
+        self.decoder.send(PreparedRequest(request.request_id, request.prompt_ids, media, request.sampling))
+        self.done(request.request_id)
+
+    # ------------------------------------------------------------------ encoder side
+    def send_encode(self, key: bytes, job: Message) -> bool:
+        self.encoders[int(key)].send(job)
+        return True
+
+    def on_encoder(self, k: int, msg: Message) -> None:
+        match msg:
+            case WorkerStatus():
+                self.encode.peer_status(str(k).encode(), msg)
+            case EncodeResult(job_id=job_id):
+                self.encode.complete(job_id)
+            case _:
+                pass
+
+    def encode_failed(self, job: Job, why: str) -> None:
+        assert isinstance(job.payload, EncodeJob)
+        log.error("encode job %s failed: %s", job.job_id, why)
+        # The decoder waits on the cache entry: failing it there answers every waiting request.
+        self.cache.send(CacheCommit(job.payload.content_hash, error=f"vision encoder unavailable: {why}"))
+
+    # ------------------------------------------------------------------ endings
+    def finish_error(self, request_id: str, status: int, message: str) -> None:
+        self.results.send(RequestError(request_id, status, "invalid_media" if status < 500 else "unavailable", message))
+        self.done(request_id)
+
+    def done(self, request_id: str) -> None:
+        self.inflight.pop(request_id, None)
+        self.gateway.send(FetchDone(request_id))

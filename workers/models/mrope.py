@@ -1,0 +1,146 @@
+"""Multimodal rotary (M-RoPE) position ids for Qwen2-VL.
+
+Every token gets three position ids (temporal, height, width). Text tokens use the same value on all
+three axes, counting up by one. A vision item occupying ``t*h*w / merge**2`` placeholder tokens gets a
+3-D grid of ids starting at the current text position; the text after it resumes at
+``max(all ids so far) + 1``. That makes positions smaller than sequence indices, so after the prompt
+every later token's position is ``sequence index + delta`` with ``delta = max_position + 1 - length``.
+
+Qwen2-VL (unlike Qwen2.5-VL) uses a plain temporal index per frame group, with no absolute time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from workers.models.spec import ModelSpec
+
+Grid = tuple[int, int, int]
+MEDIA_KINDS = ("image", "video")
+
+
+def media_token_count(grid_thw: Sequence[int], spec: ModelSpec) -> int:
+    """Number of placeholder tokens (= vision tower output rows) for one item of grid (t, h, w)."""
+    t, h, w = (int(x) for x in grid_thw)
+    merge = spec.vision.spatial_merge_size
+    if t <= 0 or h <= 0 or w <= 0 or h % merge or w % merge:
+        raise ValueError(f"invalid grid_thw {(t, h, w)}: must be positive with h, w divisible by {merge}")
+    return t * h * w // (merge * merge)
+
+
+def expand_media_placeholders(
+    input_ids: Sequence[int] | torch.Tensor,
+    media: Sequence[tuple[str, Sequence[int]]],
+    spec: ModelSpec,
+) -> list[int]:
+    """Replace each single ``<|image_pad|>`` / ``<|video_pad|>`` with its grid's token count.
+
+    ``media`` lists ``(kind, grid_thw)`` in order of appearance, kind being "image" or "video".
+    """
+    ids = _as_list(input_ids)
+    pad_of_kind = {"image": spec.image_token_id, "video": spec.video_token_id}
+    kind_of_pad = {v: k for k, v in pad_of_kind.items()}
+    for kind, _ in media:
+        if kind not in pad_of_kind:
+            raise ValueError(f"media kind must be one of {MEDIA_KINDS}, got {kind!r}")
+    placeholders = [kind_of_pad[tok] for tok in ids if tok in kind_of_pad]
+    if placeholders != [kind for kind, _ in media]:
+        raise ValueError(
+            f"placeholder tokens in the prompt ({placeholders}) do not match the media given "
+            f"({[kind for kind, _ in media]})"
+        )
+    out: list[int] = []
+    items = iter(media)
+    for tok in ids:
+        if tok in kind_of_pad:
+            _, grid = next(items)
+            out.extend([tok] * media_token_count(grid, spec))
+        else:
+            out.append(tok)
+    return out
+
+
+def vision_positions(start: int, grid_thw: Sequence[int], merge: int) -> torch.Tensor:
+    """[3, t*h*w/merge**2] (t, h, w) ids of one vision item, offset by ``start``, row-major over (t, h, w)."""
+    t, h, w = (int(x) for x in grid_thw)
+    tt, hh, ww = torch.meshgrid(
+        torch.arange(t), torch.arange(h // merge), torch.arange(w // merge), indexing="ij"
+    )
+    return torch.stack([tt, hh, ww]).reshape(3, -1) + start
+
+
+def rope_positions(
+    input_ids: Sequence[int] | torch.Tensor,
+    image_grids: Sequence[Sequence[int]],
+    video_grids: Sequence[Sequence[int]],
+    spec: ModelSpec,
+    past_length: int = 0,
+    past_delta: int = 0,
+) -> tuple[torch.Tensor, int]:
+    """M-RoPE position ids [3, len(input_ids)] and the delta for decoding after these tokens.
+
+    ``input_ids`` must already be expanded (see `expand_media_placeholders`). Grids are consumed in
+    order as image / video placeholder runs are met. To extend a sequence whose first ``past_length``
+    tokens are already in the KV cache (e.g. a new user turn with new images), pass that length and the
+    delta returned for it; positions then continue exactly as if the whole sequence were computed at once.
+    """
+    ids = _as_list(input_ids)
+    merge = spec.vision.spatial_merge_size
+    grids: dict[int, Iterator[Sequence[int]]] = {
+        spec.image_token_id: iter(image_grids),
+        spec.video_token_id: iter(video_grids),
+    }
+    chunks: list[torch.Tensor] = []
+    next_pos = past_length + past_delta  # position of the next text token = max position so far + 1
+    i = 0
+    while i < len(ids):
+        tok = ids[i]
+        if tok in grids:
+            grid = next(grids[tok], None)
+            if grid is None:
+                raise ValueError(f"more {_kind(tok, spec)} placeholder runs in input_ids than grids given")
+            count = media_token_count(grid, spec)
+            if ids[i : i + count] != [tok] * count:
+                raise ValueError(
+                    f"{_kind(tok, spec)} grid {tuple(grid)} needs {count} consecutive placeholder tokens at "
+                    f"index {i}; were the placeholders expanded?"
+                )
+            chunk = vision_positions(next_pos, grid, merge)
+            # The reference Qwen2-VL rule: text resumes after the largest id on any axis, temporal included.
+            next_pos = int(chunk.max()) + 1
+            i += count
+        else:
+            end = i
+            while end < len(ids) and ids[end] not in grids:
+                end += 1
+            chunk = torch.arange(next_pos, next_pos + end - i).expand(3, -1)
+            next_pos += end - i
+            i = end
+        chunks.append(chunk)
+    for tok, rest in grids.items():
+        if next(rest, None) is not None:
+            raise ValueError(f"more {_kind(tok, spec)} grids given than placeholder runs in input_ids")
+    positions = torch.cat(chunks, dim=1) if chunks else torch.zeros(3, 0, dtype=torch.int64)
+    delta = next_pos - (past_length + len(ids))
+    return positions.to(torch.int64), delta
+
+
+def decode_positions(
+    start_index: int, count: int, delta: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """[3, count] positions of text tokens at sequence indices start_index.. (all axes equal)."""
+    return (torch.arange(start_index, start_index + count, device=device) + delta).expand(3, -1)
+
+
+def _as_list(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.ndim != 1:
+            raise ValueError(f"input_ids must be 1-D (one sequence), got shape {tuple(input_ids.shape)}")
+        return [int(x) for x in input_ids.tolist()]
+    return [int(x) for x in input_ids]
+
+
+def _kind(token_id: int, spec: ModelSpec) -> str:
+    return "image" if token_id == spec.image_token_id else "video"

@@ -1,0 +1,28 @@
+"""Device and dtype choice shared by the encoder and the decoder (they must agree on dtype)."""
+
+from __future__ import annotations
+
+import torch
+
+from common.config import Config
+
+
+def resolve_device(cfg: Config, gpu: int = 0) -> torch.device:
+    choice = cfg.model.device
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("[model] device = 'cuda' but no CUDA device is visible")
+        return torch.device("cuda", gpu)
+    return torch.device(choice)
+
+
+def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """Embeddings and activations dtype: float32 on CPU (exact parity), bfloat16 on GPUs."""
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if cfg.model.dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if cfg.model.dtype not in names:
+        raise ValueError(f"[model] dtype must be one of auto, {', '.join(names)}; got {cfg.model.dtype!r}")
+    return names[cfg.model.dtype]

@@ -1,0 +1,261 @@
+"""Qwen2-VL vision tower: patch embedding, ViT blocks with 2-D rotary attention, patch merger.
+
+Input rows are patches in the order Qwen2-VL's image processor emits them: per item, per temporal
+patch, the (h, w) grid walked merge-window by merge-window (each ``merge x merge`` window's patches are
+consecutive). The merger relies on that order: it concatenates every ``merge**2`` consecutive rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.models.spec import ModelSpec, VisionSpec
+from workers.models.weights import CheckpointWeights, check_state, load_vision_state
+
+# Qwen2-VL's LayerNorms are hard-coded to this eps in the reference implementation (not in config).
+LAYER_NORM_EPS = 1e-6
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "quick_gelu": quick_gelu,
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
+
+
+# --- small pure functions (plain-torch references for later kernels) -------------------------------
+
+
+def vision_rotary_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+    """(h, w) patch coordinates of every patch, in the processor's merge-window order: [N, 2]."""
+    chunks = []
+    for t, h, w in grid_thw.tolist():
+        hpos = torch.arange(h).view(h, 1).expand(h, w)
+        wpos = torch.arange(w).view(1, w).expand(h, w)
+        # Reorder row-major (h, w) into (h/m, w/m, m, m) windows to match the patch row order.
+        window = (h // merge, merge, w // merge, merge)
+        hpos = hpos.reshape(window).permute(0, 2, 1, 3).flatten()
+        wpos = wpos.reshape(window).permute(0, 2, 1, 3).flatten()
+        chunks.append(torch.stack([hpos, wpos], dim=-1).repeat(t, 1))
+    return torch.cat(chunks, dim=0).to(grid_thw.device)
+
+
+def vision_rotary_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [N, head_dim] (fp32) for 2-D rotary: first half of each rotated half is h, second w."""
+    quarter = head_dim // 2
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, quarter, 2, dtype=torch.float32, device=positions.device) / quarter)
+    )
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [N, 2, head_dim/4]
+    freqs = freqs.flatten(1)  # [N, head_dim/2]: h frequencies then w frequencies
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_vision_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [N, heads, head_dim] in fp32 (as the reference does), returning x's dtype."""
+    xf = x.float()
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+def cu_seqlens_from_grid(grid_thw: torch.Tensor) -> torch.Tensor:
+    """Boundaries of attention segments: every frame (h*w patches) of every item is its own segment."""
+    lengths = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
+    return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int64)
+
+
+def segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid_thw: torch.Tensor
+) -> torch.Tensor:
+    """Non-causal attention restricted to each frame of each item. q/k/v: [N, heads, head_dim].
+
+    All frames of one item have the same length, so each item is one batched SDPA call (batch = t)
+    instead of one call per frame.
+    """
+    out = []
+    start = 0
+    for t, h, w in grid_thw.tolist():
+        count = t * h * w
+        qs, ks, vs = (x[start : start + count].view(t, h * w, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        out.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(count, *q.shape[1:]))
+        start += count
+    return torch.cat(out, dim=0)
+
+
+def segment_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
+) -> torch.Tensor:
+    """Same as `segment_attention`, spelled out with a block-diagonal mask and an explicit softmax."""
+    n = q.shape[0]
+    segment = torch.bucketize(torch.arange(n, device=q.device), cu_seqlens[1:].to(q.device), right=True)
+    allowed = segment[:, None] == segment[None, :]
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+
+
+# --- modules (attribute names match the checkpoint's `visual.*` keys) ------------------------------
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        # Kept in Conv3d weight shape so checkpoint tensors load unchanged.
+        kernel = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
+        self.proj = nn.Conv3d(spec.in_chans, spec.embed_dim, kernel_size=kernel, stride=kernel, bias=False)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        # A stride == kernel Conv3d over one patch is a dot product with the flattened kernel; rows
+        # of pixel_values are already flattened in the kernel's (C, T, P, P) order.
+        weight = self.proj.weight.reshape(self.spec.embed_dim, -1)
+        return F.linear(pixel_values.to(weight.dtype), weight)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.qkv = nn.Linear(spec.embed_dim, 3 * spec.embed_dim, bias=True)
+        self.proj = nn.Linear(spec.embed_dim, spec.embed_dim, bias=True)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grid_thw: torch.Tensor
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
+        q, k = apply_vision_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin)
+        out = segment_attention(q, k, v, grid_thw)
+        return self.proj(out.reshape(n, -1))
+
+
+class VisionMlp(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        if spec.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported vision hidden_act {spec.hidden_act!r}; known: {sorted(_ACTIVATIONS)}")
+        self.act = _ACTIVATIONS[spec.hidden_act]
+        self.fc1 = nn.Linear(spec.embed_dim, spec.mlp_hidden_dim, bias=True)
+        self.fc2 = nn.Linear(spec.mlp_hidden_dim, spec.embed_dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(spec.embed_dim, eps=LAYER_NORM_EPS)
+        self.norm2 = nn.LayerNorm(spec.embed_dim, eps=LAYER_NORM_EPS)
+        self.attn = VisionAttention(spec)
+        self.mlp = VisionMlp(spec)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grid_thw: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, grid_thw)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.merged_dim = spec.merged_dim
+        self.ln_q = nn.LayerNorm(spec.embed_dim, eps=LAYER_NORM_EPS)
+        # Sequential only to keep the checkpoint's `mlp.0` / `mlp.2` key names.
+        self.mlp = nn.Sequential(
+            nn.Linear(spec.merged_dim, spec.merged_dim),
+            nn.GELU(),
+            nn.Linear(spec.merged_dim, spec.out_hidden_size),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
+
+
+class VisionTower(nn.Module):
+    """Qwen2-VL vision encoder: pixel patches -> one embedding per merged ``merge x merge`` window."""
+
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.patch_embed = PatchEmbed(spec)
+        self.blocks = nn.ModuleList([VisionBlock(spec) for _ in range(spec.depth)])
+        self.merger = PatchMerger(spec)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path | CheckpointWeights,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        spec: ModelSpec | None = None,
+    ) -> VisionTower:
+        """Build the tower and load ``visual.*`` from a checkpoint directory (dtype defaults to the file's)."""
+        root = path.path if isinstance(path, CheckpointWeights) else Path(path)
+        spec = spec or ModelSpec.from_dir(root)
+        dtype = dtype or spec.dtype
+        # Meta construction skips random init of weights that are overwritten right away.
+        with torch.device("meta"):
+            tower = cls(spec.vision)
+        tower.load_state(load_vision_state(path, device, dtype))
+        return tower.eval()
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load weights keyed relative to ``visual.``; raises ValueError on missing/extra/misshapen keys."""
+        check_state(self, state, "vision tower")
+        self.load_state_dict(dict(state), strict=True, assign=True)
+
+    @property
+    def device(self) -> torch.device:
+        return self.merger.ln_q.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.merger.ln_q.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """pixel_values [num_patches, patch_dim], grid_thw [num_items, 3] -> [num_patches // merge**2, out_hidden]."""
+        grid_thw = self._validate(pixel_values, grid_thw)
+        positions = vision_rotary_positions(grid_thw, self.spec.spatial_merge_size).to(self.device)
+        cos, sin = vision_rotary_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
+        x = self.patch_embed(pixel_values.to(self.device))
+        for block in self.blocks:
+            x = block(x, cos, sin, grid_thw)
+        return self.merger(x)
+
+    def _validate(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        if pixel_values.ndim != 2 or pixel_values.shape[1] != self.spec.patch_dim:
+            raise ValueError(
+                f"pixel_values must be [num_patches, {self.spec.patch_dim}], got {tuple(pixel_values.shape)}"
+            )
+        grid = torch.as_tensor(grid_thw).to(device="cpu", dtype=torch.int64)
+        if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0:
+            raise ValueError(f"grid_thw must be [num_items, 3] with num_items >= 1, got {tuple(grid.shape)}")
+        merge = self.spec.spatial_merge_size
+        if (grid <= 0).any() or (grid[:, 1:] % merge).any():
+            raise ValueError(f"grid_thw rows must be positive with h, w divisible by {merge}, got {grid.tolist()}")
+        total = int(grid.prod(dim=1).sum())
+        if total != pixel_values.shape[0]:
+            raise ValueError(f"grid_thw covers {total} patches but pixel_values has {pixel_values.shape[0]} rows")
+        return grid
+

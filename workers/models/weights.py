@@ -1,0 +1,189 @@
+"""Lazy, layout-agnostic access to a Qwen2-VL checkpoint's safetensors.
+
+Checkpoints come with two key layouts:
+
+* hub layout (what Qwen published, and what transformers 5 still writes by default):
+  ``model.embed_tokens.weight``, ``model.layers.N.*``, ``model.norm.weight``, ``lm_head.weight``, ``visual.*``
+* transformers-5 module layout (``save_pretrained(..., save_original_format=False)``):
+  ``model.language_model.*``, ``model.visual.*``, ``lm_head.weight``
+
+Keys are normalised to the hub layout ("canonical names"). Tensors are only read when asked for, so
+the vision process reads just ``visual.*`` and the decoder just the language-model weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+VISION_PREFIX = "visual."
+LANGUAGE_PREFIX = "model."
+LM_HEAD_KEY = "lm_head.weight"
+EMBED_KEY = "model.embed_tokens.weight"
+
+# (raw prefix, canonical prefix), first match wins; order matters because "model.visual." must be
+# tried before the generic hub "model." prefix.
+_KEY_RENAMES: tuple[tuple[str, str], ...] = (
+    ("model.language_model.", "model."),
+    ("model.visual.", "visual."),
+    # Layouts of some transformers 4.x-era conversions.
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+def canonical_key(raw: str) -> str:
+    """Map a checkpoint key of any supported layout to its hub-layout name."""
+    for source, target in _KEY_RENAMES:
+        if raw.startswith(source):
+            return target + raw[len(source) :]
+    return raw
+
+
+class CheckpointWeights:
+    """Index of a checkpoint's tensors by canonical name; reads tensors on demand."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._locations: dict[str, tuple[Path, str]] = {}
+        for file, raw_keys in _list_shards(self.path).items():
+            for raw in raw_keys:
+                name = canonical_key(raw)
+                if name in self._locations:
+                    raise ValueError(f"checkpoint {self.path} has two tensors that both map to {name!r}")
+                self._locations[name] = (file, raw)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return sorted(k for k in self._locations if k.startswith(prefix))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._locations
+
+    def load(
+        self,
+        names: Iterable[str],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Read the named tensors (canonical names), opening each shard once."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            if name not in self._locations:
+                raise ValueError(f"tensor {name!r} not found in checkpoint {self.path}")
+            by_file.setdefault(self._locations[name][0], []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for file, file_names in by_file.items():
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in file_names:
+                    tensor = handle.get_tensor(self._locations[name][1])
+                    out[name] = _convert(tensor, device, dtype)
+        return out
+
+    def load_prefix(
+        self,
+        prefix: str,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        strip: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """Read every tensor whose canonical name starts with ``prefix``."""
+        names = self.keys(prefix)
+        if not names:
+            raise ValueError(f"checkpoint {self.path} has no tensors under {prefix!r}")
+        tensors = self.load(names, device, dtype)
+        if not strip:
+            return tensors
+        return {name[len(prefix) :]: tensor for name, tensor in tensors.items()}
+
+
+def load_vision_state(
+    checkpoint: CheckpointWeights | str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """Vision tower weights, keys relative to ``visual.`` (e.g. ``blocks.0.attn.qkv.weight``)."""
+    return _as_checkpoint(checkpoint).load_prefix(VISION_PREFIX, device, dtype)
+
+
+def load_language_state(
+    checkpoint: CheckpointWeights | str | Path,
+    tie_word_embeddings: bool,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """Decoder weights, keys relative to ``model.`` plus ``lm_head.weight``.
+
+    With tied embeddings (or a checkpoint that simply has no ``lm_head.weight``) the returned
+    ``lm_head.weight`` is the very same tensor as ``embed_tokens.weight``, so no memory is spent twice.
+    """
+    weights = _as_checkpoint(checkpoint)
+    state = weights.load_prefix(LANGUAGE_PREFIX, device, dtype)
+    if tie_word_embeddings or LM_HEAD_KEY not in weights:
+        if "embed_tokens.weight" not in state:
+            raise ValueError(f"checkpoint {weights.path} has neither lm_head.weight nor embed_tokens.weight")
+        state[LM_HEAD_KEY] = state["embed_tokens.weight"]
+    else:
+        state.update(weights.load([LM_HEAD_KEY], device, dtype))
+    return state
+
+
+def check_state(module: nn.Module, state: Mapping[str, torch.Tensor], what: str) -> None:
+    """Raise ValueError unless ``state`` has exactly the module's keys with the module's shapes.
+
+    Done by hand because a failed ``load_state_dict`` on a meta-built module leaves it half loaded
+    and raises RuntimeError with a message that hides which checkpoint was at fault.
+    """
+    expected = {name: tuple(p.shape) for name, p in module.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{what} weights do not match: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    wrong = [
+        f"{name}: {tuple(state[name].shape)} != {shape}"
+        for name, shape in expected.items()
+        if tuple(state[name].shape) != shape
+    ]
+    if wrong:
+        raise ValueError(f"{what} weight shapes do not match the config: {wrong[:8]}")
+
+
+def _as_checkpoint(checkpoint: CheckpointWeights | str | Path) -> CheckpointWeights:
+    return checkpoint if isinstance(checkpoint, CheckpointWeights) else CheckpointWeights(checkpoint)
+
+
+def _list_shards(root: Path) -> dict[Path, list[str]]:
+    """Map each safetensors file of the checkpoint to the raw tensor names it holds."""
+    if not root.is_dir():
+        raise ValueError(f"checkpoint path {root} is not a directory")
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        shards: dict[Path, list[str]] = {}
+        for raw, file_name in weight_map.items():
+            shards.setdefault(root / file_name, []).append(raw)
+        missing = [str(p) for p in shards if not p.is_file()]
+        if missing:
+            raise ValueError(f"index {index} names missing shard files: {missing}")
+        return shards
+    files = [root / "model.safetensors"] if (root / "model.safetensors").is_file() else []
+    # Unindexed multi-file checkpoints do exist (hand-made conversions); take every file then.
+    files = files or sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no model.safetensors or model.safetensors.index.json in {root}")
+    shards = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            shards[file] = list(handle.keys())
+    return shards
+
+
+def _convert(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None) -> torch.Tensor:
+    # Integer/bool tensors (none in Qwen2-VL today) must keep their dtype.
+    if dtype is not None and tensor.is_floating_point():
+        return tensor.to(device=device, dtype=dtype)
+    return tensor.to(device=device)
