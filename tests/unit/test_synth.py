@@ -25,9 +25,7 @@ needs_torchvision = pytest.mark.skipif(
     not HAS_TORCHVISION, reason="transformers 5 needs torchvision for AutoProcessor/AutoImageProcessor"
 )
 
-IMAGE_MESSAGE = [
-    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}
-]
+IMAGE_MESSAGE = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}]
 IMAGE_PROMPT = (
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
     "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n"

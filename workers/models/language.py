@@ -323,9 +323,7 @@ class LanguageModel(nn.Module):
 
     def _validate(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> int:
         if inputs_embeds.ndim != 2 or inputs_embeds.shape[1] != self.spec.hidden_size:
-            raise ValueError(
-                f"inputs_embeds must be [T, {self.spec.hidden_size}], got {tuple(inputs_embeds.shape)}"
-            )
+            raise ValueError(f"inputs_embeds must be [T, {self.spec.hidden_size}], got {tuple(inputs_embeds.shape)}")
         t = inputs_embeds.shape[0]
         if t == 0:
             raise ValueError("inputs_embeds is empty")
@@ -354,9 +352,7 @@ def merge_media_embeddings(
     mask = torch.isin(ids, torch.tensor(list(placeholder_ids), dtype=torch.int64, device=ids.device))
     count = int(mask.sum())
     if media_embeds.ndim != 2 or count != media_embeds.shape[0]:
-        raise ValueError(
-            f"{count} placeholder tokens but media embeddings of shape {tuple(media_embeds.shape)}"
-        )
+        raise ValueError(f"{count} placeholder tokens but media embeddings of shape {tuple(media_embeds.shape)}")
     out = inputs_embeds.clone()
     out[mask] = media_embeds.to(device=out.device, dtype=out.dtype)
     return out

@@ -65,9 +65,7 @@ def expand_media_placeholders(
 def vision_positions(start: int, grid_thw: Sequence[int], merge: int) -> torch.Tensor:
     """[3, t*h*w/merge**2] (t, h, w) ids of one vision item, offset by ``start``, row-major over (t, h, w)."""
     t, h, w = (int(x) for x in grid_thw)
-    tt, hh, ww = torch.meshgrid(
-        torch.arange(t), torch.arange(h // merge), torch.arange(w // merge), indexing="ij"
-    )
+    tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h // merge), torch.arange(w // merge), indexing="ij")
     return torch.stack([tt, hh, ww]).reshape(3, -1) + start
 
 

@@ -221,6 +221,11 @@ def _rope_fields(text: dict[str, Any]) -> dict[str, Any]:
     rope = text.get("rope_parameters") or text.get("rope_scaling")
     if not isinstance(rope, dict):
         raise ValueError("config has neither rope_parameters nor rope_scaling with an mrope_section")
+    # Hub configs say "mrope", transformers 5 rewrites that to "default"; scaled variants (yarn, ...)
+    # would need frequency changes we do not implement.
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise ValueError(f"unsupported rope type {rope_type!r}; only plain M-RoPE is implemented")
     return rope
 
 

@@ -372,12 +372,16 @@ def _safetensors_header(names: list[str], shapes: dict[str, tuple[int, ...]], dt
     return raw + b" " * (-len(raw) % 8)
 
 
+def _itemsize(dtype_name: str) -> int:
+    return torch.empty((), dtype=_DTYPES[dtype_name][0]).element_size()
+
+
 def _write_safetensors(
     path: Path, names: list[str], shapes: dict[str, tuple[int, ...]], seed: int, dtype_name: str
 ) -> None:
     """Stream one safetensors file: header first, then each tensor chunk by chunk."""
     dtype, tag = _DTYPES[dtype_name]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _itemsize(dtype_name)
     names = sorted(names)  # safetensors' own writer orders by name; keep files comparable
     header = _safetensors_header(names, shapes, tag, itemsize)
     with path.open("wb") as f:
@@ -388,24 +392,25 @@ def _write_safetensors(
 
 
 def _write_tensor(f: BinaryIO, name: str, numel: int, seed: int, dtype: torch.dtype) -> None:
+    # safetensors is little-endian, as are the x86-64 and arm64 hosts this runs on.
     for chunk in _tensor_chunks(name, numel, seed, dtype):
         f.write(chunk.view(torch.uint8).numpy().data)
 
 
 def write_weights(out_dir: Path, size: str, seed: int) -> list[Path]:
-    """Write model.safetensors (tiny) or 4 GB shards plus their index (2b, 7b)."""
-    spec = _spec(size)
+    """Write model.safetensors, or 4 GB shards plus their index when it does not fit (2b, 7b)."""
+    dtype_name = _spec(size)["dtype"]
     shapes = weight_shapes(size)
-    itemsize = torch.empty((), dtype=_DTYPES[spec["dtype"]][0]).element_size()
-    if spec["dtype"] == "float32":
-        path = out_dir / "model.safetensors"
-        _write_safetensors(path, list(shapes), shapes, seed, spec["dtype"])
-        return [path]
+    itemsize = _itemsize(dtype_name)
     shards = _plan_shards(shapes, itemsize, MAX_SHARD_BYTES)
+    if len(shards) == 1:  # like save_pretrained: no index for a single file
+        path = out_dir / "model.safetensors"
+        _write_safetensors(path, shards[0], shapes, seed, dtype_name)
+        return [path]
     paths, weight_map = [], {}
     for i, names in enumerate(shards, start=1):
         path = out_dir / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        _write_safetensors(path, names, shapes, seed, spec["dtype"])
+        _write_safetensors(path, names, shapes, seed, dtype_name)
         weight_map |= dict.fromkeys(names, path.name)
         paths.append(path)
     total = sum(math.prod(s) for s in shapes.values()) * itemsize
@@ -416,7 +421,12 @@ def write_weights(out_dir: Path, size: str, seed: int) -> list[Path]:
 
 # --------------------------------------------------------------------------- tokenizer
 
-_NOUNS = """
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+_NOUNS = _words("""
 time year people way day man woman child world life hand part place case week company system
 program question work government number night point home water room mother area money story fact
 month lot right study book eye job word business issue side kind head house service friend father
@@ -430,34 +440,34 @@ color shape circle square triangle line corner edge center background foreground
 shirt hat shoe bag cup bottle glass plate bowl food apple banana orange bread cake pizza coffee tea
 kitchen bedroom bathroom wall floor roof light lamp clock mirror painting poster crowd group player
 ball field stadium market shop store restaurant hospital school university library museum park
-""".split()
+""")
 
-_ADJECTIVES = """
+_ADJECTIVES = _words("""
 good new first last long great little own other old right big high different small large next
 early young important few public bad same able red blue green yellow black white brown gray pink
 purple orange bright dark clear sunny cloudy rainy wet dry hot cold warm cool happy sad busy quiet
 loud empty full open closed round square tall short wide narrow heavy light soft hard smooth rough
 clean dirty modern ancient famous simple complex beautiful strange common rare real main single
-""".split()
+""")
 
-_VERBS = """
+_VERBS = _words("""
 shows contains depicts holds carries watches reads writes opens closes builds paints drives rides
 walks runs jumps sits stands looks finds gives takes makes sees knows wants uses tells asks works
 seems feels tries leaves calls keeps brings begins helps turns starts moves plays lives believes
 happens includes continues sets learns changes leads understands follows stops creates speaks
 allows adds spends grows offers remembers loves considers appears buys waits serves dies sends
 expects stays falls cuts reaches kills remains suggests raises passes sells requires reports
-""".split()
+""")
 
-_FUNCTION = """
+_FUNCTION = _words("""
 the a an this that these those some every each any no one two three four five many several
 in on at by with from to of for under over above below behind near between into onto through
 and or but because while although when where which who whose what how why if then than
 is are was were be been being has have had do does did will would can could should may might
 it he she they we you I me him her them us my his its our their your there here not very also
-""".split()
+""")
 
-_MORE_WORDS = """
+_MORE_WORDS = _words("""
 about above across action activity actually add address admit adult affect after again against age
 agency agent ago agree agreement ahead allow almost alone along already although always american
 among amount analysis another answer anyone anything appear apply approach argue arm around arrive
@@ -506,9 +516,9 @@ various victim view violence visit voice vote wait walk want watch weapon wear w
 western whatever whether whole wife win wind wish within without wonder worker worry would write
 writer wrong yard yeah yes yet yourself hello assistant user system token text vision frame pixel
 patch prompt request server client stream batch cache latency throughput
-""".split()
+""")
 
-_PREPOSITIONS = "in on at by with from to of for under over above below behind near between into".split()
+_PREPOSITIONS = _words("in on at by with from to of for under over above below behind near between into")
 
 _PROMPTS = [
     "Describe this image.",
@@ -557,10 +567,13 @@ def _numbers(rng: random.Random) -> str:
     )
 
 
+def _prompt(rng: random.Random) -> str:
+    return rng.choice(_PROMPTS).format(noun=rng.choice(_NOUNS), adj=rng.choice(_ADJECTIVES))
+
+
 def _chat(rng: random.Random) -> str:
     # The role names follow "<|im_start|>" with no space, so they must be learnt in that form too.
-    prompt = rng.choice(_PROMPTS).format(noun=rng.choice(_NOUNS), adj=rng.choice(_ADJECTIVES))
-    return f"system\nYou are a helpful assistant.\nuser\n{prompt}\nassistant\n{_sentence(rng)}\n"
+    return f"system\nYou are a helpful assistant.\nuser\n{_prompt(rng)}\nassistant\n{_sentence(rng)}\n"
 
 
 def _paragraph(rng: random.Random) -> str:
@@ -568,7 +581,7 @@ def _paragraph(rng: random.Random) -> str:
     if kind < 0.05:
         return _chat(rng)
     if kind < 0.1:
-        return rng.choice(_PROMPTS).format(noun=rng.choice(_NOUNS), adj=rng.choice(_ADJECTIVES))
+        return _prompt(rng)
     if kind < 0.2:
         return _numbers(rng)
     if kind < 0.27:
@@ -837,8 +850,16 @@ def demo_checkpoint() -> Path:
     # Several workers start together: one generates while the others wait, then all reuse it.
     with _file_lock(models / f".{path.name}.lock"):
         if not _is_current(path, DEMO_SIZE, DEMO_SEED):
+            _remove_leftovers(path)
             generate_checkpoint(path, DEMO_SIZE, DEMO_SEED)
     return path
+
+
+def _remove_leftovers(path: Path) -> None:
+    # Temp dirs of a generator that was killed midway; only the lock holder writes here.
+    for pattern in (f".{path.name}.tmp-*", f".{path.name}.old-*"):
+        for leftover in path.parent.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _disk_size(path: Path) -> int:

@@ -1,0 +1,130 @@
+"""Fixtures that run the real stack: ``./ops/serve`` under supervisord, and a real HTTP media server."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Stack:
+    base_url: str
+    config_path: Path
+    process: subprocess.Popen[bytes]
+
+    def ctl(self, *args: str) -> str:
+        out = subprocess.run(
+            [str(REPO / ".venv/bin/supervisorctl"), "-c", str(REPO / "ops/vlm.conf"), *args],
+            capture_output=True, text=True, timeout=30,
+        )
+        return out.stdout.strip()
+
+    def pid(self, program: str) -> int:
+        return int(self.ctl("pid", f"vlm:{program}"))
+
+    def get_json(self, path: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.base_url + path, timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"{}")
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ops/serve exited with {self.process.returncode}")
+            try:
+                status, _ = self.get_json("/health")
+                if status == 200:
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"stack not healthy within {timeout_s}s; logs in {REPO / 'run/logs'}")
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The whole stack as ``./ops/serve`` starts it, on a free port, allowing loopback media URLs."""
+    port = free_port()
+    config = tmp_path_factory.mktemp("stack") / "vlm.toml"
+    config.write_text(
+        f"[server]\nport = {port}\nrequest_timeout_s = 120.0\n"
+        "[fetcher]\nallow_private_addresses = true\nhttp_timeout_s = 5.0\nencode_timeout_s = 30.0\n"
+        "[cache]\npending_ttl_s = 30.0\n"
+    )
+    env = {**os.environ, "VLM_CONFIG": str(config)}
+    (REPO / "run").mkdir(exist_ok=True)
+    with open(REPO / "run" / "serve-test.log", "wb") as log:
+        process = subprocess.Popen([str(REPO / "ops/serve")], env=env, stdout=log, stderr=subprocess.STDOUT)
+    stack = Stack(f"http://127.0.0.1:{port}", config, process)
+    try:
+        stack.wait_healthy()
+        yield stack
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@dataclass
+class MediaServer:
+    root: Path
+    base_url: str
+
+    def put(self, name: str, data: bytes) -> str:
+        (self.root / name).write_bytes(data)
+        return f"{self.base_url}/{name}"
+
+
+@pytest.fixture(scope="session")
+def media_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MediaServer]:
+    root = tmp_path_factory.mktemp("media")
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), lambda *a: _QuietHandler(*a, directory=str(root))  # type: ignore[misc]
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield MediaServer(root, f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()

@@ -1,0 +1,75 @@
+"""The reference: transformers' own Qwen2-VL model and processor on the same checkpoint and messages."""
+
+from __future__ import annotations
+
+import base64
+import io
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+
+def _load_url(url: str) -> Image.Image:
+    if url.startswith("data:"):
+        data = base64.b64decode(url.split(",", 1)[1])
+    else:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            data = r.read()
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+class HfChat:
+    def __init__(self, model_dir: Path) -> None:
+        # AutoProcessor needs torchvision for its video half; images need only these two, and the
+        # expansion of <|image_pad|> below is what Qwen2VLProcessor does.
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
+        self.model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    def inputs(self, messages: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """OpenAI-style messages -> the processor's tensors (images as the processor expects them)."""
+        images: list[Image.Image] = []
+        converted = []
+        for message in messages:
+            content = message["content"]
+            if isinstance(content, str):
+                converted.append({"role": message["role"], "content": [{"type": "text", "text": content}]})
+                continue
+            parts = []
+            for part in content:
+                if part["type"] == "image_url":
+                    images.append(_load_url(part["image_url"]["url"]))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append({"type": "text", "text": part["text"]})
+            converted.append({"role": message["role"], "content": parts})
+        text = self.tokenizer.apply_chat_template(converted, tokenize=False, add_generation_prompt=True)
+        out: dict[str, torch.Tensor] = {}
+        if images:
+            processed = self.image_processor(images=images, return_tensors="pt")
+            out = {"pixel_values": processed["pixel_values"], "image_grid_thw": processed["image_grid_thw"]}
+            merge = self.image_processor.merge_size**2
+            pieces = text.split("<|image_pad|>")
+            counts = [int(g.prod()) // merge for g in processed["image_grid_thw"]]
+            text = pieces[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(counts, pieces[1:], strict=True))
+        encoded = self.tokenizer([text], return_tensors="pt", add_special_tokens=False)
+        ids = encoded["input_ids"]
+        # transformers 5 computes M-RoPE only when given these (0 text, 1 image, 2 video), as its processor does
+        types = (ids == self.tokenizer.convert_tokens_to_ids("<|image_pad|>")).long()
+        types += 2 * (ids == self.tokenizer.convert_tokens_to_ids("<|video_pad|>")).long()
+        return {**out, "input_ids": ids, "attention_mask": encoded["attention_mask"], "mm_token_type_ids": types}
+
+    def generate(self, messages: list[dict[str, Any]], new_tokens: int) -> tuple[list[int], int]:
+        """Greedy ids of ``new_tokens`` tokens (EOS suppressed, as ``min_tokens`` does) and the prompt length."""
+        inputs = self.inputs(messages)
+        with torch.inference_mode():
+            out = self.model.generate(
+                **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+            )
+        prompt_len = inputs["input_ids"].shape[1]
+        return out[0, prompt_len:].tolist(), prompt_len
