@@ -74,9 +74,10 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     try:
         request = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ApiError(400, f"invalid request: {where}: {first['msg']}", code="invalid_value", param=where) from exc
+        # The deepest error is the specific one (a union of str | list reports both branches).
+        worst = max(exc.errors(), key=lambda e: len(e["loc"]))
+        where = ".".join(str(p) for p in worst["loc"] if not _is_branch_name(p))
+        raise ApiError(400, f"invalid request: {where}: {worst['msg']}", code="invalid_value", param=where) from exc
     if request.n != 1:
         raise ApiError(400, "n > 1 is not supported yet; send n=1", param="n")
     if request.stop:
@@ -84,3 +85,8 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     if request.logprobs:
         raise ApiError(400, "logprobs are not supported yet", param="logprobs")
     return request
+
+
+def _is_branch_name(part: object) -> bool:
+    """pydantic names union branches in error paths (``str``, ``list[...]``); clients never wrote those."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)

@@ -324,8 +324,12 @@ def counted_generation(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Itera
 
 
 def test_demo_checkpoint_generates_once(counted_generation: list[Path], tmp_path: Path) -> None:
+    models = tmp_path / "cache" / "models"
+    killed_midway = models / ".qwen2-vl-tiny-seed0.tmp-dead"
+    killed_midway.mkdir(parents=True)
     first = synth.demo_checkpoint()
-    assert first == tmp_path / "cache" / "models" / "qwen2-vl-tiny-seed0"
+    assert first == models / "qwen2-vl-tiny-seed0"
+    assert not killed_midway.exists()
     inode = (first / "model.safetensors").stat().st_ino
     assert synth.demo_checkpoint() == first
     assert len(counted_generation) == 1

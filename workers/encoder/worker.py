@@ -71,6 +71,8 @@ class EncoderWorker:
             grid = torch.tensor([job.grid_thw], dtype=torch.int64, device=self.device)
             with torch.inference_mode():
                 embeds = self.tower(pixels, grid)
+            if job.slot.shm_name not in self.pools.pools:
+                self.pools.forget_except("")  # a restarted cache daemon made a new pool; drop the old map
             slot = self.pools.view(job.slot)
             if tuple(slot.shape) != tuple(embeds.shape):
                 raise ValueError(f"slot shape {list(slot.shape)} != embedding shape {list(embeds.shape)}")

@@ -56,7 +56,18 @@ class InFlight:
     deadline: float
     loaded: list[LoadedImage] = field(default_factory=list)
     prepared: dict[int, PreparedMedia] = field(default_factory=dict)
-    calls: dict[str, tuple[int, float, int]] = field(default_factory=dict)  # call_id -> (index, sent, tries)
+
+
+@dataclass
+class CacheCall:
+    """A lookup sent to the cache daemon, kept until answered (or long stale)."""
+
+    request_id: str
+    index: int
+    item: LoadedImage
+    sent: float
+    tries: int
+    retried: bool = False
 
 
 class FetcherWorker:
@@ -85,6 +96,7 @@ class FetcherWorker:
         )
         self.threads = ThreadPoolExecutor(cfg.fetcher.threads, thread_name_prefix="fetch")
         self.inflight: dict[str, InFlight] = {}
+        self.calls: dict[str, CacheCall] = {}
         self.loop = EventLoop()
         self.loaded = Wakeup(self.loop, self.on_loaded)
         self.loop.on_message(self.gateway, self.on_gateway)
@@ -168,45 +180,49 @@ class FetcherWorker:
     # ------------------------------------------------------------------ cache side
     def call_cache(self, state: InFlight, index: int, tries: int) -> None:
         item = state.loaded[index]
-        call_id = f"{state.request.request_id}/{index}/{uuid.uuid4().hex[:8]}"
-        state.calls[call_id] = (index, time.monotonic(), tries)
+        call_id = uuid.uuid4().hex
+        self.calls[call_id] = CacheCall(state.request.request_id, index, item, time.monotonic(), tries)
         shape = [item.num_tokens, self.spec.hidden_size]
         nbytes = nbytes_of(self.embed_dtype, shape)
         self.cache.send(CacheLookup(call_id, item.content_hash, nbytes, self.embed_dtype, shape))
 
     def retry_cache_calls(self) -> None:
+        """Ask again when the cache does not answer; the first call is kept, so that a late answer
+        that reserved a slot still gets its encode job (or nobody would ever fill that slot)."""
         now = time.monotonic()
-        for state in list(self.inflight.values()):
-            for call_id, (index, sent, tries) in list(state.calls.items()):
-                if now - sent < self.cfg.liveness.call_timeout_s:
-                    continue
-                del state.calls[call_id]
-                if tries >= 3:
-                    self.finish_error(state.request.request_id, 503, "the embedding cache daemon is not answering")
-                    break
-                self.call_cache(state, index, tries + 1)
+        for call_id, call in list(self.calls.items()):
+            age = now - call.sent
+            if age > 2 * self.cfg.cache.pending_ttl_s:
+                del self.calls[call_id]
+            if call.retried or age < self.cfg.liveness.call_timeout_s:
+                continue
+            call.retried = True
+            state = self.inflight.get(call.request_id)
+            if state is None or call.index in state.prepared:
+                continue
+            if call.tries >= 3:
+                self.finish_error(call.request_id, 503, "the embedding cache daemon is not answering")
+            else:
+                self.call_cache(state, call.index, call.tries + 1)
 
     def on_cache(self, _peer: bytes, msg: Message) -> None:
         if not isinstance(msg, CacheLookupResult):
             return
-        state = self.inflight.get(msg.call_id.split("/", 1)[0])
-        if state is None or msg.call_id not in state.calls:
+        call = self.calls.pop(msg.call_id, None)
+        if call is None:
             return
-        index, _, _ = state.calls.pop(msg.call_id)
-        item = state.loaded[index]
-        if msg.state == "error":
-            self.finish_error(state.request.request_id, msg.status, msg.message)
-            return
+        item = call.item
         if msg.state == "reserved" and msg.slot is not None:
-            job = EncodeJob(
-                uuid.uuid4().hex,
-                item.content_hash,
-                inline_ref(torch.from_numpy(item.pixel_values)),
-                list(item.grid_thw),
-                msg.slot,
-            )
+            pixels = inline_ref(torch.from_numpy(item.pixel_values))
+            job = EncodeJob(uuid.uuid4().hex, item.content_hash, pixels, list(item.grid_thw), msg.slot)
             self.encode.submit(job.job_id, job, self.cfg.fetcher.encode_timeout_s)
-        state.prepared[index] = PreparedMedia("image", item.content_hash, list(item.grid_thw), item.num_tokens)
+        state = self.inflight.get(call.request_id)
+        if state is None or call.index in state.prepared:
+            return
+        if msg.state == "error":
+            self.finish_error(call.request_id, msg.status, msg.message)
+            return
+        state.prepared[call.index] = PreparedMedia("image", item.content_hash, list(item.grid_thw), item.num_tokens)
         if len(state.prepared) == len(state.loaded):
             self.forward(state)
 

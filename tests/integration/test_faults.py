@@ -1,0 +1,66 @@
+"""``kill -9`` of a worker mid-flight: supervisord restarts it, every request ends, serving continues."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.integration.conftest import Stack
+from tests.media import data_url, make_image
+
+ANSWER_BOUND_S = 90.0
+
+
+def one_request(client: OpenAI, model: str, seed: int) -> tuple[str, float]:
+    started = time.monotonic()
+    picture = data_url(make_image(320 + seed % 7 * 16, 240, seed=seed))
+    try:
+        response = client.chat.completions.create(
+            model=model, max_tokens=16, temperature=0,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture}},
+                                                   {"type": "text", "text": "Describe it."}]}],
+        )
+        outcome = f"ok:{response.choices[0].finish_reason}"
+    except openai.APIStatusError as exc:
+        body: Any = exc.body
+        assert exc.status_code in (500, 502, 503, 504), exc
+        assert isinstance(body, dict) and body.get("message"), body  # a clean, explained error
+        outcome = f"error:{exc.status_code}"
+    return outcome, time.monotonic() - started
+
+
+def wait_restarted(stack: Stack, program: str, old_pid: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if stack.pid(program) not in (0, old_pid) and stack.get_json("/health")[0] == 200:
+                return
+        except ValueError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{program} was not restarted by supervisord within {timeout_s}s")
+
+
+@pytest.mark.parametrize("program", ["encoder-0", "fetcher-0", "cache"])
+def test_kill_9_mid_flight(stack: Stack, program: str) -> None:
+    client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=ANSWER_BOUND_S + 30)
+    model = client.models.list().data[0].id
+    seeds = [hash((program, i)) % 10_000 + 1000 for i in range(8)]
+    victim = stack.pid(program)
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        futures = [pool.submit(one_request, client, model, s) for s in seeds]
+        time.sleep(0.3)
+        os.kill(victim, signal.SIGKILL)
+        outcomes = [f.result(timeout=ANSWER_BOUND_S + 60) for f in futures]
+    assert all(elapsed < ANSWER_BOUND_S for _, elapsed in outcomes), outcomes
+    wait_restarted(stack, program, victim)
+    # The stack serves again: a new image end to end.
+    outcome, _ = one_request(client, model, seed=hash(program) % 1000)
+    assert outcome.startswith("ok:"), outcome
