@@ -172,13 +172,13 @@ def test_tiny_model_runs_a_forward_pass(tiny_dir: Path) -> None:
 def test_weight_init(tiny_dir: Path) -> None:
     stored = load_file(tiny_dir / "model.safetensors")
     norm = stored["model.layers.0.input_layernorm.weight"]
-    assert abs(norm.mean().item() - 1.0) < 0.02 and norm.std().item() > 0.005
+    assert abs(norm.mean().item() - 1.0) < 0.1 and norm.std().item() > 0.005
     bias = stored["model.layers.0.self_attn.q_proj.bias"]
     assert bool((bias != 0).all()) and bias.std().item() > 0.01  # nonzero, so bias loading is tested
     embed = stored["model.embed_tokens.weight"]
-    assert abs(embed.std().item() - 0.02) < 0.001
+    assert abs(embed.std().item() - synth.SIZES["tiny"]["init_std"]) < 0.01
     name, shape = "visual.merger.mlp.2.weight", synth.weight_shapes("tiny")["visual.merger.mlp.2.weight"]
-    assert torch.equal(stored[name], synth.make_tensor(name, shape, 0, torch.float32))
+    assert torch.equal(stored[name], synth.make_tensor(name, shape, 0, torch.float32, synth.SIZES["tiny"]["init_std"]))
 
 
 def test_determinism(tiny_dir: Path, tmp_path: Path) -> None:

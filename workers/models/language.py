@@ -84,7 +84,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_length: in
         mask = _causal_mask(t, s, past_length, q.device)
         causal = False
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=causal, enable_gqa=True
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        # Same float as the reference's scaling (SDPA's own 1/sqrt(d) may differ in the last bit).
+        scale=q.shape[-1] ** -0.5,
+        enable_gqa=True,
     )
     return out.squeeze(0)
 

@@ -35,7 +35,7 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
 # Bump when the bytes written for a given (size, seed) change, so cached demo models regenerate.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 META_FILE = "synth_meta.json"
 DEMO_SIZE = "tiny"
 DEMO_SEED = 0
@@ -58,6 +58,7 @@ class SizeSpec(TypedDict):
     tie_word_embeddings: bool
     mrope_section: list[int]
     dtype: str
+    init_std: float
     max_pixels: int
     video_min_pixels: int
     video_max_pixels: int
@@ -79,6 +80,9 @@ SIZES: dict[str, SizeSpec] = {
         "tie_word_embeddings": False,
         "mrope_section": [2, 3, 3],
         "dtype": "float32",
+        # Large enough that attention is sharp and positions matter: with 0.02 a tiny model barely
+        # attends, and greedy parity tests could not tell M-RoPE from plain 1-D positions.
+        "init_std": 0.2,
         # 512 image tokens at most, so CPU prompts stay short.
         "max_pixels": 401408,
         "video_min_pixels": 3136,
@@ -96,6 +100,7 @@ SIZES: dict[str, SizeSpec] = {
         "tie_word_embeddings": True,
         "mrope_section": [16, 24, 24],
         "dtype": "bfloat16",
+        "init_std": 0.02,
         "max_pixels": 12845056,
         "video_min_pixels": 100352,
         "video_max_pixels": 602112,
@@ -112,6 +117,7 @@ SIZES: dict[str, SizeSpec] = {
         "tie_word_embeddings": False,
         "mrope_section": [16, 24, 24],
         "dtype": "bfloat16",
+        "init_std": 0.02,
         "max_pixels": 12845056,
         "video_min_pixels": 100352,
         "video_max_pixels": 602112,
@@ -209,7 +215,7 @@ def config_dict(size: str) -> dict[str, Any]:
         "video_token_id": SPECIAL_TOKENS["<|video_pad|>"],
         "hidden_act": "silu",
         "hidden_size": spec["hidden_size"],
-        "initializer_range": INIT_STD,
+        "initializer_range": spec["init_std"],
         "intermediate_size": spec["intermediate_size"],
         "max_position_embeddings": 32768,
         "max_window_layers": spec["num_hidden_layers"],
@@ -330,20 +336,24 @@ def _is_norm_weight(name: str) -> bool:
     return name.endswith(".weight") and ("norm" in name or ".ln_q." in name)
 
 
-def _tensor_chunks(name: str, numel: int, seed: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+def _tensor_chunks(
+    name: str, numel: int, seed: int, dtype: torch.dtype, std: float = INIT_STD
+) -> Iterator[torch.Tensor]:
     """The tensor's values as flat chunks, already cast to the storage dtype."""
     generator = torch.Generator().manual_seed(_tensor_seed(seed, name))
     # Norm scales sit around 1 (identity) with noise so that loading them is observable.
     offset = 1.0 if _is_norm_weight(name) else 0.0
     for start in range(0, numel, CHUNK_ELEMENTS):
         chunk = torch.empty(min(CHUNK_ELEMENTS, numel - start), dtype=torch.float32)
-        chunk.normal_(offset, INIT_STD, generator=generator)
+        chunk.normal_(offset, std, generator=generator)
         yield chunk.to(dtype)
 
 
-def make_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+def make_tensor(
+    name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype, std: float = INIT_STD
+) -> torch.Tensor:
     """One weight exactly as generate_checkpoint stores it (handy for checks)."""
-    chunks = list(_tensor_chunks(name, math.prod(shape), seed, dtype))
+    chunks = list(_tensor_chunks(name, math.prod(shape), seed, dtype, std))
     return torch.cat(chunks).reshape(shape)
 
 
@@ -377,7 +387,7 @@ def _itemsize(dtype_name: str) -> int:
 
 
 def _write_safetensors(
-    path: Path, names: list[str], shapes: dict[str, tuple[int, ...]], seed: int, dtype_name: str
+    path: Path, names: list[str], shapes: dict[str, tuple[int, ...]], seed: int, dtype_name: str, std: float
 ) -> None:
     """Stream one safetensors file: header first, then each tensor chunk by chunk."""
     dtype, tag = _DTYPES[dtype_name]
@@ -388,29 +398,29 @@ def _write_safetensors(
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
         for name in names:
-            _write_tensor(f, name, math.prod(shapes[name]), seed, dtype)
+            _write_tensor(f, name, math.prod(shapes[name]), seed, dtype, std)
 
 
-def _write_tensor(f: BinaryIO, name: str, numel: int, seed: int, dtype: torch.dtype) -> None:
+def _write_tensor(f: BinaryIO, name: str, numel: int, seed: int, dtype: torch.dtype, std: float) -> None:
     # safetensors is little-endian, as are the x86-64 and arm64 hosts this runs on.
-    for chunk in _tensor_chunks(name, numel, seed, dtype):
+    for chunk in _tensor_chunks(name, numel, seed, dtype, std):
         f.write(chunk.view(torch.uint8).numpy().data)
 
 
 def write_weights(out_dir: Path, size: str, seed: int) -> list[Path]:
     """Write model.safetensors, or 4 GB shards plus their index when it does not fit (2b, 7b)."""
-    dtype_name = _spec(size)["dtype"]
+    dtype_name, std = _spec(size)["dtype"], _spec(size)["init_std"]
     shapes = weight_shapes(size)
     itemsize = _itemsize(dtype_name)
     shards = _plan_shards(shapes, itemsize, MAX_SHARD_BYTES)
     if len(shards) == 1:  # like save_pretrained: no index for a single file
         path = out_dir / "model.safetensors"
-        _write_safetensors(path, shards[0], shapes, seed, dtype_name)
+        _write_safetensors(path, shards[0], shapes, seed, dtype_name, std)
         return [path]
     paths, weight_map = [], {}
     for i, names in enumerate(shards, start=1):
         path = out_dir / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        _write_safetensors(path, names, shapes, seed, dtype_name)
+        _write_safetensors(path, names, shapes, seed, dtype_name, std)
         weight_map |= dict.fromkeys(names, path.name)
         paths.append(path)
     total = sum(math.prod(s) for s in shapes.values()) * itemsize

@@ -88,7 +88,10 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid_th
     for t, h, w in grid_thw.tolist():
         count = t * h * w
         qs, ks, vs = (x[start : start + count].view(t, h * w, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
-        out.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(count, *q.shape[1:]))
+        # Explicit scale: SDPA's internally derived 1/sqrt(d) can differ from d**-0.5 in the last bit,
+        # which the reference passes, and bf16 then drifts from it block by block.
+        attn = F.scaled_dot_product_attention(qs, ks, vs, scale=q.shape[-1] ** -0.5)
+        out.append(attn.transpose(1, 2).reshape(count, *q.shape[1:]))
         start += count
     return torch.cat(out, dim=0)
 
