@@ -148,7 +148,7 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
             cfg.run_dir = str(value)
         elif key == "endpoints":
             cfg.endpoints = {str(k): str(v) for k, v in value.items()}
-        elif isinstance(value, dict) and hasattr(cfg, key):
+        elif isinstance(value, dict) and dataclasses.is_dataclass(getattr(cfg, key, None)):
             _apply_section(getattr(cfg, key), value, f"{path}: [{key}]")
         else:
             raise ValueError(f"{path}: unknown section or key {key!r}")

@@ -92,14 +92,21 @@ class Dispatcher:
         self.dispatch()
 
     def complete(self, job_id: str) -> Job | None:
+        """The job is done: its credit goes to the next queued job at once."""
+        job = self._forget(job_id)
+        self.dispatch()
+        return job
+
+    def cancel(self, job_id: str) -> None:
+        if self._forget(job_id) is not None:
+            self.queue = deque(j for j in self.queue if j != job_id)
+            self.dispatch()
+
+    def _forget(self, job_id: str) -> Job | None:
         job = self.jobs.pop(job_id, None)
         if job is not None and job.peer is not None and job.peer in self.peers:
             self.peers[job.peer].jobs.discard(job_id)
         return job
-
-    def cancel(self, job_id: str) -> None:
-        if self.complete(job_id) is not None:
-            self.queue = deque(j for j in self.queue if j != job_id)
 
     def dispatch(self) -> None:
         while self.queue:
@@ -128,5 +135,5 @@ class Dispatcher:
         self.dispatch()
 
     def _fail(self, job: Job, why: str) -> None:
-        self.complete(job.job_id)
+        self._forget(job.job_id)
         self.on_fail(job, why)

@@ -53,10 +53,10 @@ def _to_wire(value: Any) -> Any:
 
 
 def _from_wire(obj: dict[str, Any]) -> Any:
-    tag = obj.get(_TAG)
-    if tag is None:
+    if _TAG not in obj:
         return obj
-    cls = _REGISTRY.get(tag)
+    tag = obj[_TAG]
+    cls = _REGISTRY.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message tag {tag!r}")
     fields = {k: v for k, v in obj.items() if k != _TAG}
@@ -85,6 +85,8 @@ def decode(frame: bytes) -> Message:
         raise ProtocolError(f"protocol version {version}, expected {PROTOCOL_VERSION}")
     if not isinstance(body, dict):
         raise ProtocolError("message body is not a map")
+    if not isinstance(tag, str):
+        raise ProtocolError(f"message tag must be a string, got {type(tag).__name__}")
     return _from_wire({**body, _TAG: tag})
 
 

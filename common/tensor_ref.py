@@ -46,7 +46,7 @@ def nbytes_of(dtype: str, shape: list[int]) -> int:
 
 def inline_ref(tensor: torch.Tensor) -> TensorRef:
     tensor = tensor.detach().contiguous().cpu()
-    raw = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
     return TensorRef(kind="inline", dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), data=raw)
 
 

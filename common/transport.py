@@ -22,7 +22,7 @@ def _prepare(sock: zmq.Socket, address: str, bind: bool, identity: bytes | None)
     sock.setsockopt(zmq.LINGER, 0)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
-    if sock.socket_type == zmq.ROUTER:
+    if sock.type == zmq.ROUTER:
         # A reply to a peer that vanished must fail loudly in our code, not block the hub.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if bind:
@@ -160,6 +160,9 @@ class EventLoop:
         if max_wait_s is not None:
             wait = min(wait, max_wait_s)
         handled = 0
+        if not self.handlers and not self.fd_handlers:
+            time.sleep(wait)  # zmq's poll returns at once with nothing to poll; wait for the timer
+            return 0
         for sock, _ in self.poller.poll(int(wait * 1000)):
             if isinstance(sock, int):
                 self.fd_handlers[sock]()
@@ -182,7 +185,7 @@ class EventLoop:
     def run(self, step: Callable[[], bool] | None = None) -> None:
         """Loop until ``stop()``. ``step`` (if any) does compute work; it returns True while it has
         more to do, so the loop only checks sockets without waiting between steps."""
-        busy = False
+        busy = step is not None  # look for work before the first wait
         while not self.stopping:
             self.run_once(0.0 if busy else None)
             if step is not None:

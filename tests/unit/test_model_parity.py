@@ -543,8 +543,9 @@ def test_continued_conversation_matches_transformers(checkpoint: Checkpoint, new
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_bf16_close_to_transformers(hub_checkpoint: Checkpoint) -> None:
-    """bf16 on CUDA: not bitwise equal to HF (different attention kernels), but close."""
+def test_cuda_bf16_matches_transformers(hub_checkpoint: Checkpoint) -> None:
+    """bf16 on CUDA. We issue the same kernels as transformers (same SDPA layouts and scale, CPU-computed
+    rotary frequencies), so results agree far below bf16 noise; tolerances only guard kernel choice."""
     path, device = hub_checkpoint.path, torch.device("cuda")
     reference = hf.Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
     ckpt = Checkpoint(
@@ -559,16 +560,14 @@ def test_cuda_bf16_close_to_transformers(hub_checkpoint: Checkpoint) -> None:
     grid = torch.tensor(prompt.image_grids)
     ours_vision = ckpt.vision(prompt.image_pixels.to(device), grid)
     ref_vision = hf.vision_output(reference, prompt.image_pixels.to(device, torch.bfloat16), grid.to(device))
-    scale = ref_vision.float().abs().max()
-    assert (ours_vision.float() - ref_vision.float()).abs().max() <= 0.02 * scale
+    torch.testing.assert_close(ours_vision, ref_vision, atol=2e-2, rtol=2e-2)
 
     images = (prompt.image_pixels.to(device, torch.bfloat16), grid.to(device))
     videos = (prompt.video_pixels.to(device, torch.bfloat16), torch.tensor(prompt.video_grids).to(device))
-    ref_logits = hf.logits(reference, prompt.ids, images, videos).float()
-    session = Session(KVCache.for_model(ckpt.language))
-    ours_logits = prefill(ckpt, session, prompt, all_logits=True).float()
+    ref_logits = hf.logits(reference, prompt.ids, images, videos)
+    ours_logits = prefill(ckpt, Session(KVCache.for_model(ckpt.language)), prompt, all_logits=True)
     assert ours_logits.device.type == "cuda"
-    assert (ours_logits - ref_logits).abs().max() <= 0.05 * ref_logits.abs().max()
-    # Greedy decoding through the cache works in bf16 and mostly agrees with HF's argmax.
-    tokens = greedy(ckpt, Session(KVCache.for_model(ckpt.language)), prompt, max_new_tokens=8)
-    assert len(tokens) == 8 or tokens[-1] in ckpt.spec.eos_token_ids
+    torch.testing.assert_close(ours_logits, ref_logits, atol=5e-2, rtol=5e-2)
+
+    ours = greedy(ckpt, Session(KVCache.for_model(ckpt.language)), prompt, max_new_tokens=16)
+    assert ours == hf.greedy_generate(reference, prompt.ids, images, videos, max_new_tokens=16)

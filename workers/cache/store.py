@@ -85,24 +85,39 @@ class EmbeddingStore:
         return entry
 
     def can_reserve(self, nbytes: int) -> bool:
-        evictable = sum(-(-e.nbytes // ALIGN) * ALIGN for e in self.entries.values() if self._evictable(e))
-        return nbytes <= self.allocator.size and self.allocator.free_bytes + evictable >= nbytes
+        return self._plan_evictions(nbytes) is not None
 
     def reserve(self, content_hash: str, nbytes: int, dtype: str, shape: list[int]) -> Entry:
-        """Make a pending entry, evicting LRU unleased entries for room. Raises ``PoolFull``."""
-        offset = self.allocator.allocate(nbytes)
-        while offset is None:
-            victim = next((e for e in self.entries.values() if self._evictable(e)), None)
-            if victim is None:
-                self.counters["full"] += 1
-                raise PoolFull(f"{nbytes} B needed, {self.allocator.free_bytes} B free and nothing evictable")
+        """Make a pending entry, evicting LRU unleased entries for room. Raises ``PoolFull``, and
+        then evicts nothing: dropping entries that would not make room only loses work."""
+        victims = self._plan_evictions(nbytes)
+        if victims is None:
+            self.counters["full"] += 1
+            raise PoolFull(f"{nbytes} B needed, {self.allocator.free_bytes} B free and not enough evictable")
+        for victim in victims:
             self._drop(victim)
             self.counters["evictions"] += 1
-            offset = self.allocator.allocate(nbytes)
+        offset = self.allocator.allocate(nbytes)
+        if offset is None:  # _plan_evictions simulated exactly this; reaching here is a bug
+            raise RuntimeError("allocator disagrees with its eviction plan")
         entry = Entry(content_hash, offset, nbytes, dtype, list(shape))
         self.entries[content_hash] = entry
         self.counters["misses"] += 1
         return entry
+
+    def _plan_evictions(self, nbytes: int) -> list[Entry] | None:
+        """The LRU prefix of evictable entries whose release makes ``nbytes`` fit (None: nothing does)."""
+        trial = Allocator(self.allocator.size)
+        trial.free = list(self.allocator.free)
+        victims: list[Entry] = []
+        candidates = (e for e in self.entries.values() if self._evictable(e))
+        while trial.allocate(nbytes) is None:
+            victim = next(candidates, None)
+            if victim is None:
+                return None
+            trial.release(victim.offset, victim.nbytes)
+            victims.append(victim)
+        return victims
 
     def commit(self, content_hash: str) -> Entry | None:
         entry = self.entries.get(content_hash)

@@ -31,7 +31,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    # Computed on the CPU (as the reference's init-time buffer is): CUDA's pow can differ in the last bit.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return inv_freq.to(device)
 
 
 def mrope_cos_sin(
@@ -251,6 +253,7 @@ class LanguageModel(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(spec, i) for i in range(spec.num_layers)])
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self._inv_freq: torch.Tensor | None = None  # per-device cache, see `_rope_inv_freq`
 
     @classmethod
     def from_checkpoint(
@@ -314,10 +317,7 @@ class LanguageModel(nn.Module):
         t = self._validate(inputs_embeds, position_ids, cache)
         cache.reserve(t)
         cos, sin = mrope_cos_sin(
-            position_ids.to(self.device),
-            rope_inv_freq(self.spec.head_dim, self.spec.rope_theta, self.device),
-            self.spec.mrope_section,
-            self.dtype,
+            position_ids.to(self.device), self._rope_inv_freq(), self.spec.mrope_section, self.dtype
         )
         x = inputs_embeds.to(device=self.device, dtype=self.dtype)
         for layer in self.layers:
@@ -327,6 +327,12 @@ class LanguageModel(nn.Module):
             x = x[-1:]
         logits = self.lm_head(self.norm(x))
         return logits if all_logits else logits[0]
+
+    def _rope_inv_freq(self) -> torch.Tensor:
+        # Not a buffer: the module is built on the meta device and loaded by assignment.
+        if self._inv_freq is None or self._inv_freq.device != self.device:
+            self._inv_freq = rope_inv_freq(self.spec.head_dim, self.spec.rope_theta, self.device)
+        return self._inv_freq
 
     def _validate(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> int:
         if inputs_embeds.ndim != 2 or inputs_embeds.shape[1] != self.spec.hidden_size:

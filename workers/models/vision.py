@@ -52,7 +52,10 @@ def vision_rotary_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
 def vision_rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [N, head_dim] (fp32) for 2-D rotary: first half of each rotated half is h, second w."""
     quarter = head_dim // 2
-    inv_freq = 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float32, device=positions.device) / quarter))
+    # Computed on the CPU like the reference's init-time buffer: CUDA's pow rounds differently in the
+    # last bit, and in bf16 that difference grows into visibly different outputs after a few blocks.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter))
+    inv_freq = inv_freq.to(positions.device)
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [N, 2, head_dim/4]
     freqs = freqs.flatten(1)  # [N, head_dim/2]: h frequencies then w frequencies
     emb = torch.cat([freqs, freqs], dim=-1)

@@ -1,0 +1,402 @@
+"""Unit tests for ``workers/cache/store.py``: the byte allocator and the embedding store."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+import time
+import types
+
+import pytest
+
+from workers.cache import store as store_mod
+from workers.cache.store import ALIGN, Allocator, EmbeddingStore, PoolFull
+
+B = ALIGN  # one allocation block
+
+
+def aligned(nbytes: int) -> int:
+    return -(-max(nbytes, 1) // ALIGN) * ALIGN
+
+
+class OffsetClock:
+    """``time.monotonic`` shifted by a settable offset.
+
+    ``Entry.created`` takes the real ``time.monotonic`` (bound as its default factory), so the
+    fake clock must stay on the same time base and only move forward from it.
+    """
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> OffsetClock:
+    clock = OffsetClock()
+    monkeypatch.setattr(store_mod, "time", types.SimpleNamespace(monotonic=clock))
+    return clock
+
+
+# --------------------------------------------------------------------------- Allocator
+
+
+def test_allocator_first_fit() -> None:
+    a = Allocator(16 * B)
+    o1 = a.allocate(B)
+    o2 = a.allocate(B)
+    o3 = a.allocate(4 * B)
+    o4 = a.allocate(B)
+    assert (o1, o2, o3, o4) == (0, B, 2 * B, 6 * B)
+    a.release(o1, B)  # hole [0, 1B)
+    a.release(o3, 4 * B)  # hole [2B, 6B)
+    assert a.free == [(0, B), (2 * B, 4 * B), (7 * B, 9 * B)]
+    assert a.allocate(2 * B) == 2 * B  # the first hole that fits, not the big tail
+    assert a.allocate(B) == 0  # the lowest hole that fits
+    assert a.allocate(2 * B) == 4 * B
+    assert a.allocate(3 * B) == 7 * B
+
+
+def test_allocator_alignment() -> None:
+    a = Allocator(16 * B)
+    offsets = [a.allocate(n) for n in (1, B - 1, B, B + 1, 3, 0)]
+    assert offsets == [0, B, 2 * B, 3 * B, 5 * B, 6 * B]
+    assert all(o is not None and o % ALIGN == 0 for o in offsets)
+    assert a.free_bytes == 16 * B - 7 * B
+
+
+def test_allocator_release_rounds_like_allocate() -> None:
+    a = Allocator(4 * B)
+    off = a.allocate(B + 1)
+    assert off == 0 and a.free_bytes == 2 * B
+    a.release(off, B + 1)
+    assert a.free == [(0, 4 * B)]
+
+
+def test_allocator_exhaustion_returns_none() -> None:
+    a = Allocator(4 * B)
+    assert a.allocate(4 * B + 1) is None
+    assert a.free == [(0, 4 * B)]  # a failed allocation changes nothing
+    assert a.allocate(3 * B) == 0
+    assert a.allocate(2 * B) is None
+    assert a.allocate(B) == 3 * B
+    assert a.allocate(1) is None
+    assert a.free_bytes == 0 and a.free == []
+
+
+def test_allocator_unaligned_pool_never_hands_out_past_its_end() -> None:
+    a = Allocator(1000)
+    assert a.allocate(1000) is None  # rounded to 1024 > 1000
+    assert a.allocate(700) == 0
+    assert a.allocate(200) is None  # 232 B left, a block is 256
+
+
+def test_allocator_empty_pool() -> None:
+    a = Allocator(0)
+    assert a.allocate(1) is None and a.free_bytes == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_allocator_coalesces_back_to_one_block(seed: int) -> None:
+    rng = random.Random(seed)
+    size = 64 * B
+    a = Allocator(size)
+    live: list[tuple[int, int]] = []
+    while True:
+        n = rng.randint(1, 5 * B)
+        off = a.allocate(n)
+        if off is None:
+            off = a.allocate(1)  # fill the remaining small holes too
+            if off is None:
+                break
+            n = 1
+        live.append((off, n))
+    assert a.free_bytes == 0
+    rng.shuffle(live)
+    for i, (off, n) in enumerate(live):
+        a.release(off, n)
+        # Fully coalesced at every step: no two free blocks touch.
+        for (o1, l1), (o2, _) in itertools.pairwise(a.free):
+            assert o1 + l1 < o2
+        assert a.free_bytes == sum(aligned(m) for _, m in live[: i + 1])
+    assert a.free == [(0, size)]
+
+
+def test_allocator_random_property() -> None:
+    """A few thousand random allocate/release: no overlap, everything accounted, nothing lost."""
+    rng = random.Random(20240611)
+    size = 256 * B
+    a = Allocator(size)
+    live: dict[int, int] = {}  # offset -> aligned length
+    for _ in range(4000):
+        if live and rng.random() < 0.45:
+            off = rng.choice(list(live))
+            length = live.pop(off)
+            a.release(off, length - rng.randint(0, ALIGN - 1))  # any nbytes that rounds to the same length
+        else:
+            n = rng.choice([rng.randint(1, B), rng.randint(1, 8 * B), rng.randint(1, 40 * B)])
+            need = aligned(n)
+            off = a.allocate(n)
+            if off is None:
+                # First fit only fails when no free block is big enough.
+                assert all(length < need for _, length in a.free)
+            else:
+                assert off % ALIGN == 0 and off >= 0 and off + need <= size
+                for o, length in live.items():
+                    assert off + need <= o or o + length <= off, "overlapping allocation"
+                live[off] = need
+        assert a.free_bytes + sum(live.values()) == size
+        # The free list is sorted, disjoint, coalesced and disjoint from what is handed out.
+        for (o1, l1), (o2, _) in itertools.pairwise(a.free):
+            assert o1 + l1 < o2
+        for fo, fl in a.free:
+            assert fl > 0 and fo % ALIGN == 0
+            for o, length in live.items():
+                assert fo + fl <= o or o + length <= fo
+    for off, length in list(live.items()):
+        a.release(off, length)
+    assert a.free == [(0, size)]
+
+
+# --------------------------------------------------------------------------- EmbeddingStore
+
+
+def ready(store: EmbeddingStore, h: str, nbytes: int = B) -> None:
+    store.reserve(h, nbytes, "bfloat16", [nbytes // 2])
+    assert store.commit(h) is not None
+
+
+def test_lookup_counters() -> None:
+    s = EmbeddingStore(8 * B)
+    assert s.lookup("h") is None
+    assert s.counters["hits"] == s.counters["pending_hits"] == s.counters["misses"] == 0
+    entry = s.reserve("h", 100, "float32", [25])
+    assert s.counters["misses"] == 1
+    assert not entry.ready and entry.shape == [25] and entry.dtype == "float32" and entry.nbytes == 100
+    assert s.lookup("h") is entry
+    assert s.counters["pending_hits"] == 1 and s.counters["hits"] == 0
+    assert s.commit("h") is entry and entry.ready
+    assert s.counters["commits"] == 1
+    s.commit("h")  # a second commit is not counted again
+    assert s.counters["commits"] == 1
+    assert s.lookup("h") is entry
+    assert s.lookup("h") is entry
+    assert s.counters["hits"] == 2 and s.counters["pending_hits"] == 1
+    assert s.commit("missing") is None
+
+
+def test_reserve_evicts_least_recently_used() -> None:
+    s = EmbeddingStore(4 * B)
+    for h in "abcd":
+        ready(s, h)
+    s.lookup("a")  # a is now the most recent; b the least
+    new = s.reserve("e", B, "bfloat16", [1])
+    assert set(s.entries) == {"a", "c", "d", "e"}
+    assert s.counters["evictions"] == 1
+    assert new.offset == B  # b's bytes
+    s.commit("e")
+    s.reserve("f", 2 * B, "bfloat16", [1])  # needs two evictions, oldest first: c, then d
+    assert set(s.entries) == {"a", "e", "f"}
+    assert s.counters["evictions"] == 3
+
+
+def test_reserve_never_evicts_pending_or_leased() -> None:
+    s = EmbeddingStore(3 * B)
+    s.reserve("pending", B, "bfloat16", [1])
+    ready(s, "leased")
+    s.lease("r1", ["leased"], ttl_s=60)
+    ready(s, "free")
+    s.reserve("new", B, "bfloat16", [1])
+    assert set(s.entries) == {"pending", "leased", "new"}
+    with pytest.raises(PoolFull):
+        s.reserve("newer", B, "bfloat16", [1])
+    assert set(s.entries) == {"pending", "leased", "new"}
+    assert s.counters["full"] == 1
+    s.release("r1")
+    s.reserve("newer", B, "bfloat16", [1])  # the released entry is evictable now
+    assert set(s.entries) == {"pending", "new", "newer"}
+
+
+def test_pool_full_when_nothing_is_evictable() -> None:
+    s = EmbeddingStore(2 * B)
+    s.reserve("a", B, "bfloat16", [1])
+    s.reserve("b", B, "bfloat16", [1])
+    before = s.snapshot()
+    with pytest.raises(PoolFull):
+        s.reserve("c", 1, "bfloat16", [1])
+    with pytest.raises(PoolFull):
+        s.reserve("huge", 3 * B, "bfloat16", [1])
+    after = s.snapshot()
+    assert after["full"] == 2
+    assert {k: v for k, v in after.items() if k != "full"} == {k: v for k, v in before.items() if k != "full"}
+    assert "c" not in s.entries
+
+
+def test_reserve_bigger_than_the_pool_raises() -> None:
+    s = EmbeddingStore(2 * B)
+    ready(s, "a")
+    assert not s.can_reserve(2 * B + 1)
+    with pytest.raises(PoolFull):
+        s.reserve("huge", 2 * B + 1, "bfloat16", [1])
+
+
+def _reserve_ok(s: EmbeddingStore, nbytes: int) -> bool:
+    trial = copy.deepcopy(s)
+    try:
+        trial.reserve("probe", nbytes, "bfloat16", [1])
+    except PoolFull:
+        return False
+    return True
+
+
+def test_can_reserve_agrees_with_reserve() -> None:
+    # Layout: pending [0,1) leased [1,3) ready [3,5) free [5,8) (in blocks).
+    s = EmbeddingStore(8 * B)
+    s.reserve("pending", B, "bfloat16", [1])
+    ready(s, "leased", 2 * B)
+    s.lease("r", ["leased"], ttl_s=60)
+    ready(s, "evictable", 2 * B)
+    for nbytes in [1, B, 3 * B, 3 * B + 1, 5 * B - 1, 5 * B, 5 * B + 1, 6 * B, 8 * B, 9 * B]:
+        assert s.can_reserve(nbytes) == _reserve_ok(s, nbytes), nbytes
+    assert s.can_reserve(5 * B) and not s.can_reserve(5 * B + 1)
+
+
+def test_can_reserve_agrees_with_reserve_when_fragmented() -> None:
+    # Layout (blocks): ready a [0,1), pending b [1,2), ready c [2,3), pending d [3,4).
+    s = EmbeddingStore(4 * B)
+    ready(s, "a")
+    s.reserve("b", B, "bfloat16", [1])
+    ready(s, "c")
+    s.reserve("d", B, "bfloat16", [1])
+    assert s.can_reserve(2 * B) == _reserve_ok(s, 2 * B)
+    with pytest.raises(PoolFull):  # and a reservation that cannot fit evicts nothing
+        s.reserve("big", 2 * B, "bfloat16", [1])
+    assert {"a", "c"} <= set(s.entries)
+
+
+def test_lease_and_release() -> None:
+    s = EmbeddingStore(4 * B)
+    ready(s, "a")
+    ready(s, "b")
+    s.lease("r1", ["a", "not-there"], ttl_s=60)
+    s.lease("r2", ["a", "b"], ttl_s=60)
+    assert s.entries["a"].leases == {"r1", "r2"} and s.entries["b"].leases == {"r2"}
+    assert s.leases["r1"][0] == {"a"}  # unknown hashes are not held
+    assert s.snapshot()["leased_requests"] == 2
+    s.release("r2")
+    assert s.entries["a"].leases == {"r1"} and s.entries["b"].leases == set()
+    s.release("r1")
+    s.release("r1")  # twice is harmless
+    assert s.entries["a"].leases == set()
+    assert s.snapshot()["leased_requests"] == 0
+
+
+def test_expire_drops_leases_past_their_ttl(clock: OffsetClock) -> None:
+    s = EmbeddingStore(4 * B)
+    ready(s, "a")
+    ready(s, "b")
+    s.lease("short", ["a"], ttl_s=10)
+    s.lease("long", ["b"], ttl_s=100)
+    clock.advance(5)
+    assert s.expire(pending_ttl_s=60) == []
+    assert s.entries["a"].leases == {"short"}
+    clock.advance(10)
+    assert s.expire(pending_ttl_s=60) == []  # ready entries never expire, only their leases
+    assert set(s.entries) == {"a", "b"}
+    assert s.entries["a"].leases == set() and s.entries["b"].leases == {"long"}
+    assert set(s.leases) == {"long"}
+
+
+def test_lease_again_refreshes_expiry(clock: OffsetClock) -> None:
+    s = EmbeddingStore(4 * B)
+    ready(s, "a")
+    s.lease("r", ["a"], ttl_s=10)
+    clock.advance(8)
+    s.lease("r", [], ttl_s=10)
+    clock.advance(8)
+    s.expire(pending_ttl_s=60)
+    assert s.entries["a"].leases == {"r"}
+
+
+def test_expire_drops_stale_pending_entries(clock: OffsetClock) -> None:
+    s = EmbeddingStore(4 * B)
+    s.reserve("old", B, "bfloat16", [1])
+    ready(s, "done")
+    clock.advance(30)
+    young = s.reserve("young", 2 * B, "bfloat16", [1])
+    young.created = clock()  # Entry.created reads the real clock; put it on the shifted one
+    assert s.expire(pending_ttl_s=60) == []
+    clock.advance(31)  # old: 61 s pending, young: 31 s
+    assert s.expire(pending_ttl_s=60) == ["old"]
+    assert set(s.entries) == {"done", "young"}
+    assert s.counters["failed"] == 1
+    assert s.snapshot()["bytes_used"] == 3 * B
+    clock.advance(30)
+    assert s.expire(pending_ttl_s=60) == ["young"]
+    assert s.snapshot()["bytes_used"] == B
+
+
+def test_fail_drops_a_pending_entry_only() -> None:
+    s = EmbeddingStore(4 * B)
+    s.reserve("p", 3 * B, "bfloat16", [1])
+    ready(s, "r")
+    s.fail("p")
+    assert "p" not in s.entries and s.counters["failed"] == 1
+    assert s.allocator.free_bytes == 3 * B
+    s.fail("r")  # a ready entry is not failed
+    s.fail("missing")
+    assert "r" in s.entries and s.counters["failed"] == 1
+    s.reserve("p", 3 * B, "bfloat16", [1])  # the hash can be reserved again
+
+
+def test_snapshot_is_consistent() -> None:
+    s = EmbeddingStore(16 * B)
+    ready(s, "a", 100)
+    ready(s, "b", 3 * B + 1)
+    s.reserve("c", B, "bfloat16", [1])
+    s.lease("r", ["a"], ttl_s=60)
+    snap = s.snapshot()
+    assert snap["entries"] == 3
+    assert snap["bytes_used"] == B + 4 * B + B
+    assert snap["bytes_total"] == 16 * B
+    assert snap["leased_requests"] == 1
+    assert snap["misses"] == 3 and snap["commits"] == 2
+    assert all(isinstance(v, float) for v in snap.values())
+
+
+def test_store_random_property() -> None:
+    """Random store traffic: entries never overlap and bytes_used always matches the entries."""
+    rng = random.Random(7)
+    s = EmbeddingStore(64 * B)
+    for step in range(3000):
+        op = rng.random()
+        h = f"h{rng.randint(0, 40)}"
+        if op < 0.4:
+            if s.lookup(h) is None:
+                nbytes = rng.randint(1, 12 * B)
+                could = s.can_reserve(nbytes)
+                try:
+                    s.reserve(h, nbytes, "bfloat16", [1])
+                except PoolFull:
+                    assert not could, "a reservation failed though can_reserve said yes"
+        elif op < 0.7:
+            s.commit(h)
+        elif op < 0.8:
+            s.fail(h)
+        elif op < 0.9:
+            s.lease(f"r{rng.randint(0, 5)}", [h], ttl_s=60)
+        else:
+            s.release(f"r{rng.randint(0, 5)}")
+        spans = sorted((e.offset, e.offset + aligned(e.nbytes)) for e in s.entries.values())
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            assert end <= start, f"entries overlap at step {step}"
+        assert s.snapshot()["bytes_used"] == sum(b - a for a, b in spans)
+        for e in s.entries.values():
+            for r in e.leases:
+                assert e.content_hash in s.leases[r][0]

@@ -1,0 +1,248 @@
+"""Unit tests for ``common/config.py``: defaults, TOML sections, environment overrides, endpoints."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from common.config import (
+    DEFAULT_CONFIG,
+    REPO_ROOT,
+    CacheConfig,
+    Config,
+    DecoderConfig,
+    EncoderConfig,
+    FetcherConfig,
+    LivenessConfig,
+    ModelConfig,
+    ServerConfig,
+    load_config,
+)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "vlm.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_when_the_file_is_missing(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    cfg = load_config(missing, env={})
+    assert cfg.server == ServerConfig()
+    assert cfg.model == ModelConfig()
+    assert cfg.fetcher == FetcherConfig()
+    assert cfg.encoder == EncoderConfig()
+    assert cfg.cache == CacheConfig()
+    assert cfg.decoder == DecoderConfig()
+    assert cfg.liveness == LivenessConfig()
+    assert cfg.run_dir == "" and cfg.endpoints == {}
+    assert cfg.source == str(missing)
+    # A few concrete values, so a changed default is noticed.
+    assert (cfg.server.host, cfg.server.port) == ("127.0.0.1", 8000)
+    assert cfg.fetcher.allow_private_addresses is False
+    assert cfg.liveness.dead_after_s == 3.0
+    assert cfg.run_path == REPO_ROOT / "run" / "8000"
+
+
+def test_empty_file_gives_defaults(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, ""), env={})
+    assert cfg.server == ServerConfig() and cfg.cache == CacheConfig()
+
+
+def test_vlm_config_variable_picks_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server]\nport = 9123\n")
+    cfg = load_config(None, env={"VLM_CONFIG": str(path)})
+    assert cfg.server.port == 9123
+    assert cfg.source == str(path)
+    # An explicit path beats VLM_CONFIG.
+    other = tmp_path / "other.toml"
+    other.write_text("[server]\nport = 9124\n")
+    assert load_config(other, env={"VLM_CONFIG": str(path)}).server.port == 9124
+
+
+def test_no_path_and_no_variable_reads_the_shipped_file() -> None:
+    assert load_config(None, env={}).source == str(DEFAULT_CONFIG)
+
+
+def test_toml_sections_override(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+run_dir = "/tmp/vlm-run-x"
+
+[server]
+host = "0.0.0.0"
+port = 9001
+served_model_name = "qwen"
+
+[model]
+path = "/models/qwen2-vl"
+dtype = "float16"
+
+[fetcher]
+allow_private_addresses = true
+credits = 2
+http_timeout_s = 4
+
+[cache]
+pool_bytes = 1048576
+
+[liveness]
+dead_after_s = 7
+""",
+    )
+    cfg = load_config(path, env={})
+    assert (cfg.server.host, cfg.server.port, cfg.server.served_model_name) == ("0.0.0.0", 9001, "qwen")
+    assert cfg.server.request_timeout_s == ServerConfig().request_timeout_s  # untouched key keeps its default
+    assert (cfg.model.path, cfg.model.dtype, cfg.model.device) == ("/models/qwen2-vl", "float16", "auto")
+    assert cfg.fetcher.allow_private_addresses is True
+    assert cfg.fetcher.credits == 2
+    assert cfg.cache.pool_bytes == 1048576
+    assert cfg.decoder == DecoderConfig()  # untouched section keeps its defaults
+    assert cfg.run_dir == "/tmp/vlm-run-x"
+    assert cfg.run_path == Path("/tmp/vlm-run-x")
+    # TOML integers for float settings become floats.
+    assert cfg.liveness.dead_after_s == 7.0 and isinstance(cfg.liveness.dead_after_s, float)
+    assert isinstance(cfg.fetcher.http_timeout_s, float)
+
+
+def test_env_overrides_beat_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, '[server]\nhost = "10.0.0.1"\nport = 9001\n[model]\npath = "/from/file"\n')
+    env = {
+        "VLM_MODEL": "/from/env",
+        "VLM_HOST": "0.0.0.0",
+        "VLM_PORT": "9555",
+        "VLM_RUN_DIR": str(tmp_path / "rd"),
+        "VLM_DEVICE": "cpu",
+        "VLM_DTYPE": "float32",
+    }
+    cfg = load_config(path, env=env)
+    assert cfg.model.path == "/from/env"
+    assert cfg.server.host == "0.0.0.0"
+    assert cfg.server.port == 9555 and isinstance(cfg.server.port, int)
+    assert cfg.run_dir == str(tmp_path / "rd")
+    assert cfg.endpoint("cache") == f"ipc://{tmp_path / 'rd' / 'cache.sock'}"
+    assert (cfg.model.device, cfg.model.dtype) == ("cpu", "float32")
+
+
+def test_env_run_dir_beats_the_file_run_dir(tmp_path: Path) -> None:
+    path = write(tmp_path, 'run_dir = "/tmp/from-file"\n')
+    assert load_config(path, env={}).run_dir == "/tmp/from-file"
+    assert load_config(path, env={"VLM_RUN_DIR": "/tmp/from-env"}).run_dir == "/tmp/from-env"
+
+
+def test_empty_env_values_are_ignored(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server]\nport = 9001\n")
+    cfg = load_config(path, env={"VLM_PORT": "", "VLM_HOST": "", "VLM_RUN_DIR": ""})
+    assert (cfg.server.port, cfg.server.host, cfg.run_dir) == (9001, "127.0.0.1", "")
+
+
+def test_explicit_env_ignores_the_process_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLM_PORT", "1234")
+    monkeypatch.setenv("VLM_MODEL", "/process/env")
+    path = write(tmp_path, "[server]\nport = 9001\n")
+    cfg = load_config(path, env={})
+    assert cfg.server.port == 9001 and cfg.model.path == ""
+    # ... while env=None does read it.
+    assert load_config(path).server.port == 1234
+
+
+def test_unknown_section_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'gpu_farm'"):
+        load_config(write(tmp_path, "[gpu_farm]\nsize = 3\n"), env={})
+
+
+def test_unknown_top_level_key_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'portt'"):
+        load_config(write(tmp_path, "portt = 3\n"), env={})
+
+
+def test_section_name_used_as_a_scalar_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'server'"):
+        load_config(write(tmp_path, "server = 3\n"), env={})
+
+
+def test_unknown_key_is_named_with_its_section(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"\[cache\].*'pool_size'") as info:
+        load_config(write(tmp_path, "[cache]\npool_size = 3\n"), env={})
+    assert "pool_bytes" in str(info.value)  # the known keys are listed
+
+
+@pytest.mark.parametrize("name", ["source", "run_path", "deployment_id"])
+def test_section_named_like_a_config_attribute_is_named(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ValueError, match=repr(name)):
+        load_config(write(tmp_path, f"[{name}]\nx = 1\n"), env={})
+
+
+@pytest.mark.parametrize("value", ['"yes"', "1", "0", '"false"'])
+def test_bool_settings_need_true_or_false(tmp_path: Path, value: str) -> None:
+    with pytest.raises(ValueError, match="allow_private_addresses"):
+        load_config(write(tmp_path, f"[fetcher]\nallow_private_addresses = {value}\n"), env={})
+
+
+def test_bool_settings_accept_booleans(tmp_path: Path) -> None:
+    on = load_config(write(tmp_path, "[fetcher]\nallow_private_addresses = true\n"), env={})
+    assert on.fetcher.allow_private_addresses is True
+    off = load_config(write(tmp_path, "[fetcher]\nallow_private_addresses = false\n"), env={})
+    assert off.fetcher.allow_private_addresses is False
+
+
+# --------------------------------------------------------------------------- endpoints
+
+
+@pytest.mark.parametrize("name", ["gateway", "fetch", "cache", "decoder", "encoder.0", "encoder.3"])
+def test_endpoint_defaults_to_ipc_in_the_run_dir(name: str) -> None:
+    cfg = Config()
+    cfg.server.port = 8123
+    assert cfg.endpoint(name) == f"ipc://{REPO_ROOT / 'run' / '8123' / (name + '.sock')}"
+
+
+def test_two_ports_two_deployments() -> None:
+    a, b = Config(), Config()
+    a.server.port, b.server.port = 8123, 8124
+    for name in ("gateway", "fetch", "cache", "decoder", "encoder.0"):
+        assert a.endpoint(name) != b.endpoint(name)
+    assert a.deployment_id != b.deployment_id
+    assert len(a.deployment_id) == 10 and a.deployment_id.isalnum()
+    # Stable: the same run dir always gives the same id.
+    c = Config()
+    c.server.port = 8123
+    assert c.deployment_id == a.deployment_id
+
+
+def test_run_dir_sets_the_deployment(tmp_path: Path) -> None:
+    a, b = Config(run_dir=str(tmp_path / "a")), Config(run_dir=str(tmp_path / "b"))
+    a.server.port = b.server.port = 8000
+    assert a.endpoint("cache") == f"ipc://{tmp_path / 'a' / 'cache.sock'}"
+    assert a.deployment_id != b.deployment_id
+
+
+def test_explicit_endpoints_win(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+[endpoints]
+cache = "tcp://127.0.0.1:5555"
+encoder = "ipc:///tmp/vlm-enc-{gpu}.sock"
+"encoder.1" = "tcp://10.0.0.2:6000"
+""",
+    )
+    cfg = load_config(path, env={})
+    assert cfg.endpoint("cache") == "tcp://127.0.0.1:5555"
+    assert cfg.endpoint("encoder.0") == "ipc:///tmp/vlm-enc-0.sock"
+    assert cfg.endpoint("encoder.7") == "ipc:///tmp/vlm-enc-7.sock"
+    assert cfg.endpoint("encoder.1") == "tcp://10.0.0.2:6000"  # an exact name beats the template
+    assert cfg.endpoint("decoder") == f"ipc://{cfg.run_path / 'decoder.sock'}"  # others keep the default
+
+
+def test_shipped_config_loads_and_is_applied() -> None:
+    cfg = load_config(DEFAULT_CONFIG, env={})
+    raw = tomllib.loads(DEFAULT_CONFIG.read_text())
+    assert raw, "ops/vlm.toml is empty"
+    for section, values in raw.items():
+        assert isinstance(values, dict), f"top-level key {section} in the shipped file"
+        for key, value in values.items():
+            assert getattr(getattr(cfg, section), key) == value, f"[{section}] {key}"

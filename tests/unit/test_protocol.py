@@ -1,0 +1,318 @@
+"""Unit tests for ``common/protocol.py``: round trips of every message and rejection of bad frames."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pickle
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from common import protocol
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    CacheAcquire,
+    CacheAcquireResult,
+    CacheCommit,
+    CacheLookup,
+    CacheLookupResult,
+    CacheRelease,
+    EncodeJob,
+    EncodeResult,
+    FetchDone,
+    GenerateRequest,
+    MediaInput,
+    Message,
+    Ping,
+    PreparedMedia,
+    PreparedRequest,
+    ProtocolError,
+    RequestError,
+    SamplingParams,
+    StatsRequest,
+    StatsResult,
+    TensorRef,
+    TokenBatch,
+    TokenDelta,
+    WorkerStatus,
+    decode,
+    encode,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+SHM_REF = TensorRef(
+    kind="shm",
+    dtype="bfloat16",
+    shape=[7, 3584],
+    data=None,
+    shm_name="vlm-abc-emb-1",
+    offset=4096,
+    pool_incarnation="123-456",
+)
+INLINE_REF = TensorRef(
+    kind="inline",
+    dtype="float32",
+    shape=[2, 2],
+    data=b"\x00\x01\x02\xff" * 4,
+    shm_name="x",
+    offset=3,
+    pool_incarnation="p",
+)
+SAMPLING = SamplingParams(
+    max_tokens=17,
+    temperature=0.25,
+    top_p=0.5,
+    top_k=40,
+    seed=1234,
+    stop_token_ids=[151645, 151643],
+    ignore_eos=True,
+    min_tokens=2,
+)
+MEDIA = MediaInput(kind="image", url="https://example.com/cat.png", min_pixels=3136, max_pixels=1_000_000)
+PREPARED = PreparedMedia(kind="image", content_hash="ab" * 32, grid_thw=[1, 14, 20], num_tokens=70)
+DELTA = TokenDelta(request_id="r1", token_ids=[1, 2, 3], finish_reason="stop", prompt_tokens=12, completion_tokens=3)
+
+
+def one_of_each() -> list[Message]:
+    """One instance of every registered message, every field set away from its default."""
+    return [
+        INLINE_REF,
+        SAMPLING,
+        MEDIA,
+        PREPARED,
+        WorkerStatus(role="encoder", worker_id="encoder.0", incarnation="99-1", credits=4),
+        Ping(sender="fetcher"),
+        GenerateRequest(
+            request_id="req-1",
+            prompt_ids=[151644, 8948, 198],
+            media=[MEDIA, MediaInput(kind="image", url="data:image/png;base64,AAAA", min_pixels=1, max_pixels=2)],
+            sampling=SAMPLING,
+        ),
+        FetchDone(request_id="req-1"),
+        PreparedRequest(request_id="req-2", prompt_ids=[1, 151655, 2], media=[PREPARED, PREPARED], sampling=SAMPLING),
+        Abort(request_id="req-3"),
+        EncodeJob(job_id="job-1", content_hash="cd" * 32, pixels=INLINE_REF, grid_thw=[1, 4, 6], slot=SHM_REF),
+        EncodeResult(job_id="job-1", content_hash="cd" * 32, status=500, message="encoder exploded"),
+        CacheLookup(call_id="c1", content_hash="ef" * 32, nbytes=1 << 20, dtype="bfloat16", shape=[64, 8192]),
+        CacheLookupResult(call_id="c1", state="reserved", slot=SHM_REF, status=201, message="yours"),
+        CacheCommit(content_hash="ef" * 32, error="boom"),
+        CacheAcquire(call_id="c2", request_id="req-4", content_hashes=["a" * 64, "b" * 64]),
+        CacheAcquireResult(call_id="c2", request_id="req-4", refs=[SHM_REF, INLINE_REF], status=503, message="m"),
+        CacheRelease(request_id="req-4"),
+        StatsRequest(call_id="c3"),
+        StatsResult(call_id="c3", role="cache", incarnation="7-7", counters={"hits": 3.0, "bytes_used": 1.5e9}),
+        DELTA,
+        TokenBatch(
+            deltas=[
+                DELTA,
+                TokenDelta(request_id="r2", token_ids=[], finish_reason="length", prompt_tokens=5, completion_tokens=9),
+            ]
+        ),
+        RequestError(request_id="req-5", status=429, code="overloaded", message="try later"),
+    ]
+
+
+def test_every_registered_message_is_covered() -> None:
+    assert {type(m) for m in one_of_each()} == set(protocol._REGISTRY.values())
+    assert {m.TAG for m in one_of_each()} == set(protocol._REGISTRY)
+
+
+@pytest.mark.parametrize("msg", one_of_each(), ids=lambda m: type(m).__name__)
+def test_round_trip(msg: Message) -> None:
+    # The instance really exercises the optional fields: none is left at its default.
+    for f in dataclasses.fields(msg):  # type: ignore[arg-type]
+        if f.default is not dataclasses.MISSING:
+            assert getattr(msg, f.name) != f.default, f"{type(msg).__name__}.{f.name} left at default"
+        elif f.default_factory is not dataclasses.MISSING:
+            assert getattr(msg, f.name) != f.default_factory(), f"{type(msg).__name__}.{f.name} left at default"
+    frame = encode(msg)
+    assert isinstance(frame, bytes)
+    back = decode(frame)
+    assert type(back) is type(msg)
+    assert back == msg
+    assert encode(back) == frame
+
+
+def test_round_trip_keeps_nested_types() -> None:
+    msg = EncodeJob(job_id="j", content_hash="h", pixels=INLINE_REF, grid_thw=[1, 2, 2], slot=SHM_REF)
+    back = decode(encode(msg))
+    assert isinstance(back, EncodeJob)
+    assert isinstance(back.pixels, TensorRef) and isinstance(back.slot, TensorRef)
+    assert isinstance(back.pixels.data, bytes) and back.pixels.data == INLINE_REF.data
+    batch = decode(encode(TokenBatch(deltas=[DELTA, DELTA])))
+    assert isinstance(batch, TokenBatch)
+    assert all(isinstance(d, TokenDelta) for d in batch.deltas)
+    req = decode(encode(GenerateRequest("r", [1], [MEDIA], SAMPLING)))
+    assert isinstance(req, GenerateRequest)
+    assert isinstance(req.media[0], MediaInput) and isinstance(req.sampling, SamplingParams)
+
+
+def test_round_trip_of_defaults_and_none() -> None:
+    for msg in (
+        CacheLookupResult(call_id="c", state="pending"),
+        SamplingParams(max_tokens=1),
+        TensorRef(kind="inline", dtype="uint8", shape=[0], data=b""),
+        TokenDelta(request_id="r", token_ids=[]),
+        MediaInput(kind="image", url="u"),
+    ):
+        assert decode(encode(msg)) == msg
+
+
+def test_wire_format_is_version_tag_body() -> None:
+    wire = msgpack.unpackb(encode(CacheLookupResult("c", "ready", slot=SHM_REF)), raw=False)
+    assert wire[0] == PROTOCOL_VERSION
+    assert wire[1] == "CacheLookupResult"
+    assert wire[2]["call_id"] == "c"
+    assert wire[2]["slot"]["~t"] == "TensorRef"  # nested messages carry their own tag
+    assert wire[2]["slot"]["offset"] == 4096
+
+
+def test_decoded_messages_are_frozen() -> None:
+    back = decode(encode(Ping("x")))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        back.sender = "y"  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------- rejection
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def test_unknown_tag() -> None:
+    with pytest.raises(ProtocolError, match="unknown message tag 'Launch'"):
+        decode(pack([PROTOCOL_VERSION, "Launch", {"target": "x"}]))
+
+
+def test_unknown_nested_tag() -> None:
+    body = {"deltas": [{"~t": "Evil", "x": 1}]}
+    with pytest.raises(ProtocolError, match="unknown message tag 'Evil'"):
+        decode(pack([PROTOCOL_VERSION, "TokenBatch", body]))
+
+
+def test_base_class_and_module_names_are_not_tags() -> None:
+    for tag in ("Message", "ProtocolError", "dataclasses", ""):
+        with pytest.raises(ProtocolError):
+            decode(pack([PROTOCOL_VERSION, tag, {}]))
+
+
+@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION + 1, -1, "1", None])
+def test_wrong_protocol_version(version: Any) -> None:
+    with pytest.raises(ProtocolError, match="version"):
+        decode(pack([version, "Ping", {"sender": "x"}]))
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\xc1",  # a byte msgpack never uses
+        b"\xff\x00\x13garbage\x00",
+        b"hello world",
+        encode(Ping("truncated"))[:-3],
+        encode(Ping("x")) + b"\x00",  # trailing bytes
+        pack(5),
+        pack("abc"),
+        pack([PROTOCOL_VERSION, "Ping"]),
+        pack([PROTOCOL_VERSION, "Ping", {"sender": "x"}, "extra"]),
+        pack({"version": 1, "tag": "Ping", "body": {}}),
+        pack([PROTOCOL_VERSION, "Ping", {1: "int key"}]),
+    ],
+    ids=lambda f: f[:12].hex() or "empty",
+)
+def test_garbage_bytes(frame: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode(frame)
+
+
+@pytest.mark.parametrize("body", [["sender", "x"], "sender=x", 7, None, b"\x00"])
+def test_body_not_a_map(body: Any) -> None:
+    with pytest.raises(ProtocolError, match="not a map"):
+        decode(pack([PROTOCOL_VERSION, "Ping", body]))
+
+
+def test_body_that_is_itself_a_message_is_rejected() -> None:
+    with pytest.raises(ProtocolError):
+        decode(pack([PROTOCOL_VERSION, "Ping", {"~t": "Ping", "sender": "x"}]))
+
+
+def test_unexpected_field() -> None:
+    with pytest.raises(ProtocolError, match="bad fields for Ping"):
+        decode(pack([PROTOCOL_VERSION, "Ping", {"sender": "x", "admin": True}]))
+
+
+def test_missing_field() -> None:
+    with pytest.raises(ProtocolError, match="bad fields for WorkerStatus"):
+        decode(pack([PROTOCOL_VERSION, "WorkerStatus", {"role": "encoder", "worker_id": "w", "incarnation": "i"}]))
+
+
+def test_bad_fields_in_nested_message() -> None:
+    slot = {"~t": "TensorRef", "kind": "shm", "dtype": "float32"}  # no shape
+    body = {"call_id": "c", "state": "reserved", "slot": slot}
+    with pytest.raises(ProtocolError, match="bad fields for TensorRef"):
+        decode(pack([PROTOCOL_VERSION, "CacheLookupResult", body]))
+    slot = {**slot, "shape": [1], "evil": 1}
+    with pytest.raises(ProtocolError, match="bad fields for TensorRef"):
+        decode(pack([PROTOCOL_VERSION, "CacheLookupResult", {**body, "slot": slot}]))
+
+
+def test_nil_tag_is_rejected() -> None:
+    with pytest.raises(ProtocolError):
+        decode(pack([PROTOCOL_VERSION, None, {"sender": "x"}]))
+
+
+@pytest.mark.parametrize("tag", [["Ping"], {"a": 1}])
+def test_unhashable_tag_is_rejected(tag: Any) -> None:
+    with pytest.raises(ProtocolError):
+        decode(pack([PROTOCOL_VERSION, tag, {"sender": "x"}]))
+
+
+@pytest.mark.parametrize("thing", [{"sender": "x"}, "Ping", None, b"\x93\x01", [Ping("x")], 3])
+def test_encode_refuses_non_messages(thing: Any) -> None:
+    with pytest.raises(TypeError, match="not a protocol message"):
+        encode(thing)
+
+
+# --------------------------------------------------------------------------- no pickle
+
+
+class _Detonator:
+    """Unpickling this would call ``_boom`` — decode must never get that far."""
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_boom, ())
+
+
+_EXPLODED: list[bool] = []
+
+
+def _boom() -> None:
+    _EXPLODED.append(True)
+
+
+@pytest.mark.parametrize("proto", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_pickle_frames_are_rejected(proto: int) -> None:
+    for obj in (Ping("x"), {"sender": "x"}, [PROTOCOL_VERSION, "Ping", {"sender": "x"}], _Detonator()):
+        with pytest.raises(ProtocolError):
+            decode(pickle.dumps(obj, protocol=proto))
+    assert not _EXPLODED
+
+
+def test_no_pickle_imports_in_wire_modules() -> None:
+    banned = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "marshal", "shelve"}
+    for rel in ("common/protocol.py", "common/transport.py", "common/tensor_ref.py"):
+        tree = ast.parse((REPO / rel).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                names = {(node.module or "").split(".")[0]}
+            else:
+                continue
+            assert not names & banned, f"{rel} imports {names & banned}"
