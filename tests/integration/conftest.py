@@ -36,7 +36,9 @@ class Stack:
     def ctl(self, *args: str) -> str:
         out = subprocess.run(
             [str(REPO / ".venv/bin/supervisorctl"), "-c", str(REPO / "ops/vlm.conf"), *args],
-            capture_output=True, text=True, timeout=30,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         return out.stdout.strip()
 
@@ -120,7 +122,8 @@ class MediaServer:
 def media_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MediaServer]:
     root = tmp_path_factory.mktemp("media")
     server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), lambda *a: _QuietHandler(*a, directory=str(root))  # type: ignore[misc]
+        ("127.0.0.1", 0),
+        lambda *a: _QuietHandler(*a, directory=str(root)),  # type: ignore[misc]
     )
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -68,8 +68,6 @@ class HfChat:
         """Greedy ids of ``new_tokens`` tokens (EOS suppressed, as ``min_tokens`` does) and the prompt length."""
         inputs = self.inputs(messages)
         with torch.inference_mode():
-            out = self.model.generate(
-                **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
-            )
+            out = self.model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         prompt_len = inputs["input_ids"].shape[1]
         return out[0, prompt_len:].tolist(), prompt_len

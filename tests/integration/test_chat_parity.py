@@ -27,7 +27,10 @@ def hf(stack: Stack) -> HfChat:
 
 def ask(client: OpenAI, messages: list[dict[str, Any]], **extra: Any) -> Any:
     return client.chat.completions.create(
-        model=client.models.list().data[0].id, messages=messages, max_tokens=NEW_TOKENS, temperature=0,
+        model=client.models.list().data[0].id,
+        messages=messages,
+        max_tokens=NEW_TOKENS,
+        temperature=0,
         extra_body={"min_tokens": NEW_TOKENS, "return_token_ids": True, **extra},
     )
 
@@ -55,20 +58,30 @@ def test_text_only(client: OpenAI, hf: HfChat) -> None:
 def test_system_prompt_and_one_image(client: OpenAI, hf: HfChat) -> None:
     messages = [
         {"role": "system", "content": "You describe pictures."},
-        {"role": "user", "content": [image_part(data_url(make_image(120, 90, seed=1))),
-                                     {"type": "text", "text": "What is in this picture?"}]},
+        {
+            "role": "user",
+            "content": [
+                image_part(data_url(make_image(120, 90, seed=1))),
+                {"type": "text", "text": "What is in this picture?"},
+            ],
+        },
     ]
     response = check_parity(client, hf, messages)
     assert response.usage.prompt_tokens > 30  # the image's tokens are counted, not one placeholder
 
 
 def test_two_images_of_different_sizes(client: OpenAI, hf: HfChat) -> None:
-    messages = [{"role": "user", "content": [
-        image_part(data_url(make_image(200, 60, seed=2))),
-        {"type": "text", "text": "Compare this one"},
-        image_part(data_url(make_image(64, 256, seed=3))),
-        {"type": "text", "text": "with that one."},
-    ]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                image_part(data_url(make_image(200, 60, seed=2))),
+                {"type": "text", "text": "Compare this one"},
+                image_part(data_url(make_image(64, 256, seed=3))),
+                {"type": "text", "text": "with that one."},
+            ],
+        }
+    ]
     check_parity(client, hf, messages)
 
 
@@ -87,8 +100,10 @@ def test_three_turns_run_the_vit_once(client: OpenAI, hf: HfChat, stack: Stack) 
         response = check_parity(client, hf, messages)
         if follow_up is None:
             break
-        messages += [{"role": "assistant", "content": response.choices[0].message.content},
-                     {"role": "user", "content": follow_up}]
+        messages += [
+            {"role": "assistant", "content": response.choices[0].message.content},
+            {"role": "user", "content": follow_up},
+        ]
     # A separate request about the same image is served from the cache too.
     check_parity(client, hf, [{"role": "user", "content": [image_part(image), {"type": "text", "text": "Again?"}]}])
     after = stack.metrics()
@@ -97,12 +112,21 @@ def test_three_turns_run_the_vit_once(client: OpenAI, hf: HfChat, stack: Stack) 
 
 
 def test_streaming_chunks_usage_and_done(client: OpenAI, hf: HfChat) -> None:
-    messages = [{"role": "user", "content": [image_part(data_url(make_image(80, 80, seed=6))),
-                                             {"type": "text", "text": "Stream it."}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [image_part(data_url(make_image(80, 80, seed=6))), {"type": "text", "text": "Stream it."}],
+        }
+    ]
     expected, prompt_len = hf.generate(messages, NEW_TOKENS)
     stream = client.chat.completions.create(
-        model=client.models.list().data[0].id, messages=messages, max_tokens=NEW_TOKENS, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"min_tokens": NEW_TOKENS},
+        model=client.models.list().data[0].id,
+        messages=messages,
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"min_tokens": NEW_TOKENS},
     )
     chunks = list(stream)  # the client stops at [DONE]; a missing [DONE] would hang and time out
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -59,7 +59,8 @@ CASES = {
     "unknown_model": ({**chat("hi"), "model": "gpt-17"}, 404, ("gpt-17",)),
     "undecodable_image": (
         chat(image("data:image/png;base64," + base64.b64encode(b"definitely not an image" * 10).decode())),
-        400, ("image",),
+        400,
+        ("image",),
     ),
     "bad_base64": (chat(image("data:image/png;base64,@@@not-base64@@@")), 400, ("base64",)),
     "unsupported_scheme": (chat(image("ftp://example.com/cat.png")), 400, ("scheme",)),

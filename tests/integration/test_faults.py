@@ -18,14 +18,24 @@ from tests.media import data_url, make_image
 ANSWER_BOUND_S = 90.0
 
 
-def one_request(client: OpenAI, model: str, seed: int) -> tuple[str, float]:
+def one_request(client: OpenAI, model: str, seed: int) -> tuple[str, float, float]:
+    """(outcome, seconds taken, monotonic end time)."""
     started = time.monotonic()
     picture = data_url(make_image(320 + seed % 7 * 16, 240, seed=seed))
     try:
         response = client.chat.completions.create(
-            model=model, max_tokens=16, temperature=0,
-            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture}},
-                                                   {"type": "text", "text": "Describe it."}]}],
+            model=model,
+            max_tokens=16,
+            temperature=0,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": picture}},
+                        {"type": "text", "text": "Describe it."},
+                    ],
+                }
+            ],
         )
         outcome = f"ok:{response.choices[0].finish_reason}"
     except openai.APIStatusError as exc:
@@ -33,7 +43,7 @@ def one_request(client: OpenAI, model: str, seed: int) -> tuple[str, float]:
         assert exc.status_code in (500, 502, 503, 504), exc
         assert isinstance(body, dict) and body.get("message"), body  # a clean, explained error
         outcome = f"error:{exc.status_code}"
-    return outcome, time.monotonic() - started
+    return outcome, time.monotonic() - started, time.monotonic()
 
 
 def wait_restarted(stack: Stack, program: str, old_pid: int, timeout_s: float = 60) -> None:
@@ -52,15 +62,17 @@ def wait_restarted(stack: Stack, program: str, old_pid: int, timeout_s: float = 
 def test_kill_9_mid_flight(stack: Stack, program: str) -> None:
     client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=ANSWER_BOUND_S + 30)
     model = client.models.list().data[0].id
-    seeds = [hash((program, i)) % 10_000 + 1000 for i in range(8)]
+    seeds = [hash((program, i)) % 10_000 + 1000 for i in range(12)]
     victim = stack.pid(program)
     with ThreadPoolExecutor(len(seeds)) as pool:
         futures = [pool.submit(one_request, client, model, s) for s in seeds]
         time.sleep(0.3)
         os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
         outcomes = [f.result(timeout=ANSWER_BOUND_S + 60) for f in futures]
-    assert all(elapsed < ANSWER_BOUND_S for _, elapsed in outcomes), outcomes
+    assert all(elapsed < ANSWER_BOUND_S for _, elapsed, _ in outcomes), outcomes
+    assert any(end > killed_at for _, _, end in outcomes), "no request was in flight at the kill"
     wait_restarted(stack, program, victim)
     # The stack serves again: a new image end to end.
-    outcome, _ = one_request(client, model, seed=hash(program) % 1000)
+    outcome, _, _ = one_request(client, model, seed=hash(program) % 1000)
     assert outcome.startswith("ok:"), outcome

@@ -255,8 +255,10 @@ def test_per_request_pixel_limits_match_transformers_call_kwargs() -> None:
     image = decode_image(case_bytes("rgb_odd_333x517_jpeg"), MAX_IMAGE_PIXELS)
     spec = ImageProcessorSpec.from_dict(QWEN2_VL_CONFIG).with_pixel_limits(20_000, 60_000)
     expected = reference_outputs(
-        reference_processor(QWEN2_VL_CONFIG), Image.open(io.BytesIO(case_bytes("rgb_odd_333x517_jpeg"))),
-        min_pixels=20_000, max_pixels=60_000,
+        reference_processor(QWEN2_VL_CONFIG),
+        Image.open(io.BytesIO(case_bytes("rgb_odd_333x517_jpeg"))),
+        min_pixels=20_000,
+        max_pixels=60_000,
     )
     assert (spec.min_pixels, spec.max_pixels) == (20_000, 60_000)
     assert_identical(preprocess_image(image, spec), expected)
@@ -377,15 +379,37 @@ def test_configs_transformers_cannot_run_are_refused_at_load(config: dict[str, A
 
 
 def test_from_dict_reads_every_processing_field() -> None:
-    spec = ImageProcessorSpec.from_dict({
-        **QWEN2_VL_CONFIG, "patch_size": 16, "merge_size": 3, "temporal_patch_size": 1, "image_mean": 0.5,
-        "image_std": [0.1, 0.2, 0.3], "rescale_factor": 1, "do_resize": False, "do_rescale": False,
-        "do_normalize": False, "do_convert_rgb": False, "resample": 2, "unknown_key": 1,
-    })
+    spec = ImageProcessorSpec.from_dict(
+        {
+            **QWEN2_VL_CONFIG,
+            "patch_size": 16,
+            "merge_size": 3,
+            "temporal_patch_size": 1,
+            "image_mean": 0.5,
+            "image_std": [0.1, 0.2, 0.3],
+            "rescale_factor": 1,
+            "do_resize": False,
+            "do_rescale": False,
+            "do_normalize": False,
+            "do_convert_rgb": False,
+            "resample": 2,
+            "unknown_key": 1,
+        }
+    )
     assert spec == ImageProcessorSpec(
-        patch_size=16, temporal_patch_size=1, merge_size=3, min_pixels=3136, max_pixels=12845056, image_mean=0.5,
-        image_std=(0.1, 0.2, 0.3), rescale_factor=1.0, do_resize=False, do_rescale=False, do_normalize=False,
-        do_convert_rgb=False, resample=2,
+        patch_size=16,
+        temporal_patch_size=1,
+        merge_size=3,
+        min_pixels=3136,
+        max_pixels=12845056,
+        image_mean=0.5,
+        image_std=(0.1, 0.2, 0.3),
+        rescale_factor=1.0,
+        do_resize=False,
+        do_rescale=False,
+        do_normalize=False,
+        do_convert_rgb=False,
+        resample=2,
     )
     hash(spec)
 
@@ -411,8 +435,15 @@ def test_without_resize_sides_must_be_multiples_of_28() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"patch_size": 0}, {"merge_size": "2"}, {"do_resize": "yes"}, {"image_std": [0.2, 0, 0.2]},
-     {"image_mean": ["a"]}, {"resample": 99}, {"size": 448}],
+    [
+        {"patch_size": 0},
+        {"merge_size": "2"},
+        {"do_resize": "yes"},
+        {"image_std": [0.2, 0, 0.2]},
+        {"image_mean": ["a"]},
+        {"resample": 99},
+        {"size": 448},
+    ],
 )
 def test_invalid_configs_raise_value_error(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
@@ -441,6 +472,7 @@ def test_from_dir_without_config_says_which_file(tmp_path: Path) -> None:
 
 def one_colour_png(width: int, height: int) -> bytes:
     """A valid 1-bit PNG of any size in a few KB: all-zero rows deflate to almost nothing."""
+
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
@@ -471,8 +503,9 @@ def test_one_colour_png_helper_is_a_real_png() -> None:
     assert decoded.size == (300, 200) and decoded.getextrema() == ((0, 0), (0, 0), (0, 0))
 
 
-def test_huge_header_is_refused_before_decoding(bomb_png: bytes, monkeypatch: pytest.MonkeyPatch,
-                                                no_pixel_decoding: None) -> None:
+def test_huge_header_is_refused_before_decoding(
+    bomb_png: bytes, monkeypatch: pytest.MonkeyPatch, no_pixel_decoding: None
+) -> None:
     assert len(bomb_png) < 100_000
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)  # only our own budget applies
     with pytest.raises(MediaError) as info:

@@ -159,8 +159,10 @@ def _resolve_pixel_limits(config: Mapping[str, Any]) -> tuple[int, int]:
     elif isinstance(raw_size, Mapping):
         size = dict(raw_size)
     else:
-        raise ValueError(f"image processor size must be an object like {{'shortest_edge': ..., 'longest_edge': ...}}, "
-                         f"got {raw_size!r}")
+        raise ValueError(
+            f"image processor size must be an object like {{'shortest_edge': ..., 'longest_edge': ...}}, "
+            f"got {raw_size!r}"
+        )
     if config.get("min_pixels") is not None:
         size["shortest_edge"] = config["min_pixels"]
         size.pop("min_pixels", None)
@@ -168,11 +170,15 @@ def _resolve_pixel_limits(config: Mapping[str, Any]) -> tuple[int, int]:
         size["longest_edge"] = config["max_pixels"]
         size.pop("max_pixels", None)
     if frozenset(size) not in _VALID_SIZE_KEYS:
-        raise ValueError(f"image processor size has keys {sorted(size)}; transformers accepts only one of "
-                         f"{[sorted(k) for k in _VALID_SIZE_KEYS]}")
+        raise ValueError(
+            f"image processor size has keys {sorted(size)}; transformers accepts only one of "
+            f"{[sorted(k) for k in _VALID_SIZE_KEYS]}"
+        )
     if not size.get("shortest_edge") or not size.get("longest_edge"):
-        raise ValueError(f"image processor config resolves to size={size}; Qwen2-VL needs both min and max pixels: "
-                         "set 'min_pixels' and 'max_pixels' (or size.shortest_edge and size.longest_edge)")
+        raise ValueError(
+            f"image processor config resolves to size={size}; Qwen2-VL needs both min and max pixels: "
+            "set 'min_pixels' and 'max_pixels' (or size.shortest_edge and size.longest_edge)"
+        )
     return size["shortest_edge"], size["longest_edge"]
 
 
@@ -228,11 +234,15 @@ def _open(data: bytes) -> Image.Image:
     try:
         return Image.open(io.BytesIO(data), formats=_allowed_formats())
     except Image.DecompressionBombError as exc:
-        raise MediaError(413, f"image exceeds the decoder's decompression-bomb limit ({exc}): "
-                              "downscale it before sending") from exc
+        raise MediaError(
+            413, f"image exceeds the decoder's decompression-bomb limit ({exc}): downscale it before sending"
+        ) from exc
     except UnidentifiedImageError as exc:
-        raise MediaError(400, "image format not recognised or its header is corrupt: "
-                              "send an intact PNG, JPEG, WebP, GIF, BMP or TIFF file") from exc
+        raise MediaError(
+            400,
+            "image format not recognised or its header is corrupt: "
+            "send an intact PNG, JPEG, WebP, GIF, BMP or TIFF file",
+        ) from exc
     except MemoryError:
         raise
     except Exception as exc:
@@ -258,11 +268,17 @@ def _check_pixel_budget(size: tuple[int, int], max_image_pixels: int) -> None:
     pixels = width * height
     pillow_limit = Image.MAX_IMAGE_PIXELS
     if pixels > max_image_pixels:
-        raise MediaError(413, f"image is {width}x{height} = {pixels} pixels; the limit is {max_image_pixels} "
-                              "pixels: downscale it before sending")
+        raise MediaError(
+            413,
+            f"image is {width}x{height} = {pixels} pixels; the limit is {max_image_pixels} "
+            "pixels: downscale it before sending",
+        )
     if pillow_limit is not None and pixels > pillow_limit:
-        raise MediaError(413, f"image is {width}x{height} = {pixels} pixels, over the decoder's "
-                              f"decompression-bomb limit of {pillow_limit}: downscale it before sending")
+        raise MediaError(
+            413,
+            f"image is {width}x{height} = {pixels} pixels, over the decoder's "
+            f"decompression-bomb limit of {pillow_limit}: downscale it before sending",
+        )
 
 
 def _load_pixels(image: Image.Image) -> None:
@@ -270,8 +286,9 @@ def _load_pixels(image: Image.Image) -> None:
     try:
         image.load()
     except Image.DecompressionBombError as exc:
-        raise MediaError(413, f"image exceeds the decoder's decompression-bomb limit ({exc}): "
-                              "downscale it before sending") from exc
+        raise MediaError(
+            413, f"image exceeds the decoder's decompression-bomb limit ({exc}): downscale it before sending"
+        ) from exc
     except MemoryError:
         raise
     except Exception as exc:
@@ -311,8 +328,11 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         raise MediaError(400, f"image has no pixels ({width}x{height}): send a non-empty image")
     ratio = max(height, width) / min(height, width)
     if ratio > _MAX_ASPECT_RATIO:
-        raise MediaError(400, f"image is {width}x{height}, an aspect ratio of {ratio:.1f}:1; at most "
-                              f"{_MAX_ASPECT_RATIO}:1 is supported: crop or pad the image")
+        raise MediaError(
+            400,
+            f"image is {width}x{height}, an aspect ratio of {ratio:.1f}:1; at most "
+            f"{_MAX_ASPECT_RATIO}:1 is supported: crop or pad the image",
+        )
     # round() is Python's round-half-to-even, exactly as in transformers.
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
@@ -371,12 +391,16 @@ def _resize(pixels: np.ndarray, height: int, width: int, resample: int, mode: st
 def _check_patchable(shape: tuple[int, ...], spec: ImageProcessorSpec) -> None:
     height, width, channels = shape
     if height % spec.factor or width % spec.factor:
-        raise MediaError(400, f"image is {width}x{height}; with resizing disabled both sides must be multiples "
-                              f"of {spec.factor}: crop or pad the image")
+        raise MediaError(
+            400,
+            f"image is {width}x{height}; with resizing disabled both sides must be multiples "
+            f"of {spec.factor}: crop or pad the image",
+        )
     for name, stats in (("image_mean", spec.image_mean), ("image_std", spec.image_std)):
         if spec.do_normalize and isinstance(stats, tuple) and len(stats) != channels:
-            raise MediaError(400, f"image has {channels} channel(s) but {name} has {len(stats)} values: "
-                                  "send an RGB image")
+            raise MediaError(
+                400, f"image has {channels} channel(s) but {name} has {len(stats)} values: send an RGB image"
+            )
 
 
 def _patchify(pixels: np.ndarray, spec: ImageProcessorSpec) -> np.ndarray:
@@ -391,7 +415,7 @@ def _patchify(pixels: np.ndarray, spec: ImageProcessorSpec) -> np.ndarray:
     band_rows, blocks_h, blocks_w = m * p, height // (m * p), width // (m * p)
     out = np.empty((blocks_h, blocks_w, m, m, channels, t, p, p), dtype=np.float32)
     for i in range(blocks_h):
-        band = _rescale_and_normalize(pixels[i * band_rows:(i + 1) * band_rows], spec)
+        band = _rescale_and_normalize(pixels[i * band_rows : (i + 1) * band_rows], spec)
         # (row-in-block, patch row, block col, col-in-block, patch col, C) -> (block col, rib, cib, C, pr, pc)
         band = band.reshape(m, p, blocks_w, m, p, channels).transpose(2, 0, 3, 5, 1, 4)
         # The reference repeats a still image temporal_patch_size times along the time axis.
