@@ -1,4 +1,4 @@
-"""workers.fetcher.image against transformers 5.17's Qwen2-VL PIL image processor, bit for bit.
+"""workers.fetcher.image against transformers' Qwen2-VL PIL image processor, bit for bit.
 
 The reference is fed the same encoded bytes: ``Image.open`` for plain images (so its own ``convert_to_rgb``
 is what gets compared) and ``load_image`` for EXIF-rotated ones (it applies the orientation).
@@ -232,12 +232,14 @@ def test_exif_orientation_matches_load_image(orientation: int, config: dict[str,
         assert not np.array_equal(ours[0], unrotated_values)
 
 
-def test_rgba_alpha_is_dropped_like_transformers() -> None:
-    """transformers' convert_to_rgb is Image.convert("RGB"): no white background, the hidden colour shows."""
+def test_rgba_alpha_is_composited_over_white_like_transformers() -> None:
+    """Fully transparent pixels become white whatever colour hides under them; opaque ones keep theirs."""
     rgba = np.asarray(Image.open(io.BytesIO(case_bytes("rgba_partial_alpha_png"))))
-    decoded = decode_image(case_bytes("rgba_partial_alpha_png"), MAX_IMAGE_PIXELS)
-    assert decoded.mode == "RGB"
-    assert np.array_equal(np.asarray(decoded), rgba[:, :, :3])
+    decoded = np.asarray(decode_image(case_bytes("rgba_partial_alpha_png"), MAX_IMAGE_PIXELS))
+    transparent, opaque = rgba[:, :, 3] == 0, rgba[:, :, 3] == 255
+    assert transparent.any() and opaque.any()
+    assert (decoded[transparent] == 255).all()
+    assert np.array_equal(decoded[opaque], rgba[opaque][:, :3])
 
 
 def test_16bit_grey_is_clipped_like_transformers() -> None:

@@ -306,14 +306,16 @@ def _apply_exif_orientation(image: Image.Image) -> Image.Image:
 
 
 def _convert_to_rgb(image: Image.Image) -> Image.Image:
-    """transformers' ``convert_to_rgb``: a bare ``Image.convert("RGB")``.
-
-    So alpha is dropped (not composited over white), palettes are looked up ignoring transparency, and
-    16-bit greyscale is clipped to 255 rather than scaled. That is what the model was served with, so keep it.
-    """
+    """transformers' ``convert_to_rgb`` (5.21 and later; Qwen's own qwen-vl-utils does the same):
+    anything with transparency (an alpha band or a palette/colour-key ``transparency``) is composited
+    over white, everything else is a plain ``convert("RGB")`` (so 16-bit greyscale is clipped at 255)."""
     if image.mode == "RGB":
         return image
     try:
+        if "A" in image.getbands() or image.info.get("transparency") is not None:
+            rgba = image.convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(white, rgba).convert("RGB")
         return image.convert("RGB")
     except ValueError as exc:
         raise MediaError(400, f"image pixel mode {image.mode} cannot be converted to RGB: send an RGB image") from exc
