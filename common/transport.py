@@ -33,6 +33,15 @@ def _prepare(sock: zmq.Socket, address: str, bind: bool, identity: bytes | None)
         sock.connect(address)
 
 
+def _parse(frames: list[bytes], is_router: bool, address: str) -> tuple[bytes, Message | None]:
+    peer = frames[0] if is_router else b""
+    try:
+        return peer, decode(frames[-1])
+    except ProtocolError as exc:
+        log.warning("dropping a bad frame on %s: %s", address, exc)
+        return peer, None
+
+
 class Channel:
     """A socket speaking protocol messages. ROUTER channels address peers by identity."""
 
@@ -65,13 +74,7 @@ class Channel:
 
     def recv(self) -> tuple[bytes, Message | None]:
         """Receive one message: ``(peer identity or b"", message)``; None for a bad frame (logged)."""
-        frames = self.sock.recv_multipart(copy=True)
-        peer = frames[0] if self.is_router else b""
-        try:
-            return peer, decode(frames[-1])
-        except ProtocolError as exc:
-            log.warning("dropping a bad frame on %s: %s", self.address, exc)
-            return peer, None
+        return _parse(self.sock.recv_multipart(copy=True), self.is_router, self.address)
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -107,13 +110,7 @@ class AsyncChannel:
             raise
 
     async def recv(self) -> tuple[bytes, Message | None]:
-        frames = await self.sock.recv_multipart(copy=True)
-        peer = frames[0] if self.is_router else b""
-        try:
-            return peer, decode(frames[-1])
-        except ProtocolError as exc:
-            log.warning("dropping a bad frame on %s: %s", self.address, exc)
-            return peer, None
+        return _parse(await self.sock.recv_multipart(copy=True), self.is_router, self.address)
 
     def close(self) -> None:
         self.sock.close(linger=0)

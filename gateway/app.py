@@ -226,7 +226,7 @@ class Gateway:
         tracked = self.pipeline.submit(generate)
         try:
             if chat.stream:
-                return await self._stream(request, chat, tracked, len(generate.prompt_ids))
+                return await self._stream(request, chat, tracked)
             return await self._complete(chat, tracked)
         except ApiError as exc:
             self.counters["requests_failed"] += 1
@@ -307,9 +307,7 @@ class Gateway:
             }
         )
 
-    async def _stream(
-        self, request: web.Request, chat: ChatCompletionRequest, tracked: Tracked, _prompt_len: int
-    ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, chat: ChatCompletionRequest, tracked: Tracked) -> web.StreamResponse:
         events = self._events(tracked)
         try:
             first = await events.__anext__()  # errors before the first token still get a proper status

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import zmq
 
@@ -31,10 +30,8 @@ class CacheDaemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.incarnation, _ = worker_identity("cache")
-        prefix = f"vlm-{cfg.deployment_id}-emb-"
-        for stale in SHM_DIR.glob(prefix + "*"):  # pools of our dead predecessors
-            stale.unlink(missing_ok=True)
-        self.pool = ShmPool(prefix + self.incarnation, cfg.cache.pool_bytes, create=True)
+        remove_stale_pools(cfg)  # a predecessor killed with -9 could not unlink its pool
+        self.pool = ShmPool(f"{pool_prefix(cfg)}{self.incarnation}", cfg.cache.pool_bytes, create=True)
         self.store = EmbeddingStore(cfg.cache.pool_bytes)
         self.ctx = zmq.Context()
         self.channel = Channel(self.ctx, zmq.ROUTER, cfg.endpoint("cache"), bind=True)
@@ -132,7 +129,10 @@ class CacheDaemon:
             self.answer_waiters()
 
 
-def cleanup_stale(cfg: Config) -> None:
-    """Remove shared memory a killed daemon left behind (used by ops scripts and tests)."""
-    for stale in SHM_DIR.glob(f"vlm-{cfg.deployment_id}-emb-*"):
-        os.unlink(stale)
+def pool_prefix(cfg: Config) -> str:
+    return f"vlm-{cfg.deployment_id}-emb-"
+
+
+def remove_stale_pools(cfg: Config) -> None:
+    for stale in SHM_DIR.glob(pool_prefix(cfg) + "*"):
+        stale.unlink(missing_ok=True)

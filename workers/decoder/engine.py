@@ -113,7 +113,7 @@ class Engine:
         token = sample(logits, params, seq.generator)
         seq.output_ids.append(token)
         self.counters["generated_tokens"] += 1
-        if token in stops and len(seq.output_ids) > params.min_tokens:
+        if token in stops:  # (suppressed above while below min_tokens)
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= params.max_tokens or len(seq.input_ids) + len(seq.output_ids) >= self.max_model_len:
             seq.finish_reason = "length"
