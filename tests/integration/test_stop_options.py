@@ -1,0 +1,146 @@
+"""``ignore_eos`` and ``min_tokens`` through the server, on a stack started process by process.
+
+The end-of-sequence ids come from the checkpoint's own files. A copy of the demo checkpoint
+whose generation_config names, as EOS, the very token the model emits first for our prompt makes
+EOS certain — so each option visibly changes where generation stops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from common.config import load_config
+from tests.integration.conftest import REPO, Stack, free_port
+
+PROMPT = [{"role": "user", "content": "Count to ten, please."}]
+PROCESSES = [
+    ["workers.cache"],
+    ["workers.encoder", "--gpu", "0"],
+    ["workers.fetcher"],
+    ["workers.decoder"],
+    ["gateway"],
+]
+
+
+def first_token(stack: Stack) -> int:
+    client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=PROMPT,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    return reply.choices[0].token_ids[0]  # type: ignore[attr-defined]
+
+
+def checkpoint_with_eos(source: Path, target: Path, eos: int) -> Path:
+    target.mkdir()
+    for item in source.iterdir():
+        if item.name != "generation_config.json":
+            (target / item.name).symlink_to(item)
+    generation = json.loads((source / "generation_config.json").read_text())
+    generation["eos_token_id"] = [eos]
+    (target / "generation_config.json").write_text(json.dumps(generation))
+    return target
+
+
+def wait_healthy(base_url: str, processes: list[subprocess.Popen[bytes]], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in processes):
+            raise RuntimeError("a worker exited during start-up")
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("hand-started stack not healthy")
+
+
+@pytest.fixture(scope="module")
+def eos_server(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+    """Each process started by hand (``python -m ...``), as a developer debugging would."""
+    eos = first_token(stack)
+    root = tmp_path_factory.mktemp("eos-stack")
+    model = checkpoint_with_eos(load_config(stack.config_path).model_path(), root / "model", eos)
+    port = free_port()
+    config = root / "vlm.toml"
+    config.write_text(f'run_dir = "{root / "run"}"\n[server]\nport = {port}\n[cache]\npool_bytes = 16777216\n')
+    env = {**os.environ, "VLM_CONFIG": str(config), "VLM_MODEL": str(model)}
+    processes = []
+    with open(root / "workers.log", "wb") as log:
+        for args in PROCESSES:
+            cmd = [sys.executable, "-m", *args, "--config", str(config)]
+            processes.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", processes)
+        yield f"http://127.0.0.1:{port}", eos
+    finally:
+        for p in processes:
+            p.send_signal(signal.SIGTERM)
+        for p in processes:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(root / "run", ignore_errors=True)
+
+
+def ask(base_url: str, **extra: Any) -> Any:
+    client = OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"return_token_ids": True, **extra},
+    )
+
+
+def test_eos_from_the_checkpoint_stops_generation(eos_server: tuple[str, int]) -> None:
+    base_url, eos = eos_server
+    reply = ask(base_url)
+    assert reply.choices[0].token_ids == [eos]
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == 1
+
+
+def test_ignore_eos_runs_to_max_tokens(eos_server: tuple[str, int]) -> None:
+    base_url, eos = eos_server
+    reply = ask(base_url, ignore_eos=True)
+    assert reply.choices[0].token_ids[0] == eos  # EOS was produced, and generation went on
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 12
+
+
+def test_min_tokens_holds_eos_back(eos_server: tuple[str, int]) -> None:
+    base_url, eos = eos_server
+    reply = ask(base_url, min_tokens=5)
+    ids = reply.choices[0].token_ids
+    assert eos not in ids[:5] and len(ids) >= 5
+    assert reply.choices[0].finish_reason == ("stop" if ids[-1] == eos else "length")
+
+
+def test_stop_token_ids_end_generation(eos_server: tuple[str, int]) -> None:
+    base_url, _ = eos_server
+    free_run = ask(base_url, ignore_eos=True).choices[0].token_ids
+    reply = ask(base_url, ignore_eos=True, stop_token_ids=[free_run[3]])
+    assert reply.choices[0].token_ids == free_run[: free_run.index(free_run[3]) + 1]
+    assert reply.choices[0].finish_reason == "stop"
