@@ -64,7 +64,8 @@ class CacheConfig:
 
 @dataclass
 class DecoderConfig:
-    max_running: int = 16
+    max_running: int = 64
+    prefill_tokens_per_step: int = 8192
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     media_wait_s: float = 90.0
 

@@ -38,10 +38,15 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, model: LanguageModel, spec: ModelSpec, max_model_len: int) -> None:
+    def __init__(
+        self, model: LanguageModel, spec: ModelSpec, max_model_len: int, max_running: int, prefill_budget: int
+    ) -> None:
         self.model = model
         self.spec = spec
         self.max_model_len = max_model_len
+        self.max_running = max_running
+        self.prefill_budget = prefill_budget  # prompt tokens prefilled per step, so decodes keep moving
+        self.queued: dict[str, Sequence] = {}  # insertion order = arrival order
         self.running: dict[str, Sequence] = {}
         self.counters = {"prompt_tokens": 0.0, "generated_tokens": 0.0, "requests_finished": 0.0}
 
@@ -63,17 +68,31 @@ class Engine:
         return Sequence(request, ids)
 
     def add(self, seq: Sequence) -> None:
-        self.running[seq.request_id] = seq
+        self.queued[seq.request_id] = seq
 
     def abort(self, request_id: str) -> bool:
-        return self.running.pop(request_id, None) is not None
+        found = self.running.pop(request_id, None) or self.queued.pop(request_id, None)
+        return found is not None
 
     def has_work(self) -> bool:
-        return bool(self.running)
+        return bool(self.running or self.queued)
+
+    def schedule(self) -> list[Sequence]:
+        """Running sequences decode; queued ones start while slots and the prefill budget last
+        (the oldest always gets its turn, however long its prompt)."""
+        batch = [s for s in self.running.values() if s.cache is not None]
+        budget = self.prefill_budget
+        for seq in list(self.queued.values()):
+            if len(self.running) >= self.max_running or (budget < len(seq.input_ids) and budget < self.prefill_budget):
+                break
+            budget -= len(seq.input_ids)
+            self.running[seq.request_id] = self.queued.pop(seq.request_id)
+            batch.append(seq)
+        return batch
 
     def step(self) -> list[TokenDelta]:
         deltas = []
-        for seq in list(self.running.values()):
+        for seq in self.schedule():
             logits = self._decode(seq) if seq.cache is not None else self._prefill(seq)
             deltas.append(self._append(seq, logits))
             if seq.finish_reason is not None:

@@ -57,7 +57,7 @@ class DecoderWorker:
         started = time.monotonic()
         model = LanguageModel.from_checkpoint(path, device=device, dtype=resolve_dtype(cfg, device))
         max_len = cfg.decoder.max_model_len or self.spec.max_position_embeddings
-        self.engine = Engine(model, self.spec, max_len)
+        self.engine = Engine(model, self.spec, max_len, cfg.decoder.max_running, cfg.decoder.prefill_tokens_per_step)
         self.ctx = zmq.Context()
         self.inbox = Channel(self.ctx, zmq.PULL, cfg.endpoint("decoder"), bind=True)
         self.results = Channel(self.ctx, zmq.PUSH, cfg.endpoint("gateway"), bind=False)
@@ -93,7 +93,7 @@ class DecoderWorker:
             deltas = self.engine.step()
         except Exception as exc:  # a model failure must answer every request it touched
             log.exception("engine step failed")
-            for request_id in list(self.engine.running):
+            for request_id in [*self.engine.running, *self.engine.queued]:
                 self.engine.abort(request_id)
                 self.fail(request_id, 500, "internal_error", f"decoder failed: {exc}")
             return False
@@ -104,7 +104,7 @@ class DecoderWorker:
     # ------------------------------------------------------------------ messages
     def on_inbox(self, _peer: bytes, msg: Message) -> None:
         match msg:
-            case PreparedRequest(request_id=rid) if rid not in self.engine.running and rid not in self.waiting:
+            case PreparedRequest(request_id=rid) if not self.known(rid):
                 self.admit(msg)
             case Abort(request_id=rid):
                 self.engine.abort(rid)
@@ -112,6 +112,10 @@ class DecoderWorker:
                     self.cache.send(CacheRelease(rid))
             case _:
                 pass
+
+    def known(self, request_id: str) -> bool:
+        """A re-issued request (its fetcher died after handing it over) must not run twice."""
+        return request_id in self.engine.running or request_id in self.engine.queued or request_id in self.waiting
 
     def admit(self, request: PreparedRequest) -> None:
         try:
