@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One command on the GPU machine: the 2b synthetic checkpoint, the stack under supervisord, the
+# seed's workloads against it, then the transformers baseline on the same prompts.
+# Usage: benchmarks/gpu.sh OUT_DIR      (env: GIT_REV, QUICK=1 for a short smoke run)
+set -uo pipefail
+out=$(realpath -m "${1:?usage: benchmarks/gpu.sh OUT_DIR}")
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 VLM_CONFIG="$PWD/benchmarks/gpu.toml"
+log() { echo "[gpu.sh $(date +%T)] $*" | tee -a "$out/gpu.log"; }
+
+# The machine is offline: its own torch/transformers plus the carried wheels in .whl/.
+if [ ! -x .venv/bin/python ]; then python3 -m venv --system-site-packages .venv; fi
+if ls .whl/*.whl >/dev/null 2>&1; then .venv/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/*.whl; fi
+py=.venv/bin/python
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; $py -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'; echo "rev ${GIT_REV:-unknown}"; } > "$out/machine.txt" 2>&1
+
+model=${VLM_MODEL:-/tmp/qwen2-vl-2b-synth}
+if [ ! -f "$model/config.json" ]; then
+  log "generating the 2b synthetic checkpoint"
+  $py -m workers.models.synth --size 2b --out "$model" --seed 0 >> "$out/gpu.log" 2>&1 || { log "synth failed"; exit 1; }
+fi
+export VLM_MODEL="$model"
+url=http://127.0.0.1:8000
+
+log "starting the stack"
+mkdir -p run/logs
+.venv/bin/supervisord -c ops/vlm.conf > "$out/supervisord.out" 2>&1 &
+supervisor=$!
+for _ in $(seq 1 240); do
+  curl -sf "$url/health" >/dev/null && break
+  sleep 1
+done
+curl -sf "$url/health" > /dev/null || { log "stack not healthy"; tail -n 30 run/logs/*.log >> "$out/gpu.log"; kill $supervisor; exit 1; }
+log "stack healthy"
+
+n() { if [ "${QUICK:-0}" = 1 ]; then echo "$2"; else echo "$1"; fi; }
+bench() {  # name, timeout seconds, args...
+  local name=$1 limit=$2; shift 2
+  log "workload $name: $*"
+  timeout "$limit" $py -m benchmarks.serve --url "$url" --seed 0 --out "$out/$name.json" "$@" >> "$out/gpu.log" 2>&1 \
+    || log "workload $name ended with status $?"
+}
+# --num-requests: requests; sessions of 3 turns for multiturn; image requests for mixed
+bench seed3img-c1 60 --workload seed3img --concurrency 1 --num-requests "$(n 8 2)"
+bench seed3img-c32 110 --workload seed3img --concurrency 32 --num-requests "$(n 64 8)"
+bench multiturn-c32 120 --workload multiturn --concurrency 32 --num-requests "$(n 32 4)"
+bench text-c16 45 --workload text --concurrency 16 --num-requests "$(n 32 4)"
+bench mixed 70 --workload mixed --concurrency 16 --vision-rate 2 --num-requests "$(n 32 4)"
+
+log "stopping the stack"
+kill -TERM $supervisor; wait $supervisor
+cp run/logs/*.log "$out/" 2>/dev/null
+
+log "transformers baseline"
+timeout 120 $py -m benchmarks.baseline_hf --model "$model" --workload seed3img --batch-sizes 1,8 \
+  --num-requests "$(n 8 2)" --seed 0 --device cuda --dtype bfloat16 --out "$out/hf-seed3img.json" >> "$out/gpu.log" 2>&1 \
+  || log "baseline ended with status $?"
+log "done"
