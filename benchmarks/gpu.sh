@@ -38,7 +38,8 @@ n() { if [ "${QUICK:-0}" = 1 ]; then echo "$2"; else echo "$1"; fi; }
 bench() {  # name, timeout seconds, args...
   local name=$1 limit=$2; shift 2
   log "workload $name: $*"
-  timeout "$limit" $py -m benchmarks.serve --url "$url" --seed 0 --out "$out/$name.json" "$@" >> "$out/gpu.log" 2>&1 \
+  timeout $((limit + 30)) $py -m benchmarks.serve --url "$url" --seed 0 --time-limit "$limit" --out "$out/$name.json" "$@" \
+    >> "$out/gpu.log" 2>&1 \
     || log "workload $name ended with status $?"
 }
 # --num-requests: requests; sessions of 3 turns for multiturn; image requests for mixed

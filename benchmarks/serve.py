@@ -468,7 +468,11 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             run.client.t0 = time.perf_counter()
             progress.start()
             runner = {"multiturn": run_multiturn, "mixed": run_mixed}.get(args.workload, run_single)
-            await runner(run, prefetch)
+            stopped_at_limit = False
+            try:
+                await asyncio.wait_for(runner(run, prefetch), args.time_limit)
+            except TimeoutError:  # keep what finished; requests cut off at the limit are not counted
+                stopped_at_limit = True
             duration = time.perf_counter() - run.client.t0
         finally:
             progress.stop()
@@ -481,6 +485,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "model": model,
         "started_at": started_at,
         "group_by": group_by,
+        "stopped_at_limit": stopped_at_limit,
         **environment(),
     }
     summary = report.summarize_run(records, duration, group_by)
@@ -531,6 +536,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="stop the run after this many seconds and write what finished (config.stopped_at_limit says so)",
+    )
     p.add_argument("--max-tokens-mean", type=int, default=None, help="default 120 (vision), 256 (text)")
     p.add_argument(
         "--max-tokens-spread", type=int, default=None, help="uniform ± spread; default 32 (vision), 0 (text)"
