@@ -9,9 +9,17 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLM_CONFIG="$PWD/benchmarks/gpu.toml"
 log() { echo "[gpu.sh $(date +%T)] $*" | tee -a "$out/gpu.log"; }
 
-# The machine is offline: its own torch/transformers plus the carried wheels in .whl/.
-if [ ! -x .venv/bin/python ]; then python3 -m venv --system-site-packages .venv; fi
-if ls .whl/*.whl >/dev/null 2>&1; then .venv/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/*.whl; fi
+# The machine is offline: its own python3 (torch, transformers) plus the carried wheels in .whl/.
+# ops/vlm.conf runs .venv/bin/python, so that becomes a thin wrapper around this python3.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PWD"
+fi
+if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
+  mkdir -p .venv/bin
+  printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > .venv/bin/python
+  chmod +x .venv/bin/python
+fi
 py=.venv/bin/python
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; $py -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'; echo "rev ${GIT_REV:-unknown}"; } > "$out/machine.txt" 2>&1
 
@@ -25,7 +33,7 @@ url=http://127.0.0.1:8000
 
 log "starting the stack"
 mkdir -p run/logs
-.venv/bin/supervisord -c ops/vlm.conf > "$out/supervisord.out" 2>&1 &
+$py -m supervisor.supervisord -c ops/vlm.conf > "$out/supervisord.out" 2>&1 &
 supervisor=$!
 for _ in $(seq 1 240); do
   curl -sf "$url/health" >/dev/null && break
