@@ -16,7 +16,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH="/tmp/site:$PWD"
 fi
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
-  mkdir -p .venv/bin
+  rm -rf .venv && mkdir -p .venv/bin  # never write through a venv's python symlink
   printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > .venv/bin/python
   chmod +x .venv/bin/python
 fi
@@ -42,9 +42,11 @@ done
 curl -sf "$url/health" > /dev/null || { log "stack not healthy"; tail -n 30 run/logs/*.log >> "$out/gpu.log"; kill $supervisor; exit 1; }
 log "stack healthy"
 
-n() { if [ "${QUICK:-0}" = 1 ]; then echo "$2"; else echo "$1"; fi; }
-bench() {  # name, timeout seconds, args...
+quick() { [ "${QUICK:-0}" = 1 ]; }
+n() { if quick; then echo "$2"; else echo "$1"; fi; }
+bench() {  # name, time limit in seconds, args...
   local name=$1 limit=$2; shift 2
+  if quick; then limit=25; fi
   log "workload $name: $*"
   timeout $((limit + 30)) $py -m benchmarks.serve --url "$url" --seed 0 --time-limit "$limit" --out "$out/$name.json" "$@" \
     >> "$out/gpu.log" 2>&1 \
@@ -53,6 +55,7 @@ bench() {  # name, timeout seconds, args...
 # --num-requests: requests; sessions of 3 turns for multiturn; image requests for mixed
 bench seed3img-c1 60 --workload seed3img --concurrency 1 --num-requests "$(n 8 2)"
 bench seed3img-c32 110 --workload seed3img --concurrency 32 --num-requests "$(n 64 8)"
+quick && { log "QUICK: stopping after two workloads"; kill -TERM $supervisor; wait $supervisor; cp run/logs/*.log "$out/" 2>/dev/null; exit 0; }
 bench multiturn-c32 120 --workload multiturn --concurrency 32 --num-requests "$(n 32 4)"
 bench text-c16 45 --workload text --concurrency 16 --num-requests "$(n 32 4)"
 bench mixed 70 --workload mixed --concurrency 16 --vision-rate 2 --num-requests "$(n 32 4)"
