@@ -181,7 +181,9 @@ class Gateway:
         self.model_name = cfg.server.served_model_name or model_dir.name
         self.prompts = PromptBuilder(model_dir)
         self.pipeline = Pipeline(cfg)
-        self.counters: dict[str, float] = {"requests_total": 0, "requests_failed": 0, "tokens_generated": 0}
+        self.counters: dict[str, float] = dict.fromkeys(
+            ("requests_total", "requests_failed", "requests_disconnected", "tokens_generated"), 0.0
+        )
         self.instance = worker_identity("gateway")[0]
 
     def app(self) -> web.Application:
@@ -310,28 +312,29 @@ class Gateway:
     async def _stream(self, request: web.Request, chat: ChatCompletionRequest, tracked: Tracked) -> web.StreamResponse:
         events = self._events(tracked)
         try:
-            first = await events.__anext__()  # errors before the first token still get a proper status
+            first = await anext(events)  # errors before the first token still get a proper status
         except StopAsyncIteration:
             first = None
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        created = int(time.time())
-        detok = IncrementalDetokenizer(self.prompts.tokenizer)
-
-        async def send(delta: dict[str, Any], finish: str | None, extra: dict[str, Any] | None = None) -> None:
-            chunk = {
-                "id": tracked.request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, **(extra or {})}],
-            }
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-
-        await send({"role": "assistant", "content": ""}, None)
-        last = first
+        sse = SseWriter(
+            web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}),
+            tracked.request_id,
+            self.model_name,
+        )
+        await sse.response.prepare(request)
         try:
-            event = first
+            await self._stream_events(sse, chat, events, first)
+        except ConnectionResetError:  # the client went away; chat_completions' finally aborts the request
+            self.counters["requests_disconnected"] += 1
+            log.info("client of %s disconnected mid-stream", tracked.request_id)
+        return sse.response
+
+    async def _stream_events(
+        self, sse: SseWriter, chat: ChatCompletionRequest, events: Any, first: TokenDelta | None
+    ) -> None:
+        detok = IncrementalDetokenizer(self.prompts.tokenizer)
+        await sse.chunk({"role": "assistant", "content": ""}, None)
+        last = event = first
+        try:
             while event is not None:
                 last = event
                 final = event.finish_reason is not None
@@ -339,24 +342,35 @@ class Gateway:
                 self.counters["tokens_generated"] += len(event.token_ids)
                 extra = {"token_ids": event.token_ids} if chat.return_token_ids else None
                 if text or final or extra:
-                    await send({"content": text} if text else {}, event.finish_reason, extra)
-                event = None if final else await events.__anext__()
+                    await sse.chunk({"content": text} if text else {}, event.finish_reason, extra)
+                event = None if final else await anext(events)
         except ApiError as exc:  # mid-stream failure: the status is already sent, so report in-band
-            await response.write(f"data: {json.dumps(exc.body())}\n\n".encode())
+            await sse.send(exc.body())
             last = None
         if last is not None and chat.stream_options is not None and chat.stream_options.include_usage:
-            usage = {
-                "id": tracked.request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": [],
-                "usage": _usage(last),
-            }
-            await response.write(f"data: {json.dumps(usage)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+            await sse.send({**sse.header(), "choices": [], "usage": _usage(last)})
+        await sse.response.write(b"data: [DONE]\n\n")
+        await sse.response.write_eof()
+
+
+class SseWriter:
+    """Server-sent events of one chat completion stream, in OpenAI's chunk shape."""
+
+    def __init__(self, response: web.StreamResponse, request_id: str, model: str) -> None:
+        self.response = response
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def header(self) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
+
+    async def send(self, body: dict[str, Any]) -> None:
+        await self.response.write(f"data: {json.dumps(body)}\n\n".encode())
+
+    async def chunk(self, delta: dict[str, Any], finish: str | None, extra: dict[str, Any] | None = None) -> None:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, **(extra or {})}
+        await self.send({**self.header(), "choices": [choice]})
 
 
 def _usage(last: TokenDelta) -> dict[str, int]:

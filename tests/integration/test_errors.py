@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import http.client
 import json
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -109,3 +111,22 @@ def test_still_serving_after_bad_input(stack: Stack) -> None:
     status, reply, _ = post(stack, chat(image(data_url(make_image(50, 40, seed=9)))))
     assert status == 200, reply
     assert reply["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_client_disconnect_mid_stream_is_counted_and_harmless(stack: Stack) -> None:
+    before = stack.metrics().get("vlm_gateway_requests_disconnected", 0.0)
+    host, port = stack.base_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = chat("Tell me a long story.", stream=True, max_tokens=400, ignore_eos=True)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # the stream has begun
+    conn.sock.shutdown(2)  # type: ignore[union-attr]
+    conn.close()
+    deadline = time.monotonic() + 20
+    while stack.metrics().get("vlm_gateway_requests_disconnected", 0.0) <= before:
+        assert time.monotonic() < deadline, "the gateway never noticed the disconnect"
+        time.sleep(0.2)
+    status, reply, _ = post(stack, chat("Still there?"))
+    assert status == 200, reply
