@@ -304,6 +304,14 @@ class TokenBatch(Message):
 
 
 @message
+class DecoderStats(Message):
+    """Decoder -> gateway with each heartbeat: counters and gauges for /metrics."""
+
+    incarnation: str
+    counters: dict[str, float]
+
+
+@message
 class RequestError(Message):
     """The terminal message of a failed request; ``status`` is the HTTP status to answer."""
 

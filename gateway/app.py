@@ -18,6 +18,7 @@ from common.config import Config
 from common.dispatch import Dispatcher, Job
 from common.protocol import (
     Abort,
+    DecoderStats,
     FetchDone,
     GenerateRequest,
     Message,
@@ -65,6 +66,7 @@ class Pipeline:
         self.requests: dict[str, Tracked] = {}
         self.decoder_incarnation = ""
         self.decoder_seen = 0.0
+        self.decoder_stats: dict[str, float] = {}
         self.stats_waiters: dict[str, asyncio.Future[StatsResult]] = {}
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -133,6 +135,8 @@ class Pipeline:
                         self._deliver(delta)
                 case RequestError():
                     self._deliver(msg)
+                case DecoderStats(counters=counters):
+                    self.decoder_stats = counters
                 case WorkerStatus(role="decoder", incarnation=inc):
                     if self.decoder_incarnation and inc != self.decoder_incarnation:
                         self._fail_decoding("the decoder restarted")
@@ -215,6 +219,7 @@ class Gateway:
     async def metrics(self, _request: web.Request) -> web.Response:
         lines = [f"vlm_gateway_{k} {v}" for k, v in self.counters.items()]
         lines += [f"vlm_cache_{k} {v}" for k, v in (await self.pipeline.cache_stats()).items()]
+        lines += [f"vlm_decoder_{k} {v}" for k, v in self.pipeline.decoder_stats.items()]
         lines.append(f"vlm_gateway_requests_in_flight {len(self.pipeline.requests)}")
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 

@@ -21,6 +21,7 @@ from common.protocol import (
     CacheLookup,
     CacheLookupResult,
     CacheRelease,
+    DecoderStats,
     EncodeJob,
     EncodeResult,
     FetchDone,
@@ -106,6 +107,7 @@ def one_of_each() -> list[Message]:
         CacheRelease(request_id="req-4"),
         StatsRequest(call_id="c3"),
         StatsResult(call_id="c3", role="cache", incarnation="7-7", counters={"hits": 3.0, "bytes_used": 1.5e9}),
+        DecoderStats(incarnation="9-9", counters={"prefix_hit_tokens": 640.0, "requests_running": 3.0}),
         DELTA,
         TokenBatch(
             deltas=[

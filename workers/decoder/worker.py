@@ -22,6 +22,7 @@ from common.protocol import (
     CacheAcquire,
     CacheAcquireResult,
     CacheRelease,
+    DecoderStats,
     Message,
     PreparedRequest,
     RequestError,
@@ -161,6 +162,7 @@ class DecoderWorker:
     # ------------------------------------------------------------------ liveness and endings
     def heartbeat(self) -> None:
         self.results.send(WorkerStatus("decoder", "decoder", self.incarnation, self.cfg.decoder.max_running))
+        self.results.send(DecoderStats(self.incarnation, self.stats()))
         self.cache.send(StatsRequest("ping"))
         now = time.monotonic()
         if self.waiting and now - self.cache_seen > self.cfg.liveness.dead_after_s:
@@ -170,6 +172,14 @@ class DecoderWorker:
                 del self.waiting[rid]
                 self.cache.send(CacheRelease(rid))
                 self.fail(rid, 504, "media_timeout", "timed out waiting for the vision encoder")
+
+    def stats(self) -> dict[str, float]:
+        gauges = {
+            "requests_waiting_for_media": float(len(self.waiting)),
+            "requests_queued": float(len(self.engine.queued)),
+            "requests_running": float(len(self.engine.running)),
+        }
+        return {**self.engine.counters, **gauges}
 
     def fail_waiting(self, why: str) -> None:
         for rid in list(self.waiting):
