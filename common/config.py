@@ -66,6 +66,10 @@ class CacheConfig:
 class DecoderConfig:
     max_running: int = 64
     prefill_tokens_per_step: int = 8192
+    block_size: int = 16
+    kv_cache_bytes: int = 0  # 0: gpu_memory_fraction of the GPU memory free after loading; 256 MiB on CPU
+    gpu_memory_fraction: float = 0.8
+    prefix_cache: bool = True
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     media_wait_s: float = 90.0
 

@@ -1,19 +1,25 @@
-"""The decoder engine: sequences, one ``step()`` that prefills new ones and decodes running ones.
+"""The decoder engine: continuous batching over a paged KV cache with a multimodal prefix cache.
 
-Correctness first: each sequence has its own contiguous KV cache and runs its own forward.
-The paged, batched engine replaces the inside of ``step()`` without changing its contract.
+One ``step()`` is ``schedule()`` (which sequences run and how many tokens each: decodes first,
+then prefill chunks under a token budget; blocks checked and taken in pairs), ``run()`` (one
+batched forward over all of them), and ``postprocess()`` (sample, stop, free). A sequence that
+cannot get a block for its next token preempts the newest running sequence, which later
+recomputes (its committed blocks usually come back from the prefix cache).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from common.protocol import PreparedRequest, TokenDelta
+from workers.decoder.blocks import BlockManager, BlockTable, media_token_keys
 from workers.decoder.sampling import make_generator, sample, suppress
-from workers.models.language import KVCache, LanguageModel, merge_media_embeddings
-from workers.models.mrope import decode_positions, expand_media_placeholders, rope_positions
+from workers.models.language import LanguageModel
+from workers.models.mrope import expand_media_placeholders, rope_positions
+from workers.models.paged import BatchLayout, PagedKVCache, paged_forward
 from workers.models.spec import ModelSpec
 
 
@@ -24,11 +30,15 @@ class PromptError(ValueError):
 @dataclass
 class Sequence:
     request: PreparedRequest
-    input_ids: list[int]
+    prompt_ids: list[int]
+    prompt_keys: list[int]  # prefix-cache keys: token ids, media tokens keyed by content hash + offset
+    positions: torch.Tensor  # [3, prompt_len] M-RoPE positions of the prompt
+    delta: int  # position of token i (past the prompt) is i + delta
+    media_mask: torch.Tensor  # [prompt_len] bool: rows filled from media_embeds, in order
     media_embeds: torch.Tensor | None = None
     output_ids: list[int] = field(default_factory=list)
-    cache: KVCache | None = None
-    delta: int = 0
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed: int = 0  # tokens whose KV is in the table
     generator: torch.Generator | None = None
     finish_reason: str | None = None
 
@@ -36,22 +46,55 @@ class Sequence:
     def request_id(self) -> str:
         return self.request.request_id
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def keys(self) -> list[int]:
+        return self.prompt_keys + self.output_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    num_new: int  # tokens computed this step: a prefill chunk, or 1 for a decode
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's last token, so its logits give the next token."""
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
 
 class Engine:
     def __init__(
-        self, model: LanguageModel, spec: ModelSpec, max_model_len: int, max_running: int, prefill_budget: int
+        self,
+        model: LanguageModel,
+        spec: ModelSpec,
+        *,
+        max_model_len: int,
+        max_running: int,
+        prefill_budget: int,
+        num_blocks: int,
+        block_size: int,
+        prefix_cache: bool = True,
     ) -> None:
         self.model = model
         self.spec = spec
         self.max_model_len = max_model_len
         self.max_running = max_running
-        self.prefill_budget = prefill_budget  # prompt tokens prefilled per step, so decodes keep moving
-        self.queued: dict[str, Sequence] = {}  # insertion order = arrival order
-        self.running: dict[str, Sequence] = {}
-        self.counters = {"prompt_tokens": 0.0, "generated_tokens": 0.0, "requests_finished": 0.0}
+        self.prefill_budget = prefill_budget  # tokens computed per step, so running decodes keep moving
+        self.blocks = BlockManager(num_blocks, block_size, prefix_cache)
+        self.kv = PagedKVCache.for_model(model, num_blocks, block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}  # insertion order = admission order
+        self.counters = {"prompt_tokens": 0.0, "generated_tokens": 0.0, "requests_finished": 0.0, "preemptions": 0.0}
 
+    # ------------------------------------------------------------------ admission
     def prepare(self, request: PreparedRequest) -> Sequence:
-        """Expand media placeholders and check limits; raises ``PromptError``."""
+        """Expand media placeholders, check limits, compute positions; raises ``PromptError``."""
         media = [(m.kind, m.grid_thw) for m in request.media]
         try:
             ids = expand_media_placeholders(request.prompt_ids, media, self.spec)
@@ -60,68 +103,164 @@ class Engine:
         if not ids:
             raise PromptError("the prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise PromptError(
-                f"the prompt is {len(ids)} tokens but the model's context is {self.max_model_len}; shorten it"
-            )
+            raise PromptError(f"the prompt is {len(ids)} tokens but the model's context is {self.max_model_len}")
         if max(ids) >= self.spec.vocab_size or min(ids) < 0:
             raise PromptError(f"prompt token ids must lie in [0, {self.spec.vocab_size})")
-        return Sequence(request, ids)
+        needed = -(-min(len(ids) + request.sampling.max_tokens, self.max_model_len) // self.blocks.block_size)
+        if needed > self.blocks.num_blocks:
+            raise PromptError(f"the request needs {needed} KV blocks but the cache has {self.blocks.num_blocks}")
+        images = [m.grid_thw for m in request.media if m.kind == "image"]
+        videos = [m.grid_thw for m in request.media if m.kind == "video"]
+        positions, delta = rope_positions(ids, images, videos, self.spec)
+        placeholders = torch.tensor([self.spec.image_token_id, self.spec.video_token_id])
+        mask = torch.isin(torch.tensor(ids), placeholders)
+        return Sequence(request, ids, self._keys(ids, request), positions, delta, mask)
+
+    def _keys(self, ids: list[int], request: PreparedRequest) -> list[int]:
+        """Token ids, except that each media token is keyed by its media's content hash: the same
+        tokens with another image never share KV; the same image at the same place does."""
+        keys, items = list(ids), iter(request.media)
+        i = 0
+        while i < len(keys):
+            if keys[i] in (self.spec.image_token_id, self.spec.video_token_id):
+                item = next(items)
+                keys[i : i + item.num_tokens] = media_token_keys(item.content_hash, item.num_tokens)
+                i += item.num_tokens
+            else:
+                i += 1
+        return keys
 
     def add(self, seq: Sequence) -> None:
-        self.queued[seq.request_id] = seq
+        seq.generator = make_generator(seq.request.sampling, self.model.device)
+        self.waiting.append(seq)
 
     def abort(self, request_id: str) -> bool:
-        found = self.running.pop(request_id, None) or self.queued.pop(request_id, None)
-        return found is not None
+        seq = self.running.pop(request_id, None)
+        if seq is not None:
+            self.blocks.free(seq.table)
+            return True
+        found = [s for s in self.waiting if s.request_id == request_id]
+        for s in found:
+            self.waiting.remove(s)
+        return bool(found)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.running or any(s.request_id == request_id for s in self.waiting)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.queued)
-
-    def schedule(self) -> list[Sequence]:
-        """Running sequences decode; queued ones start while slots and the prefill budget last
-        (the oldest always gets its turn, however long its prompt)."""
-        batch = [s for s in self.running.values() if s.cache is not None]
-        budget = self.prefill_budget
-        for seq in list(self.queued.values()):
-            if len(self.running) >= self.max_running or (budget < len(seq.input_ids) and budget < self.prefill_budget):
-                break
-            budget -= len(seq.input_ids)
-            self.running[seq.request_id] = self.queued.pop(seq.request_id)
-            batch.append(seq)
-        return batch
+        return bool(self.running or self.waiting)
 
     def step(self) -> list[TokenDelta]:
-        deltas = []
-        for seq in self.schedule():
-            logits = self._decode(seq) if seq.cache is not None else self._prefill(seq)
-            deltas.append(self._append(seq, logits))
+        batch = self.schedule()
+        if not batch:
+            return []
+        logits = self.run(batch)
+        return self.postprocess(batch, logits)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> list[Scheduled]:
+        batch: list[Scheduled] = []
+        budget = self.prefill_budget
+        for seq in list(self.running.values()):  # decodes and unfinished prefills, oldest first
+            if seq.request_id not in self.running:
+                continue  # preempted by an older sequence in this loop
+            remaining = seq.num_tokens - seq.num_computed
+            num_new = 1 if remaining == 1 else min(remaining, budget)
+            if num_new <= 0 or not self._make_room(seq, num_new):
+                continue
+            batch.append(Scheduled(seq, num_new))
+            budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq.keys(), seq.table):
+                break  # first come, first served: later arrivals wait behind it
+            self.waiting.popleft()
+            seq.num_computed = self.blocks.allocate(seq.keys(), seq.table)
+            self.counters["prompt_tokens"] += seq.num_tokens - seq.num_computed
+            self.running[seq.request_id] = seq
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            batch.append(Scheduled(seq, num_new))
+            budget -= num_new
+        return batch
+
+    def _make_room(self, seq: Sequence, num_new: int) -> bool:
+        """Blocks for ``num_new`` more tokens of ``seq``, preempting the newest others if needed."""
+        grow = seq.num_computed + num_new - seq.table.num_tokens
+        while grow > 0 and not self.blocks.can_append(seq.table, grow):
+            victim = next(reversed(self.running.values()))
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if grow > 0:
+            self.blocks.append(seq.table, grow)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Give a sequence's blocks back; it recomputes later, keeping the tokens it has."""
+        del self.running[seq.request_id]
+        self.blocks.free(seq.table)
+        seq.table = BlockTable()
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.counters["preemptions"] += 1
+
+    # ------------------------------------------------------------------ run
+    def run(self, batch: list[Scheduled]) -> torch.Tensor:
+        embeds, positions = [], []
+        for item in batch:
+            start, end = item.seq.num_computed, item.seq.num_computed + item.num_new
+            embeds.append(self._embeddings(item.seq, start, end))
+            positions.append(self._positions(item.seq, start, end))
+        layout = BatchLayout.build(
+            [b.num_new for b in batch],
+            [b.seq.num_computed + b.num_new for b in batch],
+            [b.seq.table.blocks for b in batch],
+            self.blocks.block_size,
+            self.model.device,
+        )
+        ends = torch.cumsum(torch.tensor([b.num_new for b in batch]), 0) - 1
+        logits_for = [int(ends[i]) for i, b in enumerate(batch) if b.samples]
+        return paged_forward(self.model, torch.cat(embeds), torch.cat(positions, dim=1), layout, self.kv, logits_for)
+
+    def _embeddings(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        embeds = self.model.embed(seq.token_ids(start, end))
+        prompt_end = min(end, len(seq.prompt_ids))
+        if seq.media_embeds is None or start >= prompt_end:
+            return embeds
+        mask = seq.media_mask[start:prompt_end]
+        if mask.any():
+            first = int(seq.media_mask[:start].sum())
+            rows = seq.media_embeds[first : first + int(mask.sum())]
+            embeds = embeds.clone()
+            embeds[: prompt_end - start][mask.to(embeds.device)] = rows.to(embeds.device, embeds.dtype)
+        return embeds
+
+    def _positions(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        prompt_len = len(seq.prompt_ids)
+        parts = [seq.positions[:, start : min(end, prompt_len)]]
+        if end > prompt_len:  # generated tokens (a decode, or a recompute after preemption)
+            tail = torch.arange(max(start, prompt_len), end) + seq.delta
+            parts.append(tail.expand(3, -1))
+        return torch.cat(parts, dim=1).to(self.model.device)
+
+    # ------------------------------------------------------------------ postprocess
+    def postprocess(self, batch: list[Scheduled], logits: torch.Tensor) -> list[TokenDelta]:
+        deltas, row = [], 0
+        for item in batch:
+            seq = item.seq
+            sampled = item.samples
+            seq.num_computed += item.num_new
+            self.blocks.commit(seq.keys(), seq.table, seq.num_computed)
+            if not sampled:
+                continue
+            deltas.append(self._append(seq, logits[row]))
+            row += 1
             if seq.finish_reason is not None:
                 del self.running[seq.request_id]
+                self.blocks.free(seq.table)
                 self.counters["requests_finished"] += 1
         return deltas
 
-    # ------------------------------------------------------------------ model calls
-    def _prefill(self, seq: Sequence) -> torch.Tensor:
-        grids = [m.grid_thw for m in seq.request.media if m.kind == "image"]
-        videos = [m.grid_thw for m in seq.request.media if m.kind == "video"]
-        positions, seq.delta = rope_positions(seq.input_ids, grids, videos, self.spec)
-        embeds = self.model.embed(seq.input_ids)
-        if seq.media_embeds is not None:
-            placeholders = (self.spec.image_token_id, self.spec.video_token_id)
-            embeds = merge_media_embeddings(embeds, seq.input_ids, seq.media_embeds, placeholders)
-            seq.media_embeds = None  # the KV cache holds what we needed
-        seq.cache = self.model.new_cache(len(seq.input_ids) + min(seq.request.sampling.max_tokens, 1024))
-        seq.generator = make_generator(seq.request.sampling, self.model.device)
-        self.counters["prompt_tokens"] += len(seq.input_ids)
-        return self.model(embeds, positions, seq.cache)
-
-    def _decode(self, seq: Sequence) -> torch.Tensor:
-        index = len(seq.input_ids) + len(seq.output_ids) - 1
-        positions = decode_positions(index, 1, seq.delta, self.model.device)
-        assert seq.cache is not None
-        return self.model(self.model.embed([seq.output_ids[-1]]), positions, seq.cache)
-
-    # ------------------------------------------------------------------ sampling and stopping
     def _append(self, seq: Sequence, logits: torch.Tensor) -> TokenDelta:
         params = seq.request.sampling
         stops = set(params.stop_token_ids)
@@ -134,12 +273,22 @@ class Engine:
         self.counters["generated_tokens"] += 1
         if token in stops:  # (suppressed above while below min_tokens)
             seq.finish_reason = "stop"
-        elif len(seq.output_ids) >= params.max_tokens or len(seq.input_ids) + len(seq.output_ids) >= self.max_model_len:
+        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         return TokenDelta(
             seq.request_id,
             [token],
             seq.finish_reason,
-            prompt_tokens=len(seq.input_ids),
+            prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.output_ids),
         )
+
+    def stats(self) -> dict[str, float]:
+        used = self.blocks.num_blocks - self.blocks.num_free_blocks()
+        return {
+            **self.counters,
+            **self.blocks.counters,
+            "kv_blocks_total": float(self.blocks.num_blocks),
+            "kv_blocks_used": float(used),
+            "kv_usage": used / max(1, self.blocks.num_blocks),
+        }

@@ -35,10 +35,26 @@ from common.tensor_ref import ShmAttachments, read_tensor
 from common.transport import Channel, EventLoop, worker_identity
 from workers.decoder.engine import Engine, PromptError, Sequence
 from workers.models.language import LanguageModel
+from workers.models.paged import PagedKVCache
 from workers.models.runtime import resolve_device, resolve_dtype
 from workers.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
+
+
+def kv_cache_blocks(cfg: Config, spec: ModelSpec, model: LanguageModel) -> int:
+    """KV blocks from ``[decoder] kv_cache_bytes``, or by default a share of what the GPU has free
+    after the weights (the encoder and the embedding pool take the rest), or 256 MiB on a CPU."""
+    per_block = PagedKVCache.bytes_per_block(spec, cfg.decoder.block_size, model.dtype)
+    budget = cfg.decoder.kv_cache_bytes
+    if budget <= 0 and model.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(model.device)
+        budget = int(free * cfg.decoder.gpu_memory_fraction)
+    elif budget <= 0:
+        budget = 256 * 2**20
+    blocks = budget // per_block
+    log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", blocks, cfg.decoder.block_size, blocks * per_block / 2**30)
+    return int(blocks)
 
 
 @dataclass
@@ -58,7 +74,16 @@ class DecoderWorker:
         started = time.monotonic()
         model = LanguageModel.from_checkpoint(path, device=device, dtype=resolve_dtype(cfg, device))
         max_len = cfg.decoder.max_model_len or self.spec.max_position_embeddings
-        self.engine = Engine(model, self.spec, max_len, cfg.decoder.max_running, cfg.decoder.prefill_tokens_per_step)
+        self.engine = Engine(
+            model,
+            self.spec,
+            max_model_len=max_len,
+            max_running=cfg.decoder.max_running,
+            prefill_budget=cfg.decoder.prefill_tokens_per_step,
+            num_blocks=kv_cache_blocks(cfg, self.spec, model),
+            block_size=cfg.decoder.block_size,
+            prefix_cache=cfg.decoder.prefix_cache,
+        )
         self.ctx = zmq.Context()
         self.inbox = Channel(self.ctx, zmq.PULL, cfg.endpoint("decoder"), bind=True)
         self.results = Channel(self.ctx, zmq.PUSH, cfg.endpoint("gateway"), bind=False)
@@ -94,7 +119,7 @@ class DecoderWorker:
             deltas = self.engine.step()
         except Exception as exc:  # a model failure must answer every request it touched
             log.exception("engine step failed")
-            for request_id in [*self.engine.running, *self.engine.queued]:
+            for request_id in [*self.engine.running, *(s.request_id for s in self.engine.waiting)]:
                 self.engine.abort(request_id)
                 self.fail(request_id, 500, "internal_error", f"decoder failed: {exc}")
             return False
@@ -116,7 +141,7 @@ class DecoderWorker:
 
     def known(self, request_id: str) -> bool:
         """A re-issued request (its fetcher died after handing it over) must not run twice."""
-        return request_id in self.engine.running or request_id in self.engine.queued or request_id in self.waiting
+        return self.engine.holds(request_id) or request_id in self.waiting
 
     def admit(self, request: PreparedRequest) -> None:
         try:
@@ -176,10 +201,10 @@ class DecoderWorker:
     def stats(self) -> dict[str, float]:
         gauges = {
             "requests_waiting_for_media": float(len(self.waiting)),
-            "requests_queued": float(len(self.engine.queued)),
+            "requests_queued": float(len(self.engine.waiting)),
             "requests_running": float(len(self.engine.running)),
         }
-        return {**self.engine.counters, **gauges}
+        return {**self.engine.stats(), **gauges}
 
     def fail_waiting(self, why: str) -> None:
         for rid in list(self.waiting):

@@ -1,0 +1,415 @@
+"""Batched forward pass of the language model over a paged KV cache.
+
+The engine runs many sequences in one forward: prefill chunks and single decode tokens, flattened
+into one [T, hidden] batch (sequence 0's tokens first, then sequence 1's, ...). Every layer's linear
+maps, norms, rotary and MLP see the whole batch; only attention needs to know where one sequence ends.
+
+K/V live in fixed-size blocks shared by all sequences (`PagedKVCache`): a sequence owns a list of
+physical block ids (its block table), token ``pos`` of a sequence lives in slot
+``table[pos // block_size] * block_size + pos % block_size``. Blocks can be shared between sequences
+(prefix caching) as long as nobody writes to a shared block; `BatchLayout` checks that.
+
+The math comes from `workers.models.language` so that a kernel swap stays in one place;
+`paged_attention_reference` is the plain-torch attention that paged kernels will be checked against.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from workers.models.language import DecoderLayer, LanguageModel, _causal_mask, apply_rotary, mrope_cos_sin
+from workers.models.spec import ModelSpec
+
+# q [T, heads, D], layer keys and values [slots, kv_heads, D], layout, scale -> [T, heads, D].
+PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "BatchLayout", float], torch.Tensor]
+
+
+# --- cache --------------------------------------------------------------------------------------------
+
+
+class PagedKVCache:
+    """K/V for all sequences: per layer one [num_blocks * block_size, kv_heads, head_dim] tensor of slots.
+
+    Slots are flat (not [blocks, block_size, ...]) so that writing new tokens is one ``index_copy_``
+    with the layout's slot mapping, and gathering a context is one ``index_select``.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # zeros, not empty: a kernel that wrongly reads an unwritten slot then sees finite values, so a
+        # bug shows up as a wrong answer in the tests rather than as NaNs depending on stale memory.
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(cls, model: LanguageModel, num_blocks: int, block_size: int) -> PagedKVCache:
+        spec = model.spec
+        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, block_size, model.device, model.dtype)
+
+    @staticmethod
+    def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+        """Memory of one block across all layers, k and v: divide a memory budget by this for num_blocks."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new k/v [T, kv_heads, D] at ``slots`` [T]."""
+        self.keys[layer].index_copy_(0, slots, k)
+        self.values[layer].index_copy_(0, slots, v)
+
+    def copy_blocks(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Copy whole blocks (src, dst) in every layer, e.g. copy-on-write of a shared partial block."""
+        pairs = list(pairs)
+        if not pairs:
+            return
+        ids = torch.tensor(pairs, dtype=torch.int64)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks:
+            raise ValueError(f"block ids must lie in [0, {self.num_blocks}), got {pairs}")
+        src, dst = ids[:, 0].to(self.device), ids[:, 1].to(self.device)
+        for store in (self.keys, self.values):
+            for slots in store:
+                blocks = slots.view(self.num_blocks, self.block_size, *slots.shape[1:])
+                blocks.index_copy_(0, dst, blocks.index_select(0, src))
+
+
+# --- batch layout -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where each sequence's new tokens and context live for one forward.
+
+    Sequence ``s`` contributes ``query_lens[s]`` new tokens at positions ``context_lens[s] -
+    query_lens[s] ..`` and attends over positions ``0 .. context_lens[s] - 1``. Construction validates
+    and copies the lists (the engine goes on growing its own tables); frozen, because the index tensors
+    are built from them on first use, on ``device``, and cached.
+    """
+
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    block_size: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _tensors: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "query_lens", [int(n) for n in self.query_lens])
+        object.__setattr__(self, "context_lens", [int(n) for n in self.context_lens])
+        object.__setattr__(self, "block_tables", [[int(b) for b in table] for table in self.block_tables])
+        object.__setattr__(self, "device", torch.device(self.device))
+        self._validate()
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        num_blocks: int | None = None,
+    ) -> BatchLayout:
+        """Validated layout; with ``num_blocks`` block ids are also checked against the cache size."""
+        layout = cls(list(query_lens), list(context_lens), [list(t) for t in block_tables], block_size, device)
+        if num_blocks is not None:
+            layout.check_blocks(num_blocks)
+        return layout
+
+    def to(self, device: torch.device | str) -> BatchLayout:
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        # A shallow copy: the lists were validated already, only the cached tensors are per device.
+        moved = copy.copy(self)
+        object.__setattr__(moved, "device", device)
+        object.__setattr__(moved, "_tensors", {name: t.to(device) for name, t in self._tensors.items()})
+        return moved
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def past_lens(self) -> list[int]:
+        """Tokens per sequence whose k/v were computed by earlier forwards."""
+        return [c - q for q, c in zip(self.query_lens, self.context_lens, strict=True)]
+
+    @property
+    def query_starts(self) -> list[int]:
+        """Flat index of each sequence's first new token, plus T at the end ([B + 1], as cu_seqlens)."""
+        starts = [0]
+        for n in self.query_lens:
+            starts.append(starts[-1] + n)
+        return starts
+
+    @property
+    def last_token_indices(self) -> list[int]:
+        return [end - 1 for end in self.query_starts[1:]]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """int64 [T]: the slot each new token's k/v is written to."""
+        return self._cached("slot_mapping", lambda: self._slots(self.query_lens, self.past_lens))
+
+    @property
+    def context_slots(self) -> torch.Tensor:
+        """int64 [sum(context_lens)]: every context token's slot, sequence after sequence, in position order."""
+        return self._cached("context_slots", lambda: self._slots(self.context_lens, [0] * self.num_seqs))
+
+    @property
+    def block_table_tensor(self) -> torch.Tensor:
+        """int64 [B, max blocks], padded with -1: the form paged kernels take."""
+        return self._cached("block_table", self._padded_block_tables)
+
+    def check_blocks(self, num_blocks: int) -> None:
+        """Raise ValueError if a block id does not exist in a cache of ``num_blocks`` blocks."""
+        for s, table in enumerate(self.block_tables):
+            bad = [b for b in table if not 0 <= b < num_blocks]
+            if bad:
+                raise ValueError(f"sequence {s} uses block ids {bad} outside the cache's [0, {num_blocks})")
+
+    def _cached(self, name: str, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if name not in self._tensors:
+            # Built on the CPU from the lists, then moved once: no per-step chain of tiny device kernels.
+            self._tensors[name] = build().to(self.device)
+        return self._tensors[name]
+
+    def _padded_block_tables(self) -> torch.Tensor:
+        width = max(len(t) for t in self.block_tables)
+        return torch.tensor([t + [-1] * (width - len(t)) for t in self.block_tables], dtype=torch.int64)
+
+    def _slots(self, counts: list[int], firsts: list[int]) -> torch.Tensor:
+        """Slots of positions firsts[s] .. firsts[s] + counts[s] - 1 of every sequence, concatenated."""
+        counts_t = torch.tensor(counts, dtype=torch.int64)
+        seq = torch.repeat_interleave(torch.arange(self.num_seqs), counts_t)
+        starts = torch.cumsum(counts_t, 0) - counts_t
+        pos = torch.arange(int(counts_t.sum())) - starts[seq] + torch.tensor(firsts, dtype=torch.int64)[seq]
+        tables, size = self._padded_block_tables(), self.block_size
+        return tables[seq, pos // size] * size + pos % size
+
+    def _validate(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        n = len(self.query_lens)
+        if n == 0:
+            raise ValueError("a batch needs at least one sequence")
+        if len(self.context_lens) != n or len(self.block_tables) != n:
+            raise ValueError(
+                f"query_lens, context_lens and block_tables must have one entry per sequence, got "
+                f"{n}, {len(self.context_lens)} and {len(self.block_tables)}"
+            )
+        for s, (q, c, table) in enumerate(zip(self.query_lens, self.context_lens, self.block_tables, strict=True)):
+            if q < 1:
+                raise ValueError(f"sequence {s}: query_len must be >= 1, got {q}")
+            if c < q:
+                raise ValueError(f"sequence {s}: context_len {c} is smaller than its query_len {q}")
+            needed = _blocks_for(c, self.block_size)
+            if len(table) < needed:
+                raise ValueError(
+                    f"sequence {s}: {c} tokens need {needed} blocks of {self.block_size}, block table has {len(table)}"
+                )
+            if min(table) < 0:
+                raise ValueError(f"sequence {s}: negative block id in its block table {table}")
+            if len(set(table[:needed])) != needed:
+                raise ValueError(f"sequence {s}: block table repeats a block: {table[:needed]}")
+        self._check_writes_are_private()
+
+    def _check_writes_are_private(self) -> None:
+        # A block written in this forward must belong to its writer alone: otherwise two sequences write
+        # the same slots, or one reads slots that another overwrites. Shared (prefix) blocks are read-only;
+        # the engine copies a shared partial block (copy_blocks) before appending to it.
+        users: dict[int, set[int]] = {}
+        for s, (table, c) in enumerate(zip(self.block_tables, self.context_lens, strict=True)):
+            for b in table[: _blocks_for(c, self.block_size)]:
+                users.setdefault(b, set()).add(s)
+        for s, (q, c, table) in enumerate(zip(self.query_lens, self.context_lens, self.block_tables, strict=True)):
+            for b in table[(c - q) // self.block_size : _blocks_for(c, self.block_size)]:
+                if users[b] != {s}:
+                    others = sorted(users[b] - {s})
+                    raise ValueError(f"sequence {s} writes block {b}, which sequences {others} also use")
+
+
+def _blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+# --- attention ----------------------------------------------------------------------------------------
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    kv_k: torch.Tensor,
+    kv_v: torch.Tensor,
+    layout: BatchLayout,
+    scale: float,
+) -> torch.Tensor:
+    """Causal GQA attention of every sequence's new queries over its whole context, gathered from slots.
+
+    q [T, heads, D] (flat, sequence after sequence); kv_k, kv_v [slots, kv_heads, D] already hold the new
+    tokens' k/v. Query i of sequence s sits at position ``context_len - query_len + i`` and sees
+    positions ``0 ..`` itself. Returns [T, heads, D].
+    """
+    out = torch.empty_like(q)
+    slots = layout.context_slots
+    q_starts, ctx_start = layout.query_starts, 0
+    for s, (past, ctx) in enumerate(zip(layout.past_lens, layout.context_lens, strict=True)):
+        seq_slots = slots[ctx_start : ctx_start + ctx]
+        ctx_start += ctx
+        # [kv_heads, S, D] with rows D apart, as in `KVCache`'s views: SDPA takes the same path as there.
+        k = kv_k.index_select(0, seq_slots).transpose(0, 1).contiguous()
+        v = kv_v.index_select(0, seq_slots).transpose(0, 1).contiguous()
+        begin, end = q_starts[s], q_starts[s + 1]
+        out[begin:end] = _sequence_attention(q[begin:end].transpose(0, 1), k, v, past, scale).transpose(0, 1)
+    return out
+
+
+def _sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor:
+    """`language.attention` with an explicit scale: q [Hq, t, D], k/v [Hkv, past + t, D] -> [Hq, t, D].
+
+    The same SDPA calls in the same three cases (no mask / is_causal / explicit mask) as the per-sequence
+    path, so that fp32 results agree bit for bit.
+    """
+    t, s = q.shape[1], k.shape[1]
+    mask, causal = None, False
+    if t > 1 and past == 0:
+        causal = True
+    elif t > 1:
+        mask = _causal_mask(t, s, past, q.device)  # is_causal would align the triangle top-left
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+    )
+    return out.squeeze(0)
+
+
+# --- forward ------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def paged_forward(
+    model: LanguageModel,
+    inputs_embeds: torch.Tensor,
+    position_ids: torch.Tensor,
+    layout: BatchLayout,
+    kv: PagedKVCache,
+    logits_for: Sequence[int] | None = None,
+    attention: PagedAttention = paged_attention_reference,
+) -> torch.Tensor:
+    """Run a batch of sequences' new tokens through the decoder, writing their k/v into ``kv``.
+
+    inputs_embeds [T, hidden] and position_ids [3, T], tokens of sequence 0 first. Returns logits
+    [len(logits_for), vocab] of the given flat token indices (default: each sequence's last token).
+    ``attention`` is the one place a paged kernel plugs in.
+    """
+    _validate(model, inputs_embeds, position_ids, layout, kv)
+    device = model.device
+    layout = layout.to(device)
+    # The model's own cached frequencies (computed on the CPU), so cos/sin match its forward bit for bit.
+    inv_freq = model._rope_inv_freq()
+    cos, sin = mrope_cos_sin(position_ids.to(device), inv_freq, model.spec.mrope_section, model.dtype)
+    x = inputs_embeds.to(device=device, dtype=model.dtype)
+    for index, layer in enumerate(model.layers):
+        x = _decoder_layer(layer, index, x, cos, sin, layout, kv, attention)
+    rows = layout.last_token_indices if logits_for is None else [int(i) for i in logits_for]
+    if any(not 0 <= i < x.shape[0] for i in rows):
+        raise ValueError(f"logits_for indices must lie in [0, {x.shape[0]}), got {rows}")
+    x = x[torch.tensor(rows, dtype=torch.int64, device=device)]
+    return model.lm_head(model.norm(x))
+
+
+def _decoder_layer(
+    layer: DecoderLayer,
+    index: int,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layout: BatchLayout,
+    kv: PagedKVCache,
+    attention: PagedAttention,
+) -> torch.Tensor:
+    # DecoderLayer.forward without its per-sequence cache: same modules, same op order.
+    x = x + _self_attention(layer, index, layer.input_layernorm(x), cos, sin, layout, kv, attention)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _self_attention(
+    layer: DecoderLayer,
+    index: int,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layout: BatchLayout,
+    kv: PagedKVCache,
+    attention: PagedAttention,
+) -> torch.Tensor:
+    attn, t = layer.self_attn, x.shape[0]
+    q = apply_rotary(attn.q_proj(x).view(t, attn.num_heads, attn.head_dim), cos, sin)
+    k = apply_rotary(attn.k_proj(x).view(t, attn.num_kv_heads, attn.head_dim), cos, sin)
+    v = attn.v_proj(x).view(t, attn.num_kv_heads, attn.head_dim)
+    kv.write(index, layout.slot_mapping, k, v)
+    out = attention(q, kv.keys[index], kv.values[index], layout, attn.head_dim**-0.5)
+    return attn.o_proj(out.reshape(t, -1))
+
+
+def _validate(
+    model: LanguageModel, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, layout: BatchLayout, kv: PagedKVCache
+) -> None:
+    spec = model.spec
+    t = layout.num_tokens
+    if tuple(inputs_embeds.shape) != (t, spec.hidden_size):
+        raise ValueError(
+            f"inputs_embeds must be [sum(query_lens)={t}, {spec.hidden_size}], got {tuple(inputs_embeds.shape)}"
+        )
+    if tuple(position_ids.shape) != (3, t):
+        raise ValueError(f"position_ids must be [3, {t}], got {tuple(position_ids.shape)}")
+    if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
+        raise ValueError(
+            f"cache has (layers, kv_heads, head_dim) {(kv.num_layers, kv.num_kv_heads, kv.head_dim)}, "
+            f"model {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}"
+        )
+    if kv.device != model.device or kv.dtype != model.dtype:
+        raise ValueError(f"cache is {kv.dtype} on {kv.device}, model {model.dtype} on {model.device}")
+    if layout.block_size != kv.block_size:
+        raise ValueError(f"layout block_size {layout.block_size} != cache block_size {kv.block_size}")
+    layout.check_blocks(kv.num_blocks)
