@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -131,3 +133,55 @@ def media_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MediaServ
         yield MediaServer(root, f"http://127.0.0.1:{server.server_address[1]}")
     finally:
         server.shutdown()
+
+
+WORKER_COMMANDS = [
+    ["workers.cache"],
+    ["workers.encoder", "--gpu", "0"],
+    ["workers.fetcher"],
+    ["workers.decoder"],
+    ["gateway"],
+]
+
+
+def _healthy(base_url: str, processes: list[subprocess.Popen[bytes]], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in processes):
+            raise RuntimeError("a worker exited during start-up")
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("hand-started stack not healthy")
+
+
+@contextlib.contextmanager
+def hand_started_stack(root: Path, model: Path, settings: str = "") -> Iterator[str]:
+    """Each process started by hand (``python -m ...``), as a developer debugging would; yields the base URL.
+
+    ``settings`` is extra TOML (sections other than [server]); sockets live under ``root``.
+    """
+    port = free_port()
+    config = root / "vlm.toml"
+    config.write_text(f'run_dir = "{root / "run"}"\n[server]\nport = {port}\n{settings}')
+    env = {**os.environ, "VLM_CONFIG": str(config), "VLM_MODEL": str(model)}
+    processes = []
+    with open(root / "workers.log", "wb") as log:
+        for args in WORKER_COMMANDS:
+            cmd = [sys.executable, "-m", *args, "--config", str(config)]
+            processes.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        _healthy(f"http://127.0.0.1:{port}", processes)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for p in processes:
+            p.send_signal(signal.SIGTERM)
+        for p in processes:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()

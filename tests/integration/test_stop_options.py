@@ -8,14 +8,6 @@ EOS certain — so each option visibly changes where generation stops.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from common.config import load_config
-from tests.integration.conftest import REPO, Stack, free_port
+from tests.integration.conftest import Stack, hand_started_stack
 
 PROMPT = [{"role": "user", "content": "Count to ten, please."}]
 PROCESSES = [
@@ -59,48 +51,13 @@ def checkpoint_with_eos(source: Path, target: Path, eos: int) -> Path:
     return target
 
 
-def wait_healthy(base_url: str, processes: list[subprocess.Popen[bytes]], timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in processes):
-            raise RuntimeError("a worker exited during start-up")
-        try:
-            with urllib.request.urlopen(base_url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("hand-started stack not healthy")
-
-
 @pytest.fixture(scope="module")
 def eos_server(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
-    """Each process started by hand (``python -m ...``), as a developer debugging would."""
     eos = first_token(stack)
     root = tmp_path_factory.mktemp("eos-stack")
     model = checkpoint_with_eos(load_config(stack.config_path).model_path(), root / "model", eos)
-    port = free_port()
-    config = root / "vlm.toml"
-    config.write_text(f'run_dir = "{root / "run"}"\n[server]\nport = {port}\n[cache]\npool_bytes = 16777216\n')
-    env = {**os.environ, "VLM_CONFIG": str(config), "VLM_MODEL": str(model)}
-    processes = []
-    with open(root / "workers.log", "wb") as log:
-        for args in PROCESSES:
-            cmd = [sys.executable, "-m", *args, "--config", str(config)]
-            processes.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", processes)
-        yield f"http://127.0.0.1:{port}", eos
-    finally:
-        for p in processes:
-            p.send_signal(signal.SIGTERM)
-        for p in processes:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        shutil.rmtree(root / "run", ignore_errors=True)
+    with hand_started_stack(root, model, "[cache]\npool_bytes = 16777216\n") as base_url:
+        yield base_url, eos
 
 
 def ask(base_url: str, **extra: Any) -> Any:
