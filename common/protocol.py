@@ -119,6 +119,11 @@ class SamplingParams(Message):
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    top_logprobs: int = -1  # -1: no logprobs; 0: the chosen token's; k: also the k most likely
 
 
 @message
@@ -294,6 +299,8 @@ class TokenDelta(Message):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[float] | None = None  # per token in token_ids, when asked
+    top_logprobs: list[list[list[float]]] | None = None  # per token: [[token_id, logprob], ...]
 
 
 @message

@@ -56,8 +56,13 @@ class ChatCompletionRequest(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     seed: int | None = None
-    n: int = Field(default=1, ge=1)
-    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    stop: str | list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=8)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -78,12 +83,10 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
         worst = max(exc.errors(), key=lambda e: len(e["loc"]))
         where = ".".join(str(p) for p in worst["loc"] if not _is_branch_name(p))
         raise ApiError(400, f"invalid request: {where}: {worst['msg']}", code="invalid_value", param=where) from exc
-    if request.n != 1:
-        raise ApiError(400, "n > 1 is not supported yet; send n=1", param="n")
-    if request.stop:
-        raise ApiError(400, "stop strings are not supported yet; use stop_token_ids", param="stop")
-    if request.logprobs:
-        raise ApiError(400, "logprobs are not supported yet", param="logprobs")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if request.stop == "":
+        raise ApiError(400, "stop strings must not be empty", param="stop")
     return request
 
 

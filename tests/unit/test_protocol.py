@@ -73,10 +73,23 @@ SAMPLING = SamplingParams(
     stop_token_ids=[151645, 151643],
     ignore_eos=True,
     min_tokens=2,
+    min_p=0.05,
+    presence_penalty=0.5,
+    frequency_penalty=-0.25,
+    repetition_penalty=1.1,
+    top_logprobs=3,
 )
 MEDIA = MediaInput(kind="image", url="https://example.com/cat.png", min_pixels=3136, max_pixels=1_000_000)
 PREPARED = PreparedMedia(kind="image", content_hash="ab" * 32, grid_thw=[1, 14, 20], num_tokens=70)
-DELTA = TokenDelta(request_id="r1", token_ids=[1, 2, 3], finish_reason="stop", prompt_tokens=12, completion_tokens=3)
+DELTA = TokenDelta(
+    request_id="r1",
+    token_ids=[1, 2, 3],
+    finish_reason="stop",
+    prompt_tokens=12,
+    completion_tokens=3,
+    logprobs=[-0.5, -1.25, -0.125],
+    top_logprobs=[[[1.0, -0.5], [7.0, -1.0]], [[2.0, -1.25]], [[3.0, -0.125]]],
+)
 
 
 def one_of_each() -> list[Message]:

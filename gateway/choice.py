@@ -1,0 +1,84 @@
+"""One choice of a chat completion as it streams in: text deltas, stop strings, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from common.protocol import TokenDelta
+from gateway.detokenize import IncrementalDetokenizer
+
+
+@dataclass
+class ChoiceUpdate:
+    text: str
+    logprobs: list[dict[str, Any]]
+    finish_reason: str | None
+    token_ids: list[int]
+
+
+@dataclass
+class ChoiceStream:
+    index: int
+    request_id: str
+    tokenizer: PreTrainedTokenizerBase
+    stop: list[str]
+    detok: IncrementalDetokenizer = field(init=False)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # emitted so far
+    held: str = ""  # decoded but held back: it may be the start of a stop string
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.detok = IncrementalDetokenizer(self.tokenizer)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def feed(self, delta: TokenDelta) -> ChoiceUpdate:
+        final = delta.finish_reason is not None
+        self.token_ids.extend(delta.token_ids)
+        self.prompt_tokens, self.completion_tokens = delta.prompt_tokens, delta.completion_tokens
+        pending = self.held + self.detok.push(delta.token_ids, final=final)
+        entries = self._logprob_entries(delta)
+        self.logprobs.extend(entries)
+        cut = self._stop_at(pending)
+        if cut is not None:  # a stop string: the text ends before it, whatever the decoder does next
+            self.held = ""
+            self.finish_reason = "stop"
+            return self._emit(pending[:cut], entries, delta.token_ids)
+        if final:
+            self.held = ""
+            self.finish_reason = delta.finish_reason
+            return self._emit(pending, entries, delta.token_ids)
+        keep = min(len(pending), max((len(s) for s in self.stop), default=1) - 1)
+        self.held = pending[len(pending) - keep :] if keep else ""
+        return self._emit(pending[: len(pending) - keep], entries, delta.token_ids)
+
+    def _stop_at(self, pending: str) -> int | None:
+        found = [i for i in (pending.find(s) for s in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _emit(self, text: str, entries: list[dict[str, Any]], token_ids: list[int]) -> ChoiceUpdate:
+        self.text += text
+        return ChoiceUpdate(text, entries, self.finish_reason, token_ids)
+
+    def _logprob_entries(self, delta: TokenDelta) -> list[dict[str, Any]]:
+        """OpenAI's ``logprobs.content`` items for the delta's tokens (empty when not asked)."""
+        if delta.logprobs is None:
+            return []
+        tops = delta.top_logprobs or [[] for _ in delta.token_ids]
+        return [
+            {**self._token(token, logprob), "top_logprobs": [self._token(int(t), lp) for t, lp in top]}
+            for token, logprob, top in zip(delta.token_ids, delta.logprobs, tops, strict=True)
+        ]
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

@@ -1,0 +1,170 @@
+"""The gateway's side of the sockets: fetcher dispatch, decoder liveness, results routed to requests."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from common.config import Config
+from common.dispatch import Dispatcher, Job
+from common.protocol import (
+    Abort,
+    DecoderStats,
+    FetchDone,
+    GenerateRequest,
+    Message,
+    PreparedRequest,
+    RequestError,
+    StatsRequest,
+    StatsResult,
+    TokenBatch,
+    TokenDelta,
+    WorkerStatus,
+    encode,
+)
+from common.transport import AsyncChannel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Tracked:
+    """A request in flight: the pipeline's events for it land in ``events``."""
+
+    request_id: str
+    events: asyncio.Queue[TokenDelta | RequestError]  # may be shared by the n choices of one HTTP request
+    stage: str = "fetch"  # fetch -> decode
+
+
+class Pipeline:
+    """The gateway's side of the sockets: dispatch to fetchers, track the decoder, route results."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.ctx = zmq.asyncio.Context()
+        self.fetch = AsyncChannel(self.ctx, zmq.ROUTER, cfg.endpoint("fetch"), bind=True)
+        self.inbox = AsyncChannel(self.ctx, zmq.PULL, cfg.endpoint("gateway"), bind=True)
+        self.decoder = AsyncChannel(self.ctx, zmq.PUSH, cfg.endpoint("decoder"), bind=False)
+        self.cache = AsyncChannel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
+        self.fetchers = Dispatcher(
+            self._send_to_fetcher, self._fetch_failed, dead_after_s=cfg.liveness.dead_after_s, max_attempts=3
+        )
+        self.requests: dict[str, Tracked] = {}
+        self.decoder_incarnation = ""
+        self.decoder_seen = 0.0
+        self.decoder_stats: dict[str, float] = {}
+        self.stats_waiters: dict[str, asyncio.Future[StatsResult]] = {}
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self.tasks = [
+            asyncio.create_task(coro)
+            for coro in (self._read_fetch(), self._read_inbox(), self._read_cache(), self._tick())
+        ]
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for channel in (self.fetch, self.inbox, self.decoder, self.cache):
+            channel.close()
+
+    # ------------------------------------------------------------------ submitting
+    def submit(self, request: GenerateRequest, events: asyncio.Queue[TokenDelta | RequestError]) -> Tracked:
+        tracked = self.requests[request.request_id] = Tracked(request.request_id, events)
+        if request.media:
+            self.fetchers.submit(request.request_id, request, self.cfg.server.request_timeout_s)
+        else:  # text only: straight to the decoder
+            tracked.stage = "decode"
+            self._send(self.decoder, PreparedRequest(request.request_id, request.prompt_ids, [], request.sampling))
+        return tracked
+
+    def abort(self, request_id: str) -> None:
+        if self.requests.pop(request_id, None) is not None:
+            self.fetchers.cancel(request_id)
+            self._send(self.decoder, Abort(request_id))
+
+    def _send(self, channel: AsyncChannel, msg: Message) -> None:
+        channel.sock.send(encode(msg))
+
+    def _send_to_fetcher(self, peer: bytes, msg: Message) -> bool:
+        future = self.fetch.sock.send_multipart([peer, encode(msg)])
+        return not (future.done() and future.exception() is not None)
+
+    def _fetch_failed(self, job: Job, why: str) -> None:
+        self._deliver(RequestError(job.job_id, 503, "unavailable", f"no media fetcher could take the request: {why}"))
+
+    def _deliver(self, event: TokenDelta | RequestError) -> None:
+        tracked = self.requests.get(event.request_id)
+        if tracked is not None:
+            tracked.events.put_nowait(event)
+
+    # ------------------------------------------------------------------ reading
+    async def _read_fetch(self) -> None:
+        while True:
+            peer, msg = await self.fetch.recv()
+            match msg:
+                case WorkerStatus():
+                    self.fetchers.peer_status(peer, msg)
+                case FetchDone(request_id=rid):
+                    self.fetchers.complete(rid)
+                    if rid in self.requests:
+                        self.requests[rid].stage = "decode"
+                case _:
+                    pass
+
+    async def _read_inbox(self) -> None:
+        while True:
+            _, msg = await self.inbox.recv()
+            match msg:
+                case TokenBatch(deltas=deltas):
+                    for delta in deltas:
+                        self._deliver(delta)
+                case RequestError():
+                    self._deliver(msg)
+                case DecoderStats(counters=counters):
+                    self.decoder_stats = counters
+                case WorkerStatus(role="decoder", incarnation=inc):
+                    if self.decoder_incarnation and inc != self.decoder_incarnation:
+                        self._fail_decoding("the decoder restarted")
+                    self.decoder_incarnation = inc
+                    self.decoder_seen = time.monotonic()
+                case _:
+                    pass
+
+    async def _read_cache(self) -> None:
+        while True:
+            _, msg = await self.cache.recv()
+            if isinstance(msg, StatsResult) and msg.call_id in self.stats_waiters:
+                self.stats_waiters.pop(msg.call_id).set_result(msg)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.liveness.heartbeat_s)
+            self.fetchers.tick()
+            if self.decoder_seen and time.monotonic() - self.decoder_seen > self.cfg.liveness.dead_after_s:
+                self._fail_decoding("the decoder is not responding")
+
+    def _fail_decoding(self, why: str) -> None:
+        for tracked in list(self.requests.values()):
+            if tracked.stage == "decode":
+                self._deliver(RequestError(tracked.request_id, 503, "unavailable", f"{why}; retry the request"))
+
+    # ------------------------------------------------------------------ status
+    def decoder_live(self) -> bool:
+        return bool(self.decoder_seen) and time.monotonic() - self.decoder_seen <= self.cfg.liveness.dead_after_s
+
+    async def cache_stats(self, timeout_s: float = 2.0) -> dict[str, float]:
+        call_id = uuid.uuid4().hex
+        future = self.stats_waiters[call_id] = asyncio.get_running_loop().create_future()
+        self._send(self.cache, StatsRequest(call_id))
+        try:
+            return (await asyncio.wait_for(future, timeout_s)).counters
+        except TimeoutError:
+            self.stats_waiters.pop(call_id, None)
+            return {}

@@ -1,0 +1,67 @@
+"""A choice's text as tokens arrive: stop strings end it exactly, nothing after them leaks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from common.protocol import TokenDelta
+from gateway.choice import ChoiceStream
+from workers.models.synth import generate_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
+    path: Path = generate_checkpoint(tmp_path_factory.mktemp("choice") / "tiny", "tiny", seed=0)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def feed_all(choice: ChoiceStream, ids: list[int], final_reason: str = "length") -> list[str]:
+    pieces = []
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        update = choice.feed(TokenDelta("r", [token], final_reason if last else None, 5, i + 1))
+        pieces.append(update.text)
+        if choice.finished:
+            break
+    return pieces
+
+
+def test_text_without_stop_strings_is_the_decoded_text(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
+    choice = ChoiceStream(0, "r", tokenizer, [])
+    assert "".join(feed_all(choice, ids)) == tokenizer.decode(ids)
+    assert choice.finish_reason == "length"
+
+
+@pytest.mark.parametrize("stop", ["brown", "ox ju", "dog.", "lazy d"])
+def test_stop_string_ends_the_text_before_it(tokenizer: PreTrainedTokenizerBase, stop: str) -> None:
+    text = "The quick brown fox jumps over the lazy dog. And more text follows here."
+    ids = tokenizer(text)["input_ids"]
+    choice = ChoiceStream(0, "r", tokenizer, ["never-there", stop])
+    pieces = feed_all(choice, ids)
+    assert "".join(pieces) == text[: text.index(stop)]
+    assert choice.text == text[: text.index(stop)]
+    assert choice.finish_reason == "stop"
+    assert len(pieces) < len(ids)  # it ended early
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer: PreTrainedTokenizerBase) -> None:
+    text = "alpha beta gamma delta"
+    choice = ChoiceStream(0, "r", tokenizer, ["delta", "beta"])
+    assert "".join(feed_all(choice, tokenizer(text)["input_ids"])) == "alpha "
+
+
+def test_logprob_entries(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = tokenizer("hello world")["input_ids"][:2]
+    choice = ChoiceStream(0, "r", tokenizer, [])
+    delta = TokenDelta("r", ids, "length", 3, 2, logprobs=[-0.5, -1.5], top_logprobs=[[[ids[0], -0.5]], [[7, -0.25]]])
+    update = choice.feed(delta)
+    assert [e["logprob"] for e in update.logprobs] == [-0.5, -1.5]
+    assert update.logprobs[0]["token"] == tokenizer.decode([ids[0]])
+    assert update.logprobs[0]["bytes"] == list(tokenizer.decode([ids[0]]).encode())
+    assert update.logprobs[1]["top_logprobs"] == [
+        {"token": tokenizer.decode([7]), "logprob": -0.25, "bytes": list(tokenizer.decode([7]).encode())}
+    ]
