@@ -6,9 +6,12 @@ from typing import Any
 
 import openai
 import pytest
+import torch
 from openai import OpenAI
 
+from common.config import load_config
 from tests.integration.conftest import Stack
+from tests.integration.hf_chat import HfChat
 
 MESSAGES = [{"role": "user", "content": "Write a few words about rivers and mountains."}]
 
@@ -16,6 +19,11 @@ MESSAGES = [{"role": "user", "content": "Write a few words about rivers and moun
 @pytest.fixture(scope="module")
 def client(stack: Stack) -> OpenAI:
     return OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def hf(stack: Stack) -> HfChat:
+    return HfChat(load_config(stack.config_path).model_path())
 
 
 def create(client: OpenAI, **options: Any) -> Any:
@@ -77,3 +85,48 @@ def test_top_logprobs_without_logprobs_is_refused(client: OpenAI) -> None:
         create(client, top_logprobs=3)
     with pytest.raises(openai.BadRequestError, match="n"):
         create(client, n=100)
+
+
+@pytest.mark.parametrize("option", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])
+def test_filters_that_keep_only_the_top_token_equal_greedy(client: OpenAI, option: dict[str, Any]) -> None:
+    greedy = create(client, temperature=0).choices[0].token_ids
+    sampled_free = create(client, temperature=1.0, seed=5).choices[0].token_ids
+    top_p = option.pop("top_p", None)
+    extra = option
+    filtered = create(client, temperature=1.0, seed=5, extra_body=extra, **({"top_p": top_p} if top_p else {}))
+    assert sampled_free != greedy  # so the equality below says the filter worked
+    assert filtered.choices[0].token_ids == greedy
+
+
+def test_logprobs_are_the_models_own(client: OpenAI, hf: HfChat) -> None:
+    reply = create(client, temperature=0, logprobs=True, top_logprobs=3, max_tokens=4)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 4
+    with torch.inference_mode():
+        logits = hf.model(**hf.inputs(MESSAGES)).logits[0, -1]
+    expected = torch.log_softmax(logits.float(), -1)
+    top = torch.topk(expected, 3)
+    first = content[0]
+    assert first.logprob == pytest.approx(float(expected[reply.choices[0].token_ids[0]]), abs=1e-4)
+    assert [t.logprob for t in first.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert [t.token for t in first.top_logprobs] == [hf.tokenizer.decode([int(i)]) for i in top.indices]
+    assert first.logprob == first.top_logprobs[0].logprob  # greedy chose the most likely token
+
+
+def test_repetition_penalty_matches_transformers(client: OpenAI, hf: HfChat) -> None:
+    inputs = hf.inputs(MESSAGES)
+    with torch.inference_mode():
+        out = hf.model.generate(**inputs, max_new_tokens=48, min_new_tokens=48, do_sample=False, repetition_penalty=3.0)
+    expected = out[0, inputs["input_ids"].shape[1] :].tolist()
+    reply = create(client, temperature=0, max_tokens=48, extra_body={"repetition_penalty": 3.0})
+    assert reply.choices[0].token_ids == expected
+    assert expected != create(client, temperature=0, max_tokens=48).choices[0].token_ids  # it mattered
+
+
+@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
+def test_presence_and_frequency_penalties_discourage_repeats(client: OpenAI, penalty: str) -> None:
+    free = create(client, temperature=0, max_tokens=48).choices[0].token_ids
+    assert len(set(free)) < len(free)  # the unpenalised answer repeats itself
+    penalised = create(client, temperature=0, max_tokens=48, **{penalty: 2.0}).choices[0].token_ids
+    assert penalised != free
+    assert len(set(penalised)) > len(set(free))

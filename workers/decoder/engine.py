@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.protocol import PreparedRequest, TokenDelta
+from common.protocol import PreparedRequest, SamplingParams, TokenDelta
 from workers.decoder.blocks import BlockManager, BlockTable, media_token_keys
-from workers.decoder.sampling import make_generator, sample, suppress
+from workers.decoder.sampling import Sampled, SamplingRow, sample_batch
 from workers.models.language import LanguageModel
 from workers.models.mrope import expand_media_placeholders, rope_positions
 from workers.models.paged import BatchLayout, PagedKVCache, paged_forward
@@ -25,6 +25,27 @@ from workers.models.spec import ModelSpec
 
 class PromptError(ValueError):
     """A request the engine cannot run; the message says why (answered as HTTP 400)."""
+
+
+def sampling_row(
+    params: SamplingParams, prompt_ids: list[int], output_ids: list[int], banned: list[int] | None = None
+) -> SamplingRow:
+    """One sequence's options and history for this step; raises ValueError on bad options."""
+    return SamplingRow(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        seed=params.seed,
+        step=len(output_ids),
+        banned=tuple(banned or ()),
+        top_logprobs=params.top_logprobs,
+        prompt_ids=prompt_ids,
+        output_ids=output_ids,
+    )
 
 
 @dataclass
@@ -39,7 +60,6 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0  # tokens whose KV is in the table
-    generator: torch.Generator | None = None
     finish_reason: str | None = None
 
     @property
@@ -106,6 +126,10 @@ class Engine:
             raise PromptError(f"the prompt is {len(ids)} tokens but the model's context is {self.max_model_len}")
         if max(ids) >= self.spec.vocab_size or min(ids) < 0:
             raise PromptError(f"prompt token ids must lie in [0, {self.spec.vocab_size})")
+        try:  # bad sampling options are refused here, not in the middle of a batched step
+            sampling_row(request.sampling, ids, [])
+        except ValueError as exc:
+            raise PromptError(str(exc)) from exc
         needed = -(-min(len(ids) + request.sampling.max_tokens, self.max_model_len) // self.blocks.block_size)
         if needed > self.blocks.num_blocks:
             raise PromptError(f"the request needs {needed} KV blocks but the cache has {self.blocks.num_blocks}")
@@ -131,7 +155,6 @@ class Engine:
         return keys
 
     def add(self, seq: Sequence) -> None:
-        seq.generator = make_generator(seq.request.sampling, self.model.device)
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -245,15 +268,17 @@ class Engine:
 
     # ------------------------------------------------------------------ postprocess
     def postprocess(self, batch: list[Scheduled], logits: torch.Tensor) -> list[TokenDelta]:
+        rows = [self._sampling_row(item.seq) for item in batch if item.samples]
+        sampled = sample_batch(logits, rows) if rows else Sampled([], [], [])
         deltas, row = [], 0
         for item in batch:
             seq = item.seq
-            sampled = item.samples
+            samples = item.samples  # (before num_computed moves)
             seq.num_computed += item.num_new
             self.blocks.commit(seq.keys(), seq.table, seq.num_computed)
-            if not sampled:
+            if not samples:
                 continue
-            deltas.append(self._append(seq, logits[row]))
+            deltas.append(self._append(seq, sampled, row))
             row += 1
             if seq.finish_reason is not None:
                 del self.running[seq.request_id]
@@ -261,26 +286,35 @@ class Engine:
                 self.counters["requests_finished"] += 1
         return deltas
 
-    def _append(self, seq: Sequence, logits: torch.Tensor) -> TokenDelta:
-        params = seq.request.sampling
+    def _stops(self, params: SamplingParams) -> set[int]:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.spec.eos_token_ids)
-        if len(seq.output_ids) < params.min_tokens:
-            logits = suppress(logits, sorted(stops))
-        token = sample(logits, params, seq.generator)
+        return stops
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        params = seq.request.sampling
+        banned = sorted(self._stops(params)) if len(seq.output_ids) < params.min_tokens else []
+        return sampling_row(params, seq.prompt_ids, seq.output_ids, banned)
+
+    def _append(self, seq: Sequence, sampled: Sampled, row: int) -> TokenDelta:
+        params = seq.request.sampling
+        token = sampled.token_ids[row]
         seq.output_ids.append(token)
         self.counters["generated_tokens"] += 1
-        if token in stops:  # (suppressed above while below min_tokens)
+        if token in self._stops(params):  # (banned while below min_tokens)
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
+        wants_logprobs = params.top_logprobs >= 0
         return TokenDelta(
             seq.request_id,
             [token],
             seq.finish_reason,
             prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.output_ids),
+            logprobs=[sampled.logprobs[row]] if wants_logprobs else None,  # type: ignore[list-item]
+            top_logprobs=[[[t, lp] for t, lp in sampled.top_logprobs[row]]] if wants_logprobs else None,
         )
 
     def stats(self) -> dict[str, float]:

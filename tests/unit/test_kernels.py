@@ -1,0 +1,490 @@
+"""The Triton kernels of `workers.kernels` against their plain-torch references, in Triton's interpreter on CPU.
+
+The interpreter runs each kernel program by program in numpy: the same kernel source, indexing, masking and
+dtype conversions as on a GPU, so wrong addressing, masks or block-table walks show up here. What it cannot
+show (the compiled code's speed, tensor-core rounding, races between programs) is for
+tests/gpu/test_kernels_gpu.py.
+
+Triton picks the interpreter once, when it is imported, from TRITON_INTERPRET; this module sets the variable
+before that import. Where it cannot (triton already imported compiled in this process, or a CUDA device
+present, where tests/gpu checks the compiled kernels) it skips, saying how to run it on its own.
+
+Tolerances (measured worst cases are in the comments beside them):
+- paged attention fp32 vs the fp32 reference: ATTN_FP32; bf16 vs the bf16 reference: ATTN_BF16, and vs an
+  fp32 computation no worse than the bf16 reference itself (plus one bf16 rounding).
+- reshape_and_cache: bit for bit.
+- rms_norm, fused_add_rms_norm, silu_and_mul, apply_mrope: fp32 within FP32_ULPS units in the last place,
+  16-bit within one unit of the output dtype (the only difference allowed is a rounding flip caused by a
+  different fp32 summation order or exp); the fused residual sum bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import random
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.kernels import (
+    activation,
+    attention,
+    cache,
+    norm,
+    rotary,
+)
+from workers.kernels.attention import AttentionMetadata, attention_metadata
+from workers.models.language import LanguageModel, mrope_cos_sin, rope_inv_freq
+from workers.models.paged import BatchLayout, PagedKVCache, paged_attention_reference, paged_forward
+from workers.models.synth import generate_checkpoint
+
+KERNEL_MODULES = ("attention_triton", "cache_triton", "norm_triton", "activation_triton", "rotary_triton")
+
+
+def _import_interpreted_triton() -> str | None:
+    """Import triton and the kernel modules under TRITON_INTERPRET=1; the reason to skip if that cannot be."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install -e '.[kernels]')"
+    if "triton" not in sys.modules:
+        if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            return (
+                "a CUDA device is present, so tests/gpu checks the compiled kernels; for the interpreter run "
+                "`TRITON_INTERPRET=1 pytest tests/unit/test_kernels.py`"
+            )
+        # It stays set: parts of triton imported lazily at the first launch check it again. Only this
+        # module's kernels use triton here (without CUDA nothing else launches any).
+        os.environ["TRITON_INTERPRET"] = "1"
+        for name in KERNEL_MODULES:
+            importlib.import_module(f"workers.kernels.{name}")
+    from workers.kernels._launch import interpreted
+
+    if not interpreted():
+        return (
+            "triton was imported without TRITON_INTERPRET=1 earlier in this process: run "
+            "`TRITON_INTERPRET=1 pytest tests/unit/test_kernels.py` on its own"
+        )
+    _fix_interpreter_scalar_index()
+    return None
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Let `range(scalar tensor)` work in the interpreter of triton < 3.7 under numpy >= 2.4.
+
+    The interpreter holds scalars as 1-element arrays and converts them with int(), which numpy 2.4 refuses
+    for arrays that are not 0-d (triton-lang/triton#9171, fixed upstream by squeezing first). The kernels'
+    loops have tensor bounds, so without this every kernel with a loop fails in the interpreter only.
+    """
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "scalar_index_fixed", False):
+        return
+
+    def patched(tensor: object, scope: interpreter._LangPatchScope) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.scalar_index_fixed = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+_SKIP_REASON = _import_interpreted_triton()
+pytestmark = pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+
+ATTN_FP32 = {"atol": 2e-6, "rtol": 1e-5}  # measured worst: 7e-7 on outputs of |x| < 3
+ATTN_BF16 = {"atol": 1.6e-2, "rtol": 1.6e-2}  # measured worst: 1 bf16 ulp (7.8e-3 at |x| in [1, 2))
+FP32_ULPS = 4  # measured worst: 2 (rsqrt/exp and summation order)
+GEOMETRIES = [  # (heads, kv_heads, head_dim): GQA ratios 2 (the tiny model), 1, 7, 7 with a single kv head
+    pytest.param(4, 2, 16, id="tiny-4x2x16"),
+    pytest.param(4, 4, 64, id="mha-4x4x64"),
+    pytest.param(14, 2, 128, id="gqa7-14x2x128"),
+    pytest.param(7, 1, 64, id="gqa7-7x1x64"),
+]
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+
+
+def ulps_apart(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest |actual - expected| in units of the last place of ``expected``'s dtype at its magnitude."""
+    bits = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}[expected.dtype]
+    e = expected.float()
+    _, exponent = torch.frexp(e)
+    ulp = torch.ldexp(torch.ones_like(e), exponent - bits).clamp_min(torch.finfo(expected.dtype).tiny)
+    return ((actual.float() - e).abs() / ulp).max().item()
+
+
+def assert_ulps(actual: torch.Tensor, expected: torch.Tensor, fp32_ulps: int = FP32_ULPS) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    limit = fp32_ulps if expected.dtype == torch.float32 else 1
+    apart = ulps_apart(actual, expected)
+    assert apart <= limit, f"{apart} ulps apart (limit {limit})"
+
+
+def shuffled_tables(need: Sequence[int], spare: int, seed: int) -> tuple[list[list[int]], int]:
+    """Block tables drawn from a shuffled pool (no sequence's blocks contiguous or ordered), and the pool size.
+
+    Every other table gets one unused extra block at its end, as an engine that reserves ahead has.
+    """
+    extra = [s % 2 for s in range(len(need))]
+    num_blocks = sum(need) + sum(extra) + spare
+    pool = list(range(num_blocks))
+    random.Random(seed).shuffle(pool)
+    return [[pool.pop() for _ in range(n + e)] for n, e in zip(need, extra, strict=True)], num_blocks
+
+
+def paged_batch(
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    block_size: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, BatchLayout]:
+    """q [T, heads, D] and caches whose slots outside every context hold NaN: a stray read poisons the output."""
+    need = [-(-c // block_size) for c in context_lens]
+    tables, num_blocks = shuffled_tables(need, spare=3, seed=seed)
+    layout = BatchLayout.build(query_lens, context_lens, tables, block_size, num_blocks=num_blocks)
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks * block_size, kv_heads, head_dim)
+    kv_k = torch.full(shape, float("nan"), dtype=dtype)
+    kv_v = torch.full(shape, float("nan"), dtype=dtype)
+    slots = layout.context_slots
+    kv_k[slots] = torch.randn(slots.shape[0], kv_heads, head_dim, generator=g).to(dtype)
+    kv_v[slots] = torch.randn(slots.shape[0], kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(layout.num_tokens, heads, head_dim, generator=g).to(dtype)
+    return q, kv_k, kv_v, layout
+
+
+def check_attention(
+    q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, layout: BatchLayout, **overrides: int
+) -> None:
+    scale = q.shape[-1] ** -0.5
+    out = attention.paged_attention_triton(q, kv_k, kv_v, layout, scale, **overrides)
+    expected = paged_attention_reference(q, kv_k, kv_v, layout, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert not out.isnan().any()
+    if q.dtype == torch.float32:
+        torch.testing.assert_close(out, expected, **ATTN_FP32)
+        return
+    torch.testing.assert_close(out, expected, **ATTN_BF16)
+    # Also against fp32 math on the same inputs: no worse than the bf16 reference, give or take a rounding.
+    exact = paged_attention_reference(q.float(), kv_k.float(), kv_v.float(), layout, scale)
+    ours = (out.float() - exact).abs().max().item()
+    theirs = (expected.float() - exact).abs().max().item()
+    assert ours <= theirs + 2**-8 * exact.abs().max().item(), (ours, theirs)
+
+
+# Sequences of one batch: a fresh prefill, decodes at and across block/tile edges, a chunk after a long past.
+MIXED_QUERY_LENS = [9, 1, 6, 1, 1, 40]
+MIXED_CONTEXT_LENS = [9, 37, 50, 16, 1, 45]
+
+
+# --- paged attention ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 7])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), GEOMETRIES)
+def test_mixed_batch(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> None:
+    """Prefill chunks and decodes in one launch; 16-key tiles so that the short contexts cross several."""
+    batch = paged_batch(MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, block_size, heads, kv_heads, head_dim, dtype)
+    check_attention(*batch, block_n=16)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [GEOMETRIES[0], GEOMETRIES[2]])
+def test_default_tiles_and_small_query_blocks(heads: int, kv_heads: int, head_dim: int) -> None:
+    """The default 64x64 tiles, then 16-row query blocks (a 40-token chunk spans several, 2 tokens each at GQA 7)."""
+    batch = paged_batch(MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 16, heads, kv_heads, head_dim, torch.float32, seed=1)
+    check_attention(*batch)
+    check_attention(*batch, block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [GEOMETRIES[0], GEOMETRIES[3]])
+def test_split_k(heads: int, kv_heads: int, head_dim: int, num_splits: int, dtype: torch.dtype) -> None:
+    """Forced splits on the mixed batch: split edges fall mid-block (block size 7), some splits are empty
+    (context 1 or 9 split 8 ways), and the chunk's early queries see nothing in the later splits."""
+    batch = paged_batch(MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 7, heads, kv_heads, head_dim, dtype, seed=2)
+    check_attention(*batch, num_splits=num_splits, block_n=16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [GEOMETRIES[0], GEOMETRIES[2]])
+def test_decode_batch_splits_by_itself(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """A small decode-only batch with a long context: the heuristic splits it (a context past 512 keys)."""
+    from workers.kernels import attention_triton
+
+    context_lens = [700, 65, 1]
+    assert attention_triton.choose_num_splits(len(context_lens) * kv_heads, max(context_lens), 132) == 2
+    batch = paged_batch([1, 1, 1], context_lens, 16, heads, kv_heads, head_dim, dtype, seed=3)
+    check_attention(*batch)
+
+
+def test_fp16() -> None:
+    batch = paged_batch(MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 16, 4, 2, 64, torch.float16, seed=4)
+    scale = 64**-0.5
+    out = attention.paged_attention_triton(*batch, scale, block_n=16)
+    torch.testing.assert_close(out, paged_attention_reference(*batch, scale), atol=2e-3, rtol=2e-3)
+
+
+def test_block_size_one_and_query_starting_mid_block() -> None:
+    batch = paged_batch([3, 1, 5], [3, 20, 12], 1, 4, 2, 16, torch.float32, seed=5)
+    check_attention(*batch, block_n=16)
+
+
+def test_non_contiguous_q_and_cache_views() -> None:
+    """q as the first heads of a fused qkv output and a cache that is one half of a [slots, 2, kv, D] pair."""
+    q, kv_k, kv_v, layout = paged_batch(MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 16, 4, 2, 16, torch.float32, seed=6)
+    qkv = torch.cat([q, torch.randn(q.shape[0], 4, 16)], dim=1)
+    pair = torch.stack([kv_k, kv_v], dim=1)
+    check_attention(qkv[:, :4], pair[:, 0], pair[:, 1], layout, block_n=16)
+
+
+def test_dispatch_on_cpu_is_the_reference() -> None:
+    batch = paged_batch([4, 1], [4, 30], 16, 4, 2, 16, torch.float32, seed=7)
+    expected = paged_attention_reference(*batch, 0.25)
+    assert torch.equal(attention.paged_attention(*batch, 0.25), expected)
+
+
+def test_metadata_is_int32_and_built_once_per_layout() -> None:
+    layout = BatchLayout.build([3, 1], [3, 40], [[5, 2, 9], [7, 1, 0]], 16)
+    meta = attention_metadata(layout)
+    assert meta is attention_metadata(layout)
+    assert meta.query_starts.tolist() == [0, 3, 4]
+    assert meta.query_lens.tolist() == [3, 1]
+    assert meta.context_lens.tolist() == [3, 40]
+    assert meta.block_table.tolist() == [[5, 2, 9], [7, 1, 0]]
+    assert {t.dtype for t in (meta.query_starts, meta.query_lens, meta.context_lens, meta.block_table)} == {torch.int32}
+    assert (meta.num_tokens, meta.max_query_len, meta.max_context_len, meta.num_seqs) == (4, 3, 40, 2)
+    other = BatchLayout.build([3, 1], [3, 40], [[5, 2, 9], [7, 1, 0]], 16)
+    assert attention_metadata(other) is not meta
+    padded = AttentionMetadata.from_layout(BatchLayout.build([1, 1], [1, 20], [[4], [3, 8]], 16))
+    assert padded.block_table.tolist() == [[4, -1], [3, 8]]
+
+
+def test_choose_num_splits() -> None:
+    from workers.kernels.attention_triton import MAX_SPLITS, choose_num_splits
+
+    assert choose_num_splits(200, 100_000, 132) == 1  # enough programs already
+    assert choose_num_splits(2, 400, 132) == 1  # too short to cut
+    assert choose_num_splits(2, 3000, 132) == 8  # 3000 // 256 = 11, rounded down to a power of two
+    assert choose_num_splits(2, 1_000_000, 132) == MAX_SPLITS
+    assert choose_num_splits(64, 3000, 132) == 4  # about two programs per SM
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda q, k, v: (q[:, :3], k, v), "must divide"),
+        (lambda q, k, v: (q.double(), k, v), "must share"),
+        (lambda q, k, v: (q[:-1], k, v), "tokens"),
+        (lambda q, k, v: (q, k[:, :, :8], v[:, :, :8]), "head_dim"),
+        (lambda q, k, v: (q, k[:-3], v[:-3]), "whole blocks"),
+    ],
+)
+def test_rejects_bad_inputs(change: object, message: str) -> None:
+    q, kv_k, kv_v, layout = paged_batch([2, 1], [2, 20], 16, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match=message):
+        attention.paged_attention_triton(*change(q, kv_k, kv_v), layout, 0.25)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [({"num_splits": 0}, "num_splits"), ({"block_n": 24}, "block_n"), ({"block_m": 8}, "block_m")],
+)
+def test_rejects_bad_launch_overrides(overrides: dict[str, int], message: str) -> None:
+    q, kv_k, kv_v, layout = paged_batch([2, 1], [2, 20], 16, 14, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match=message):
+        attention.paged_attention_triton(q, kv_k, kv_v, layout, 0.25, **overrides)
+
+
+# --- the kernel inside the model's forward --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> LanguageModel:
+    path: Path = generate_checkpoint(tmp_path_factory.mktemp("kernels") / "tiny", "tiny", seed=11)
+    return LanguageModel.from_checkpoint(path, dtype=torch.float32)
+
+
+def test_paged_forward_with_the_kernel(tiny_model: LanguageModel) -> None:
+    """Two steps of the tiny model (prefills, then a chunk and decodes) with kernel vs reference attention."""
+    spec, block_size = tiny_model.spec, 16
+    steps = [([12, 30, 5], [12, 30, 5]), ([1, 18, 1], [13, 48, 6])]
+    tables, num_blocks = shuffled_tables([-(-c // block_size) for c in steps[-1][1]], spare=2, seed=8)
+    caches = [PagedKVCache.for_model(tiny_model, num_blocks, block_size) for _ in range(2)]
+    g = torch.Generator().manual_seed(9)
+    for query_lens, context_lens in steps:
+        layout = BatchLayout.build(query_lens, context_lens, tables, block_size, num_blocks=num_blocks)
+        embeds = torch.randn(layout.num_tokens, spec.hidden_size, generator=g)
+        positions = torch.randint(0, 64, (3, layout.num_tokens), generator=g)  # distinct t/h/w axes
+        rows = range(layout.num_tokens)
+        expected = paged_forward(tiny_model, embeds, positions, layout, caches[0], logits_for=rows)
+        actual = paged_forward(
+            tiny_model, embeds, positions, layout, caches[1], logits_for=rows, attention=kernel_attention
+        )
+        scale = expected.abs().amax(-1, keepdim=True)
+        assert ((actual - expected).abs() <= 1e-5 * scale).all()
+
+
+def kernel_attention(
+    q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, layout: BatchLayout, scale: float
+) -> torch.Tensor:
+    return attention.paged_attention_triton(q, kv_k, kv_v, layout, scale, block_n=16)
+
+
+# --- reshape_and_cache --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("dtype", [*DTYPES, pytest.param(torch.float16, id="fp16")])
+@pytest.mark.parametrize(("kv_heads", "head_dim", "block_size"), [(2, 16, 16), (4, 128, 7), (1, 64, 16)])
+def test_reshape_and_cache(
+    kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, slot_dtype: torch.dtype
+) -> None:
+    need = [-(-c // block_size) for c in MIXED_CONTEXT_LENS]
+    tables, num_blocks = shuffled_tables(need, spare=2, seed=10)
+    layout = BatchLayout.build(MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, tables, block_size, num_blocks=num_blocks)
+    g = torch.Generator().manual_seed(10)
+    # k as the middle heads of a fused qkv projection: a strided view, as the decoder has it.
+    qkv = torch.randn(layout.num_tokens, 3 * kv_heads, head_dim, generator=g).to(dtype)
+    k, v = qkv[:, kv_heads : 2 * kv_heads], qkv[:, 2 * kv_heads :]
+    before = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g).to(dtype)
+    caches = [(before.clone(), before.clone() + 1) for _ in range(2)]
+    slots = layout.slot_mapping.to(slot_dtype)
+    cache.reshape_and_cache_triton(k, v, *caches[0], slots)
+    cache.reshape_and_cache_reference(k, v, *caches[1], slots)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_reshape_and_cache_rejects_mismatches() -> None:
+    k = torch.zeros(3, 2, 16)
+    with pytest.raises(ValueError, match="rows"):
+        cache.reshape_and_cache_triton(k, k, torch.zeros(32, 2, 8), torch.zeros(32, 2, 8), torch.arange(3))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cache.reshape_and_cache_triton(k, k, torch.zeros(32, 2, 16), torch.zeros(32, 2, 16), torch.zeros(3))
+    with pytest.raises(ValueError, match="dtype"):
+        cache.reshape_and_cache_triton(
+            k, k, torch.zeros(32, 2, 16, dtype=torch.bfloat16), torch.zeros(32, 2, 16), torch.arange(3)
+        )
+
+
+# --- norms --------------------------------------------------------------------------------------------
+
+ALL_DTYPES = [*DTYPES, pytest.param(torch.float16, id="fp16")]
+NORM_SHAPES = [(5, 64), (3, 1536), (2, 3, 80)]  # the tiny model's hidden, the 2b's, one not a power of two
+
+
+def _norm_inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> Iterator[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    yield (torch.randn(shape, generator=g) * 3).to(dtype)
+    yield torch.randn(shape, generator=g).to(dtype)
+    yield (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_rms_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x, _, weight = _norm_inputs(shape, dtype, seed=12)
+    assert_ulps(norm.rms_norm_triton(x, weight, 1e-6), norm.rms_norm_reference(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_fused_add_rms_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x, residual, weight = _norm_inputs(shape, dtype, seed=13)
+    normed, summed = norm.fused_add_rms_norm_triton(x, residual, weight, 1e-6)
+    expected_normed, expected_summed = norm.fused_add_rms_norm_reference(x, residual, weight, 1e-6)
+    assert torch.equal(summed, expected_summed)
+    assert_ulps(normed, expected_normed)
+
+
+def test_rms_norm_fp32_weight_on_bf16_rows_promotes_like_torch() -> None:
+    x, _, weight = _norm_inputs((4, 64), torch.bfloat16, seed=14)
+    out = norm.rms_norm_triton(x, weight.float(), 1e-6)
+    assert_ulps(out, norm.rms_norm_reference(x, weight.float(), 1e-6))
+
+
+def test_rms_norm_rejects_mismatches() -> None:
+    with pytest.raises(ValueError, match="weight"):
+        norm.rms_norm_triton(torch.zeros(2, 8), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        norm.fused_add_rms_norm_triton(torch.zeros(2, 8), torch.zeros(2, 8).half(), torch.ones(8), 1e-6)
+
+
+# --- silu_and_mul -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", [(5, 128), (3, 2500), (2, 2, 40)])
+def test_silu_and_mul(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Widths of the tiny model, past one 1024-wide column block, and not a power of two."""
+    g = torch.Generator().manual_seed(15)
+    gate = (torch.randn(shape, generator=g) * 4).to(dtype)
+    up = torch.randn(shape, generator=g).to(dtype)
+    assert_ulps(activation.silu_and_mul_triton(gate, up), activation.silu_and_mul_reference(gate, up))
+
+
+def test_silu_and_mul_on_halves_of_a_merged_projection() -> None:
+    gate_up = torch.randn(6, 2 * 96, generator=torch.Generator().manual_seed(16)).to(torch.bfloat16)
+    gate, up = gate_up[:, :96], gate_up[:, 96:]
+    assert_ulps(activation.silu_and_mul_triton(gate, up), activation.silu_and_mul_reference(gate, up))
+
+
+# --- M-RoPE -------------------------------------------------------------------------------------------
+
+ROPE_GEOMETRIES = [  # (heads, kv_heads, head_dim, mrope_section): tiny, 2b, 7b
+    pytest.param(4, 2, 16, (2, 3, 3), id="tiny"),
+    pytest.param(12, 2, 128, (16, 24, 24), id="2b"),
+    pytest.param(28, 4, 128, (16, 24, 24), id="7b"),
+]
+
+
+def _rope_inputs(
+    heads: int, kv_heads: int, head_dim: int, section: tuple[int, int, int], dtype: torch.dtype, tokens: int = 7
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(17)
+    positions = torch.randint(0, 4000, (3, tokens), generator=g)  # t, h, w differ, as in an image run
+    cos, sin = mrope_cos_sin(positions, rope_inv_freq(head_dim, 1_000_000.0), section, dtype)
+    # q and k as views of one fused projection output: strided, as the decoder has them.
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=g).to(dtype)
+    return qkv[:, :heads], qkv[:, heads : heads + kv_heads], cos, sin
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "section"), ROPE_GEOMETRIES)
+def test_apply_mrope(
+    heads: int, kv_heads: int, head_dim: int, section: tuple[int, int, int], dtype: torch.dtype
+) -> None:
+    q, k, cos, sin = _rope_inputs(heads, kv_heads, head_dim, section, dtype)
+    q_rot, k_rot = rotary.apply_mrope_triton(q, k, cos, sin)
+    expected_q, expected_k = rotary.apply_mrope_reference(q, k, cos, sin)
+    assert_ulps(q_rot, expected_q, fp32_ulps=1)  # one fp32 ulp: the sum of two rounded products
+    assert_ulps(k_rot, expected_k, fp32_ulps=1)
+
+
+def test_apply_mrope_in_place() -> None:
+    q, k, cos, sin = _rope_inputs(12, 2, 128, (16, 24, 24), torch.bfloat16)
+    expected_q, expected_k = rotary.apply_mrope_reference(q, k, cos, sin)
+    q_rot, k_rot = rotary.apply_mrope_triton(q, k, cos, sin, inplace=True)
+    assert q_rot is q and k_rot is k
+    assert_ulps(q, expected_q)
+    assert_ulps(k, expected_k)
+
+
+def test_apply_mrope_rejects_mismatches() -> None:
+    q, k, cos, sin = _rope_inputs(4, 2, 16, (2, 3, 3), torch.float32)
+    with pytest.raises(ValueError, match="cos and sin"):
+        rotary.apply_mrope_triton(q, k, cos[:-1], sin[:-1])
+    with pytest.raises(ValueError, match="share"):
+        rotary.apply_mrope_triton(q, k, cos.double(), sin.double())

@@ -1,0 +1,336 @@
+"""Triton kernels behind `workers.kernels.attention` (imports triton; import it only through that module).
+
+Layout of the work. Queries are flat [T, heads, D], sequence after sequence. A program takes BLOCK_Q
+consecutive new tokens of one sequence and all GROUP query heads that share one kv head, as the
+BLOCK_M = BLOCK_Q * GROUP (padded) rows of one tile: the K/V it streams through the block table are read
+once for the whole head group, which is what makes GQA decode cheap. The grid's first axis enumerates
+(sequence, query block) pairs without a host-side table: sequence s owns programs
+``query_starts[s] // BLOCK_Q + s ..`` (at least as many as it needs, at most one spare), and each
+program finds its sequence by binary search over query_starts.
+
+Keys are read one position at a time through the block table (physical block, then offset), so any block
+size works, including ones that are not a power of two or not a multiple of the key tile.
+
+Split-K: with few programs and long contexts the key range of each query block is cut into
+``num_splits`` parts, one program each; they write their unnormalised output, running max and sum to fp32
+scratch, and `_reduce_splits_kernel` merges them.
+
+Softmax is online, in fp32 and base 2 (the scale is pre-multiplied by log2(e)). As in FlashAttention, the
+probabilities are rounded to the input dtype before the P @ V product so that both products run on tensor
+cores for 16-bit inputs; fp32 inputs use IEEE fp32 products (Triton's default would be TF32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.kernels._launch import check_launchable, interpreted, next_power_of_2
+from workers.kernels._triton_common import to_dtype
+from workers.kernels.attention import AttentionMetadata
+
+LOG2E = math.log2(math.e)
+MAX_SPLITS = 32
+MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (its partial row and the merge) is not worth it
+DEFAULT_SM_COUNT = 132  # H200; used when the device cannot be asked (the interpreter)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    query_starts_ptr,
+    query_lens_ptr,
+    context_lens_ptr,
+    block_table_ptr,
+    num_seqs,
+    num_heads,
+    num_splits,
+    block_table_stride,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    scale_log2,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # The sequence: the last s with query_starts[s] // BLOCK_Q + s <= program.
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_starts_ptr + mid) // BLOCK_Q + mid
+        if first <= program:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+
+    q_start = tl.load(query_starts_ptr + seq)
+    q_len = tl.load(query_lens_ptr + seq)
+    ctx_len = tl.load(context_lens_ptr + seq)
+    q_block = program - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return  # the spare program of this sequence
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    tok = q_block * BLOCK_Q + offs_m // GROUP  # index among the sequence's new tokens
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m // GROUP < BLOCK_Q) & (tok < q_len)
+    d_ok = offs_d < HEAD_DIM
+    q_pos = ctx_len - q_len + tok  # the query's position in its sequence: it sees keys 0 .. q_pos
+    q_row = (q_start + tok).to(tl.int64)
+
+    q = tl.load(
+        q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if INTERPRETED:
+        q = q.to(tl.float32)  # the interpreter cannot multiply bf16 values
+
+    # Keys up to the block's last query; this program takes its split's share of them, in whole tiles.
+    kv_len = ctx_len - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(kv_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    table_row = block_table_ptr + seq.to(tl.int64) * block_table_stride
+    for tile in range(tile_begin, tile_end):
+        k_pos = tile * BLOCK_N + offs_n
+        k_ok = k_pos < kv_len
+        block = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
+        k = tl.load(  # [HEAD_DIM_PAD, BLOCK_N]: K transposed by the addressing
+            k_cache_ptr + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
+            mask=k_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+            mask=k_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q, k.to(tl.float32)) if INTERPRETED else tl.dot(q, k, input_precision=DOT_PRECISION)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        s = tl.where(visible, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that sees no key of this tile (a split past its query, a padding row) keeps -inf: shift by
+        # 0 instead so that exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p_in = to_dtype(p, v.dtype, INTERPRETED)
+        if INTERPRETED:
+            acc = acc * alpha[:, None] + tl.dot(p_in.to(tl.float32), v.to(tl.float32))
+        else:
+            acc = tl.dot(p_in, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        part = (q_row * num_heads + head) * num_splits + split
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i is 0 only on padding rows
+        tl.store(
+            out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            to_dtype(out, out_ptr.dtype.element_ty, INTERPRETED),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    num_heads,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_ok = offs_s < num_splits
+    part = (token * num_heads + head) * num_splits + offs_s
+    m = tl.load(part_max_ptr + part, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(part_sum_ptr + part, mask=s_ok, other=0.0)
+    # Split 0 always holds key 0, which every query sees, so the max is finite; empty splits weigh 0.
+    weight = tl.exp2(m - tl.max(m, 0))
+    total = tl.sum(weight * l_s, 0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / total
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + offs_d,
+        to_dtype(out, out_ptr.dtype.element_ty, INTERPRETED),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+def launch(
+    q: torch.Tensor,
+    kv_k: torch.Tensor,
+    kv_v: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    num_splits: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Run the kernel(s); inputs are validated by `attention.check_inputs`."""
+    check_launchable(q.device)
+    tokens, heads, head_dim = q.shape
+    kv_heads = kv_k.shape[1]
+    group = heads // kv_heads
+    decode_only = metadata.max_query_len == 1
+    block_m = block_m or _default_block_m(group, decode_only)
+    block_n = block_n or 64
+    _check_blocks(block_m, block_n, group)
+    # Decode-only batches put one token per program: more query rows would only be padding.
+    block_q = 1 if decode_only else block_m // group
+    grid_q = tokens // block_q + metadata.num_seqs
+    if num_splits is None:
+        busy = -(-tokens // block_q) * kv_heads  # programs with work (the grid also holds spares)
+        num_splits = choose_num_splits(busy, metadata.max_context_len, _sm_count(q.device))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
+
+    out = torch.empty_like(q)
+    head_dim_pad = max(16, next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    split = num_splits > 1
+    if split:
+        part_max = torch.empty((tokens, heads, num_splits), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty((tokens, heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device)
+    else:
+        part_max = part_sum = part_acc = out  # not read: SPLIT is a compile-time False
+
+    _paged_attention_kernel[(grid_q, kv_heads, num_splits)](
+        q,
+        kv_k,
+        kv_v,
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        metadata.query_starts,
+        metadata.query_lens,
+        metadata.context_lens,
+        metadata.block_table,
+        metadata.num_seqs,
+        heads,
+        num_splits,
+        metadata.block_table.stride(0),
+        q.stride(0),
+        q.stride(1),
+        kv_k.stride(0),
+        kv_k.stride(1),
+        kv_v.stride(0),
+        kv_v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        scale * LOG2E,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=metadata.block_size,
+        SPLIT=split,
+        INTERPRETED=interpreted(),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
+    if split:
+        _reduce_splits_kernel[(tokens, heads)](
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            heads,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=next_power_of_2(num_splits),
+            INTERPRETED=interpreted(),
+            num_warps=4,
+        )
+    return out
+
+
+def choose_num_splits(programs: int, max_context_len: int, sm_count: int) -> int:
+    """1 unless the launch would leave most SMs idle and the contexts are long enough to cut.
+
+    Aims at about two programs per SM, with at least MIN_SPLIT_TOKENS keys per split; a power of two so
+    that the reduce kernel compiles for few sizes.
+    """
+    if programs >= sm_count:
+        return 1
+    wanted = min(-(-2 * sm_count // programs), max_context_len // MIN_SPLIT_TOKENS, MAX_SPLITS)
+    if wanted < 2:
+        return 1
+    return 1 << (wanted.bit_length() - 1)
+
+
+def _default_block_m(group: int, decode_only: bool) -> int:
+    # Decode: the head group padded to the 16 rows of a tensor-core tile. Prefill: 64 query rows.
+    return max(16 if decode_only else 64, next_power_of_2(group))
+
+
+def _check_blocks(block_m: int, block_n: int, group: int) -> None:
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    if block_m < group:
+        raise ValueError(f"block_m ({block_m}) must hold a whole head group ({group})")
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,70 @@
+"""RMSNorm, alone and fused with the residual add that precedes it in every decoder layer.
+
+Numerically as `workers.models.language.rms_norm`: the mean square in fp32, the normalised row cast back
+to the input dtype, then multiplied by the weight (in the promoted dtype of weight and input).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.kernels._launch import use_triton
+from workers.models.language import rms_norm as _rms_norm
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), the sum rounded to the input dtype first (as the layer's)."""
+    summed = x + residual
+    return _rms_norm(summed, weight, eps), summed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., hidden], weight [hidden]; Triton on CUDA tensors, the reference otherwise."""
+    if use_triton(x, weight):
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new_residual) for ``new_residual = x + residual``; out of place, one pass over the rows."""
+    if use_triton(x, residual, weight):
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    return fused_add_rms_norm_reference(x, residual, weight, eps)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from workers.kernels import norm_triton
+
+    check_inputs(x, weight)
+    return norm_triton.launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from workers.kernels import norm_triton
+
+    check_inputs(x, weight, residual)
+    normed, summed = norm_triton.launch(x, residual, weight, eps)
+    return normed, summed
+
+
+def check_inputs(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+    if x.ndim < 1 or weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight must be [hidden] for x [..., hidden], got {tuple(weight.shape)} and {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must match x {x.dtype} {tuple(x.shape)}")
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    if x.dtype not in floats or weight.dtype not in floats:
+        raise ValueError(f"x and weight must be fp32, fp16 or bf16, got {x.dtype} and {weight.dtype}")
+    tensors = [x, weight] if residual is None else [x, weight, residual]
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError("x, weight and residual must be on one device")

@@ -1,0 +1,90 @@
+"""Triton kernel behind `workers.kernels.norm` (imports triton). One program per row, the row in registers."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.kernels._launch import check_launchable, interpreted, next_power_of_2
+from workers.kernels._triton_common import round_to, to_dtype
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    summed_ptr,
+    n_cols,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_s,
+    eps,
+    BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        # Rounded to the input dtype before normalising, as the layer's own `x + residual` is.
+        summed = to_dtype(x + r, summed_ptr.dtype.element_ty, INTERPRETED)
+        tl.store(summed_ptr + row * stride_s + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
+    # The reference casts the normalised row to x's dtype before the weight multiply; so do we.
+    normed = round_to(x * rstd, x_ptr.dtype.element_ty, INTERPRETED)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, to_dtype(normed * w, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+def launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    check_launchable(x.device)
+    hidden = x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    summed = torch.empty_like(x) if residual is not None else None
+    r2 = _rows(residual) if residual is not None else x2
+    s2 = summed.view(-1, hidden) if summed is not None else x2  # unused without ADD_RESIDUAL
+    o2 = out.view(-1, hidden)
+    rows = x2.shape[0]
+    if rows == 0:
+        return out, summed
+    block = next_power_of_2(hidden)
+    _rms_norm_kernel[(rows,)](
+        x2,
+        r2,
+        weight.contiguous(),
+        o2,
+        s2,
+        hidden,
+        x2.stride(0),
+        r2.stride(0),
+        o2.stride(0),
+        s2.stride(0),
+        eps,
+        BLOCK=block,
+        ADD_RESIDUAL=residual is not None,
+        INTERPRETED=interpreted(),
+        num_warps=_num_warps(block),
+    )
+    return out, summed
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[rows, hidden] with unit column stride, a view where possible."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _num_warps(block: int) -> int:
+    # About 8 to 16 fp32 values per thread: the whole row stays in registers without spilling.
+    return min(16, max(1, block // 256))

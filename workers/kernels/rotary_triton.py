@@ -1,0 +1,130 @@
+"""Triton kernel behind `workers.kernels.rotary` (imports triton). One program per token: all q and k heads."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.kernels._launch import check_launchable, interpreted, next_power_of_2
+from workers.kernels._triton_common import round_to, to_dtype
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    out_ptr,
+    token,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    cos_lo,
+    cos_hi,
+    sin_lo,
+    sin_hi,
+    HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HALF_PAD)[None, :]
+    mask = (h < HEADS) & (d < HALF)
+    src = x_ptr + token * stride_xt + h * stride_xh + d
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    # x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]; each product rounded to the I/O dtype
+    # before the sum, as the reference's tensor ops round them (a no-op in fp32).
+    lo = round_to(x1 * cos_lo, dtype, INTERPRETED) + round_to(-x2 * sin_lo, dtype, INTERPRETED)
+    hi = round_to(x2 * cos_hi, dtype, INTERPRETED) + round_to(x1 * sin_hi, dtype, INTERPRETED)
+    dst = out_ptr + token * stride_ot + h * stride_oh + d
+    # Both halves were loaded before either is stored: in-place is safe within the program.
+    tl.store(dst, to_dtype(lo, dtype, INTERPRETED), mask=mask)
+    tl.store(dst + HALF, to_dtype(hi, dtype, INTERPRETED), mask=mask)
+
+
+@triton.jit
+def _mrope_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_ct,
+    stride_st,
+    HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, HALF_PAD)
+    d_ok = d < HALF
+    # Both halves of cos/sin are read (mrope_cos_sin repeats the frequencies, but the contract does not say so).
+    cos_lo = tl.load(cos_ptr + token * stride_ct + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    cos_hi = tl.load(cos_ptr + token * stride_ct + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin_lo = tl.load(sin_ptr + token * stride_st + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin_hi = tl.load(sin_ptr + token * stride_st + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(
+        q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh,
+        cos_lo, cos_hi, sin_lo, sin_hi, HEADS, HEADS_PAD, HALF, HALF_PAD, INTERPRETED,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr, k_out_ptr, token, stride_kt, stride_kh, stride_kot, stride_koh,
+        cos_lo, cos_hi, sin_lo, sin_hi, KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD, INTERPRETED,
+    )  # fmt: skip
+
+
+def launch(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_launchable(q.device)
+    tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    q_out = q if inplace else torch.empty_like(q)
+    k_out = k if inplace else torch.empty_like(k)
+    if tokens == 0:
+        return q_out, k_out
+    half = head_dim // 2
+    _mrope_kernel[(tokens,)](
+        q,
+        k,
+        q_out,
+        k_out,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        HEADS=heads,
+        HEADS_PAD=next_power_of_2(heads),
+        KV_HEADS=kv_heads,
+        KV_HEADS_PAD=next_power_of_2(kv_heads),
+        HALF=half,
+        HALF_PAD=next_power_of_2(half),
+        INTERPRETED=interpreted(),
+        num_warps=4,
+    )
+    return q_out, k_out
