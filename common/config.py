@@ -23,6 +23,7 @@ DEFAULT_CONFIG = REPO_ROOT / "ops" / "vlm.toml"
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    api_keys: list[str] = field(default_factory=list)  # non-empty: every /v1 request needs one as a Bearer token
     served_model_name: str = ""
     request_timeout_s: float = 300.0
     max_request_bytes: int = 64 * 1024 * 1024
@@ -43,6 +44,7 @@ class FetcherConfig:
     max_images_per_request: int = 16
     max_redirects: int = 3
     allow_private_addresses: bool = False
+    allowed_local_media_path: str = ""  # file:// URLs only below this directory; empty: refused
     credits: int = 8
     encode_attempts: int = 3
     encode_timeout_s: float = 60.0
@@ -162,4 +164,6 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
             setattr(getattr(cfg, section), key, kind(env[var]))
     if env.get("VLM_RUN_DIR"):
         cfg.run_dir = env["VLM_RUN_DIR"]
+    if env.get("VLM_API_KEYS"):
+        cfg.server.api_keys = [k.strip() for k in env["VLM_API_KEYS"].split(",") if k.strip()]
     return cfg

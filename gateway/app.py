@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
 import time
@@ -40,7 +41,8 @@ class Gateway:
         self.instance = worker_identity("gateway")[0]
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.server.max_request_bytes)
+        middlewares = [api_key_middleware(self.cfg.server.api_keys)] if self.cfg.server.api_keys else []
+        app = web.Application(client_max_size=self.cfg.server.max_request_bytes, middlewares=middlewares)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
@@ -252,6 +254,24 @@ class SseWriter:
     ) -> None:
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None, **(extra or {})}
         await self.send({**self.header(), "choices": [choice]})
+
+
+def api_key_middleware(keys: list[str]) -> Any:
+    """``Authorization: Bearer <key>`` on every /v1 route; /health and /metrics stay open for probes."""
+    accepted = [k.encode() for k in keys]
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            given = token.strip().encode()
+            if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k) for k in accepted):
+                return ApiError(
+                    401, "missing or invalid API key: send Authorization: Bearer <key>", code="invalid_api_key"
+                ).response()
+        return await handler(request)
+
+    return check
 
 
 def sampling_params(chat: ChatCompletionRequest) -> SamplingParams:

@@ -160,14 +160,15 @@ def _healthy(base_url: str, processes: list[subprocess.Popen[bytes]], timeout_s:
 
 
 @contextlib.contextmanager
-def hand_started_stack(root: Path, model: Path, settings: str = "") -> Iterator[str]:
+def hand_started_stack(root: Path, model: Path, settings: str = "", api_keys: list[str] | None = None) -> Iterator[str]:
     """Each process started by hand (``python -m ...``), as a developer debugging would; yields the base URL.
 
     ``settings`` is extra TOML (sections other than [server]); sockets live under ``root``.
     """
     port = free_port()
     config = root / "vlm.toml"
-    config.write_text(f'run_dir = "{root / "run"}"\n[server]\nport = {port}\n{settings}')
+    keys = json.dumps(api_keys or [])
+    config.write_text(f'run_dir = "{root / "run"}"\n[server]\nport = {port}\napi_keys = {keys}\n{settings}')
     env = {**os.environ, "VLM_CONFIG": str(config), "VLM_MODEL": str(model)}
     processes = []
     with open(root / "workers.log", "wb") as log:
@@ -175,7 +176,7 @@ def hand_started_stack(root: Path, model: Path, settings: str = "") -> Iterator[
             cmd = [sys.executable, "-m", *args, "--config", str(config)]
             processes.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
-        _healthy(f"http://127.0.0.1:{port}", processes)
+        _healthy(f"http://127.0.0.1:{port}", processes)  # /health needs no key
         yield f"http://127.0.0.1:{port}"
     finally:
         for p in processes:

@@ -9,6 +9,7 @@ import socket
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from common.config import FetcherConfig
@@ -21,7 +22,26 @@ def fetch_bytes(url: str, rules: FetcherConfig) -> bytes:
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme in ("http", "https"):
         return _download(url, rules)
+    if scheme == "file":
+        return _read_local(url, rules)
     raise MediaError(400, f"unsupported media URL scheme {scheme or '(none)'!r}: use http(s):// or a data: URL")
+
+
+def _read_local(url: str, rules: FetcherConfig) -> bytes:
+    """``file://`` only below the configured directory, after resolving links and ``..``."""
+    if not rules.allowed_local_media_path:
+        raise MediaError(400, "file:// media URLs are disabled; set [fetcher] allowed_local_media_path to allow them")
+    root = Path(rules.allowed_local_media_path).resolve()
+    path = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path)).resolve()
+    if not path.is_relative_to(root):
+        raise MediaError(403, f"file:// media must lie under the allowed directory {root}")
+    try:
+        size = path.stat().st_size
+        if size > rules.max_media_bytes:
+            raise MediaError(413, f"media file is {size} bytes; the limit is {rules.max_media_bytes}")
+        return path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+        raise MediaError(400, f"cannot read media file {path.name}: {exc.strerror}") from exc
 
 
 def _decode_data_url(url: str, limit: int) -> bytes:
