@@ -19,6 +19,7 @@ from common.protocol import GenerateRequest, RequestError, SamplingParams, Token
 from common.transport import worker_identity
 from gateway.choice import ChoiceStream, ChoiceUpdate
 from gateway.errors import ApiError
+from gateway.metrics import GatewayMetrics, render_values
 from gateway.pipeline import Pipeline
 from gateway.prompt import Prompt, PromptBuilder
 from gateway.schema import ChatCompletionRequest, parse_chat_request
@@ -39,6 +40,7 @@ class Gateway:
             ("requests_total", "requests_failed", "requests_disconnected", "tokens_generated"), 0.0
         )
         self.instance = worker_identity("gateway")[0]
+        self.latency = GatewayMetrics()
 
     def app(self) -> web.Application:
         middlewares = [api_key_middleware(self.cfg.server.api_keys)] if self.cfg.server.api_keys else []
@@ -68,11 +70,20 @@ class Gateway:
         return web.json_response({"status": "ok" if healthy else "degraded", **body}, status=200 if healthy else 503)
 
     async def metrics(self, _request: web.Request) -> web.Response:
-        lines = [f"vlm_gateway_{k} {v}" for k, v in self.counters.items()]
-        lines += [f"vlm_cache_{k} {v}" for k, v in (await self.pipeline.cache_stats()).items()]
-        lines += [f"vlm_decoder_{k} {v}" for k, v in self.pipeline.decoder_stats.items()]
-        lines.append(f"vlm_gateway_requests_in_flight {len(self.pipeline.requests)}")
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        """Prometheus text format: gateway latency histograms and counters, the cache daemon's and
+        the decoder's counters and gauges (reported by them; counters are cumulative per process)."""
+        lines = self.latency.render()
+        lines += render_values(
+            "vlm_gateway",
+            {**self.counters, "requests_in_flight": len(self.pipeline.requests)},
+            counters=set(self.counters),
+        )
+        cache_counters = {"hits", "misses", "pending_hits", "commits", "evictions", "failed", "full"}
+        lines += render_values("vlm_cache", await self.pipeline.cache_stats(), counters=cache_counters)
+        decoder_counters = {k for k in self.pipeline.decoder_stats if not k.startswith(("kv_", "requests_"))}
+        decoder_counters |= {"requests_finished"}
+        lines += render_values("vlm_decoder", self.pipeline.decoder_stats, counters=decoder_counters)
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -130,7 +141,9 @@ class Gateway:
     ) -> AsyncIterator[tuple[ChoiceStream, ChoiceUpdate]]:
         """Each choice's updates until every choice has finished; an error fails the whole request."""
         by_id = {c.request_id: c for c in choices}
-        deadline = time.monotonic() + self.cfg.server.request_timeout_s
+        started = time.monotonic()
+        deadline = started + self.cfg.server.request_timeout_s
+        last_seen: dict[str, float] = {}
         while not all(c.finished for c in choices):
             try:
                 event = await asyncio.wait_for(events.get(), max(0.0, deadline - time.monotonic()))
@@ -143,6 +156,15 @@ class Gateway:
                 continue  # tokens still in flight after a stop string ended the choice
             update = choice.feed(event)
             self.counters["tokens_generated"] += len(event.token_ids)
+            now = time.monotonic()
+            previous = last_seen.get(choice.request_id)
+            if previous is None:
+                self.latency.ttft.observe(now - started)
+            else:
+                self.latency.itl.observe(now - previous)
+            last_seen[choice.request_id] = now
+            if all(c.finished for c in choices):
+                self.latency.e2e.observe(now - started)
             if choice.finished and event.finish_reason is None:
                 self.pipeline.abort(choice.request_id)  # stopped by a stop string: the decoder can stop too
             yield choice, update

@@ -58,7 +58,7 @@ def decoder_counter(stack: Stack, name: str, after: float | None = None, timeout
     """The decoder's counter from /metrics; with ``after``, wait until the next report has arrived."""
     deadline = time.monotonic() + timeout_s
     while True:
-        value = stack.metrics().get(f"vlm_decoder_{name}", 0.0)
+        value = stack.metrics().get(f"vlm_decoder_{name}_total", 0.0)
         if after is None or value != after or time.monotonic() > deadline:
             return value
         time.sleep(0.2)
@@ -103,7 +103,11 @@ def test_preemption_under_a_tiny_kv_cache_keeps_every_answer(
         client = client_for(base_url)
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda p: greedy_ids(client, p, tokens=40), prompts))
-        metrics = Stack(base_url, root / "vlm.toml", None).metrics()  # type: ignore[arg-type]
+        hand = Stack(base_url, root / "vlm.toml", None)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10  # the decoder reports with its heartbeat
+        while (metrics := hand.metrics()).get("vlm_decoder_requests_finished_total", 0) < 8:
+            assert time.monotonic() < deadline, "the decoder's report never caught up"
+            time.sleep(0.2)
     assert answers == reference
-    assert metrics.get("vlm_decoder_preemptions", 0) > 0
-    assert metrics["vlm_decoder_kv_blocks_total"] == 32
+    assert metrics.get("vlm_decoder_preemptions_total", 0) > 0, {k: v for k, v in metrics.items() if "decoder" in k}
+    assert metrics["vlm_decoder_kv_blocks_capacity"] == 32

@@ -107,8 +107,10 @@ def test_three_turns_run_the_vit_once(client: OpenAI, hf: HfChat, stack: Stack) 
     # A separate request about the same image is served from the cache too.
     check_parity(client, hf, [{"role": "user", "content": [image_part(image), {"type": "text", "text": "Again?"}]}])
     after = stack.metrics()
-    assert after["vlm_cache_commits"] - before["vlm_cache_commits"] == 1  # one ViT run for one distinct image
-    assert after["vlm_cache_hits"] - before["vlm_cache_hits"] >= 3
+    assert (
+        after["vlm_cache_commits_total"] - before["vlm_cache_commits_total"] == 1
+    )  # one ViT run for one distinct image
+    assert after["vlm_cache_hits_total"] - before["vlm_cache_hits_total"] >= 3
 
 
 def test_streaming_chunks_usage_and_done(client: OpenAI, hf: HfChat) -> None:

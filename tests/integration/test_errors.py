@@ -114,7 +114,7 @@ def test_still_serving_after_bad_input(stack: Stack) -> None:
 
 
 def test_client_disconnect_mid_stream_is_counted_and_harmless(stack: Stack) -> None:
-    before = stack.metrics().get("vlm_gateway_requests_disconnected", 0.0)
+    before = stack.metrics().get("vlm_gateway_requests_disconnected_total", 0.0)
     host, port = stack.base_url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     body = chat("Tell me a long story.", stream=True, max_tokens=400, ignore_eos=True)
@@ -125,8 +125,35 @@ def test_client_disconnect_mid_stream_is_counted_and_harmless(stack: Stack) -> N
     conn.sock.shutdown(2)  # type: ignore[union-attr]
     conn.close()
     deadline = time.monotonic() + 20
-    while stack.metrics().get("vlm_gateway_requests_disconnected", 0.0) <= before:
+    while stack.metrics().get("vlm_gateway_requests_disconnected_total", 0.0) <= before:
         assert time.monotonic() < deadline, "the gateway never noticed the disconnect"
         time.sleep(0.2)
     status, reply, _ = post(stack, chat("Still there?"))
     assert status == 200, reply
+
+
+def test_metrics_parse_as_prometheus_and_move(stack: Stack) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def families() -> dict[str, object]:
+        with urllib.request.urlopen(stack.base_url + "/metrics", timeout=10) as r:
+            return {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+
+    before = families()
+    assert post(stack, chat("Count the stars."))[0] == 200
+    after = families()
+    for name in (
+        "vlm_time_to_first_token_seconds",
+        "vlm_inter_token_latency_seconds",
+        "vlm_e2e_request_latency_seconds",
+    ):
+        assert after[name].type == "histogram"  # type: ignore[attr-defined]
+
+    def count(fams: dict[str, object], name: str) -> float:
+        samples = fams[name].samples  # type: ignore[attr-defined]
+        return next(s.value for s in samples if s.name == f"{name}_count")
+
+    assert count(after, "vlm_time_to_first_token_seconds") == count(before, "vlm_time_to_first_token_seconds") + 1
+    assert after["vlm_gateway_requests"].type == "counter"  # type: ignore[attr-defined]
+    assert after["vlm_decoder_kv_usage"].type == "gauge"  # type: ignore[attr-defined]
+    assert "vlm_cache_commits" in after and "vlm_decoder_prefix_hit_tokens" in after

@@ -322,7 +322,7 @@ class Engine:
         return {
             **self.counters,
             **self.blocks.counters,
-            "kv_blocks_total": float(self.blocks.num_blocks),
+            "kv_blocks_capacity": float(self.blocks.num_blocks),
             "kv_blocks_used": float(used),
             "kv_usage": used / max(1, self.blocks.num_blocks),
         }
