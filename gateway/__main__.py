@@ -14,7 +14,16 @@ def main() -> None:
     logging.getLogger("gateway").info(
         "serving %s on http://%s:%d", gateway.model_name, cfg.server.host, cfg.server.port
     )
-    web.run_app(gateway.app(), host=cfg.server.host, port=cfg.server.port, print=None, access_log=None)
+    # handler_cancellation: a client that hangs up cancels its handler, whose cleanup aborts the
+    # request in every stage (non-streaming requests included).
+    web.run_app(
+        gateway.app(),
+        host=cfg.server.host,
+        port=cfg.server.port,
+        print=None,
+        access_log=None,
+        handler_cancellation=True,
+    )
 
 
 if __name__ == "__main__":

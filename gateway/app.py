@@ -102,6 +102,9 @@ class Gateway:
         except ApiError as exc:
             self.counters["requests_failed"] += 1
             return exc.response()
+        except asyncio.CancelledError:  # the client hung up (aiohttp's handler_cancellation)
+            self.counters["requests_disconnected"] += 1
+            raise
         finally:
             for choice in choices:  # a no-op once finished; frees every stage otherwise
                 self.pipeline.abort(choice.request_id)

@@ -85,9 +85,14 @@ class Pipeline:
         return tracked
 
     def abort(self, request_id: str) -> None:
-        if self.requests.pop(request_id, None) is not None:
-            self.fetchers.cancel(request_id)
-            self._send(self.decoder, Abort(request_id))
+        """Stop a request everywhere it may be: queued here, at its fetcher, or in the decoder."""
+        if self.requests.pop(request_id, None) is None:
+            return
+        job = self.fetchers.jobs.get(request_id)
+        if job is not None and job.peer is not None:
+            self._send_to_fetcher(job.peer, Abort(request_id))
+        self.fetchers.cancel(request_id)
+        self._send(self.decoder, Abort(request_id))
 
     def _send(self, channel: AsyncChannel, msg: Message) -> None:
         channel.sock.send(encode(msg))

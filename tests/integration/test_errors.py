@@ -113,21 +113,40 @@ def test_still_serving_after_bad_input(stack: Stack) -> None:
     assert reply["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_client_disconnect_mid_stream_is_counted_and_harmless(stack: Stack) -> None:
-    before = stack.metrics().get("vlm_gateway_requests_disconnected_total", 0.0)
+def wait_for(stack: Stack, name: str, predicate: Any, timeout_s: float) -> float:
+    deadline = time.monotonic() + timeout_s
+    while not predicate(value := stack.metrics().get(name, 0.0)):
+        assert time.monotonic() < deadline, f"{name} stayed at {value}"
+        time.sleep(0.1)
+    return value
+
+
+def hang_up_after_first_bytes(stack: Stack, body: dict[str, Any]) -> None:
     host, port = stack.base_url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    body = chat("Tell me a long story.", stream=True, max_tokens=400, ignore_eos=True)
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    assert response.status == 200
-    assert response.readline().startswith(b"data: ")  # the stream has begun
+    if body.get("stream"):
+        response = conn.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"data: ")  # the stream has begun
+    else:
+        wait_for(stack, "vlm_decoder_requests_running", lambda v: v >= 1, 10)  # it is generating
     conn.sock.shutdown(2)  # type: ignore[union-attr]
     conn.close()
-    deadline = time.monotonic() + 20
-    while stack.metrics().get("vlm_gateway_requests_disconnected_total", 0.0) <= before:
-        assert time.monotonic() < deadline, "the gateway never noticed the disconnect"
-        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_releases_every_stage(stack: Stack, stream: bool) -> None:
+    before = stack.metrics().get("vlm_gateway_requests_disconnected_total", 0.0)
+    picture = data_url(make_image(120, 120, seed=31 + stream))
+    body = chat(image(picture), stream=stream, max_tokens=3000, ignore_eos=True)
+    hang_up_after_first_bytes(stack, body)
+    hung_up = time.monotonic()
+    # Within a second (plus one heartbeat report) the decoder runs nothing and the cache leases nothing.
+    wait_for(stack, "vlm_decoder_requests_running", lambda v: v == 0, 1.5)
+    wait_for(stack, "vlm_cache_leased_requests", lambda v: v == 0, 1.5)
+    assert time.monotonic() - hung_up < 3.0
+    wait_for(stack, "vlm_gateway_requests_disconnected_total", lambda v: v > before, 5)
     status, reply, _ = post(stack, chat("Still there?"))
     assert status == 200, reply
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,7 @@ class DecoderWorker:
         self.cache = Channel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
         self.pools = ShmAttachments()
         self.waiting: dict[str, Waiting] = {}
+        self.aborted: OrderedDict[str, None] = OrderedDict()
         self.cache_incarnation = ""
         self.cache_seen = time.monotonic()
         self.loop = EventLoop()
@@ -130,14 +132,22 @@ class DecoderWorker:
     # ------------------------------------------------------------------ messages
     def on_inbox(self, _peer: bytes, msg: Message) -> None:
         match msg:
-            case PreparedRequest(request_id=rid) if not self.known(rid):
+            case PreparedRequest(request_id=rid) if not self.known(rid) and rid not in self.aborted:
                 self.admit(msg)
             case Abort(request_id=rid):
+                self.remember_abort(rid)
                 self.engine.abort(rid)
                 if self.waiting.pop(rid, None) is not None:
                     self.cache.send(CacheRelease(rid))
             case _:
                 pass
+
+    def remember_abort(self, request_id: str) -> None:
+        """An abort can overtake its request (the fetcher may still be handing it over): remember
+        recent aborts so the late request is dropped, not run for nobody."""
+        self.aborted[request_id] = None
+        while len(self.aborted) > 100_000:
+            self.aborted.popitem(last=False)
 
     def known(self, request_id: str) -> bool:
         """A re-issued request (its fetcher died after handing it over) must not run twice."""
