@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -22,7 +23,7 @@ from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics, render_values
 from gateway.pipeline import Pipeline
 from gateway.prompt import Prompt, PromptBuilder
-from gateway.schema import ChatCompletionRequest, parse_chat_request
+from gateway.schema import GenerationOptions, parse_chat_request, parse_completion_request
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class Gateway:
         middlewares = [api_key_middleware(self.cfg.server.api_keys)] if self.cfg.server.api_keys else []
         app = web.Application(client_max_size=self.cfg.server.max_request_bytes, middlewares=middlewares)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
@@ -87,18 +89,33 @@ class Gateway:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            chat = await self._parse(request)
+            chat = parse_chat_request(await self._json(request))
+            self._check_model(chat)
             prompt = await asyncio.get_running_loop().run_in_executor(None, self.prompts.build, chat.messages)
         except ApiError as exc:
             return exc.response()
-        self.counters["requests_total"] += 1
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        events: Events = asyncio.Queue()
-        choices = self._submit(chat, prompt, completion_id, events)
+        return await self._serve(request, chat, prompt, CHAT)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            if chat.stream:
-                return await self._stream(request, chat, completion_id, choices, events)
-            return await self._complete(chat, completion_id, choices, events)
+            options = parse_completion_request(await self._json(request))
+            self._check_model(options)
+            prompt = await asyncio.get_running_loop().run_in_executor(None, self.prompts.encode_text, options.prompt)
+        except ApiError as exc:
+            return exc.response()
+        return await self._serve(request, options, prompt, TEXT)
+
+    async def _serve(
+        self, request: web.Request, options: GenerationOptions, prompt: Prompt, flavor: Flavor
+    ) -> web.StreamResponse:
+        self.counters["requests_total"] += 1
+        completion_id = f"{flavor.id_prefix}-{uuid.uuid4().hex}"
+        events: Events = asyncio.Queue()
+        choices = self._submit(options, prompt, completion_id, events)
+        try:
+            if options.stream:
+                return await self._stream(request, options, completion_id, choices, events, flavor)
+            return await self._complete(options, completion_id, choices, events, flavor)
         except ApiError as exc:
             self.counters["requests_failed"] += 1
             return exc.response()
@@ -109,23 +126,23 @@ class Gateway:
             for choice in choices:  # a no-op once finished; frees every stage otherwise
                 self.pipeline.abort(choice.request_id)
 
-    async def _parse(self, request: web.Request) -> ChatCompletionRequest:
+    async def _json(self, request: web.Request) -> Any:
         try:
-            body = await request.json()
+            return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
-        chat = parse_chat_request(body)
-        if chat.model not in (None, self.model_name):
+
+    def _check_model(self, options: GenerationOptions) -> None:
+        if options.model not in (None, self.model_name):
             raise ApiError(
                 404,
-                f"model {chat.model!r} does not exist; this server serves {self.model_name!r}",
+                f"model {options.model!r} does not exist; this server serves {self.model_name!r}",
                 code="model_not_found",
                 param="model",
             )
-        return chat
 
     def _submit(
-        self, chat: ChatCompletionRequest, prompt: Prompt, completion_id: str, events: Events
+        self, chat: GenerationOptions, prompt: Prompt, completion_id: str, events: Events
     ) -> list[ChoiceStream]:
         """One pipeline request per choice; seeded choices get seeds seed, seed+1, ... so they differ."""
         sampling = sampling_params(chat)
@@ -173,25 +190,25 @@ class Gateway:
             yield choice, update
 
     async def _complete(
-        self, chat: ChatCompletionRequest, completion_id: str, choices: list[ChoiceStream], events: Events
+        self,
+        options: GenerationOptions,
+        completion_id: str,
+        choices: list[ChoiceStream],
+        events: Events,
+        flavor: Flavor,
     ) -> web.Response:
         async for _ in self._updates(choices, events):
             pass
         body = []
         for c in choices:
-            choice: dict[str, Any] = {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason,
-                "logprobs": {"content": c.logprobs} if chat.logprobs else None,
-            }
-            if chat.return_token_ids:
+            choice = flavor.choice(c, options)
+            if options.return_token_ids:
                 choice["token_ids"] = c.token_ids
             body.append(choice)
         return web.json_response(
             {
                 "id": completion_id,
-                "object": "chat.completion",
+                "object": flavor.object,
                 "created": int(time.time()),
                 "model": self.model_name,
                 "choices": body,
@@ -202,10 +219,11 @@ class Gateway:
     async def _stream(
         self,
         request: web.Request,
-        chat: ChatCompletionRequest,
+        options: GenerationOptions,
         completion_id: str,
         choices: list[ChoiceStream],
         events: Events,
+        flavor: Flavor,
     ) -> web.StreamResponse:
         updates = self._updates(choices, events)
         try:
@@ -213,11 +231,11 @@ class Gateway:
         except StopAsyncIteration:
             first = None
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        sse = SseWriter(web.StreamResponse(headers=headers), completion_id, self.model_name)
+        sse = SseWriter(web.StreamResponse(headers=headers), completion_id, self.model_name, flavor)
         await sse.response.prepare(request)
         try:
-            await self._stream_updates(sse, chat, choices, updates, first)
-        except ConnectionResetError:  # the client went away; chat_completions' finally aborts the request
+            await self._stream_updates(sse, options, choices, updates, first)
+        except ConnectionResetError:  # the client went away; _serve's finally aborts the request
             self.counters["requests_disconnected"] += 1
             log.info("client of %s disconnected mid-stream", completion_id)
         return sse.response
@@ -225,48 +243,84 @@ class Gateway:
     async def _stream_updates(
         self,
         sse: SseWriter,
-        chat: ChatCompletionRequest,
+        options: GenerationOptions,
         choices: list[ChoiceStream],
         updates: AsyncIterator[tuple[ChoiceStream, ChoiceUpdate]],
         first: tuple[ChoiceStream, ChoiceUpdate] | None,
     ) -> None:
-        for c in choices:
-            await sse.chunk(c.index, {"role": "assistant", "content": ""}, None)
+        if sse.flavor is CHAT:
+            for c in choices:
+                await sse.chunk(c.index, {"role": "assistant", "content": ""}, None, {})
         try:
             item = first
             while item is not None:
                 choice, update = item
                 extra: dict[str, Any] = {}
-                if chat.logprobs and update.logprobs:
-                    extra["logprobs"] = {"content": update.logprobs}
-                if chat.return_token_ids:
+                if options.top_logprobs_asked >= 0 and update.logprobs:
+                    extra["logprobs"] = sse.flavor.logprobs(update.logprobs)
+                if options.return_token_ids:
                     extra["token_ids"] = update.token_ids
                 if update.text or update.finish_reason or extra:
-                    delta = {"content": update.text} if update.text else {}
-                    await sse.chunk(choice.index, delta, update.finish_reason, extra)
+                    await sse.chunk(choice.index, update.text, update.finish_reason, extra)
                 item = await anext(updates, None)
         except ApiError as exc:  # mid-stream failure: the status is already sent, so report in-band
             await sse.send(exc.body())
             choices = []
-        if choices and chat.stream_options is not None and chat.stream_options.include_usage:
+        if choices and options.stream_options is not None and options.stream_options.include_usage:
             await sse.send({**sse.header(), "choices": [], "usage": usage(choices)})
         await sse.response.write(b"data: [DONE]\n\n")
         await sse.response.write_eof()
 
 
-class SseWriter:
-    """Server-sent events of one chat completion stream, in OpenAI's chunk shape."""
+@dataclass(frozen=True)
+class Flavor:
+    """What differs between chat and text completions on the wire."""
 
-    def __init__(self, response: web.StreamResponse, completion_id: str, model: str) -> None:
+    id_prefix: str
+    object: str
+    chunk_object: str
+    is_chat: bool
+
+    def logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.is_chat:
+            return {"content": entries}
+        return {  # the legacy completions shape
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        }
+
+    def choice(self, c: ChoiceStream, options: GenerationOptions) -> dict[str, Any]:
+        logprobs = self.logprobs(c.logprobs) if options.top_logprobs_asked >= 0 else None
+        body = {"message": {"role": "assistant", "content": c.text}} if self.is_chat else {"text": c.text}
+        return {"index": c.index, **body, "finish_reason": c.finish_reason, "logprobs": logprobs}
+
+    def delta(self, text: str | dict[str, Any]) -> dict[str, Any]:
+        if isinstance(text, dict):
+            return {"delta": text}
+        if self.is_chat:
+            return {"delta": {"content": text} if text else {}}
+        return {"text": text}
+
+
+CHAT = Flavor("chatcmpl", "chat.completion", "chat.completion.chunk", is_chat=True)
+TEXT = Flavor("cmpl", "text_completion", "text_completion", is_chat=False)
+
+
+class SseWriter:
+    """Server-sent events of one completion stream, in OpenAI's chunk shape."""
+
+    def __init__(self, response: web.StreamResponse, completion_id: str, model: str, flavor: Flavor) -> None:
         self.response = response
         self.completion_id = completion_id
         self.model = model
+        self.flavor = flavor
         self.created = int(time.time())
 
     def header(self) -> dict[str, Any]:
         return {
             "id": self.completion_id,
-            "object": "chat.completion.chunk",
+            "object": self.flavor.chunk_object,
             "created": self.created,
             "model": self.model,
         }
@@ -274,10 +328,8 @@ class SseWriter:
     async def send(self, body: dict[str, Any]) -> None:
         await self.response.write(f"data: {json.dumps(body)}\n\n".encode())
 
-    async def chunk(
-        self, index: int, delta: dict[str, Any], finish: str | None, extra: dict[str, Any] | None = None
-    ) -> None:
-        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None, **(extra or {})}
+    async def chunk(self, index: int, text: str | dict[str, Any], finish: str | None, extra: dict[str, Any]) -> None:
+        choice = {"index": index, **self.flavor.delta(text), "finish_reason": finish, "logprobs": None, **extra}
         await self.send({**self.header(), "choices": [choice]})
 
 
@@ -299,8 +351,8 @@ def api_key_middleware(keys: list[str]) -> Any:
     return check
 
 
-def sampling_params(chat: ChatCompletionRequest) -> SamplingParams:
-    max_tokens = chat.max_completion_tokens or chat.max_tokens or 1024
+def sampling_params(chat: GenerationOptions) -> SamplingParams:
+    max_tokens = chat.token_limit or 1024
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=chat.temperature,
@@ -314,7 +366,7 @@ def sampling_params(chat: ChatCompletionRequest) -> SamplingParams:
         presence_penalty=chat.presence_penalty,
         frequency_penalty=chat.frequency_penalty,
         repetition_penalty=chat.repetition_penalty,
-        top_logprobs=(chat.top_logprobs or 0) if chat.logprobs else -1,
+        top_logprobs=chat.top_logprobs_asked,
     )
 
 

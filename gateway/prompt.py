@@ -47,3 +47,9 @@ class PromptBuilder:
         text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return Prompt(list(ids), media)
+
+    def encode_text(self, prompt: str | list[int]) -> Prompt:
+        """A raw text prompt (``/v1/completions``): tokenized as is, no chat template."""
+        if isinstance(prompt, list):
+            return Prompt(list(prompt), [])
+        return Prompt(list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]), [])

@@ -45,13 +45,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class GenerationOptions(BaseModel):
+    """What chat and text completions share: sampling, stopping, streaming."""
+
     model_config = ConfigDict(extra="ignore")  # the OpenAI API ignores fields it does not know
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
@@ -62,31 +62,88 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] = Field(default_factory=list)
     return_token_ids: bool = False
-    logprobs: bool = False
     user: str | None = None
 
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
 
-def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    @property
+    def top_logprobs_asked(self) -> int:
+        """-1: no logprobs; 0: the chosen token's; k: also the k most likely."""
+        return -1
+
+
+class ChatCompletionRequest(GenerationOptions):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def top_logprobs_asked(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else -1
+
+
+class CompletionRequest(GenerationOptions):
+    """The legacy ``/v1/completions``: a text prompt, no chat template, no images."""
+
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @property
+    def top_logprobs_asked(self) -> int:
+        return -1 if self.logprobs is None else self.logprobs
+
+
+def _validate(model: type[GenerationOptions], body: Any) -> Any:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        request = ChatCompletionRequest.model_validate(body)
+        request = model.model_validate(body)
     except ValidationError as exc:
         # The deepest error is the specific one (a union of str | list reports both branches).
         worst = max(exc.errors(), key=lambda e: len(e["loc"]))
         where = ".".join(str(p) for p in worst["loc"] if not _is_branch_name(p))
         raise ApiError(400, f"invalid request: {where}: {worst['msg']}", code="invalid_value", param=where) from exc
-    if request.top_logprobs is not None and not request.logprobs:
-        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if request.stop == "":
         raise ApiError(400, "stop strings must not be empty", param="stop")
+    return request
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    request: CompletionRequest = _validate(CompletionRequest, body)
+    if isinstance(request.prompt, list) and request.prompt and isinstance(request.prompt[0], str):
+        if len(request.prompt) != 1:
+            raise ApiError(400, "send one prompt per request (a list of prompts is not supported)", param="prompt")
+        request.prompt = request.prompt[0]
+    if request.prompt in ("", []):
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    for name in ("echo", "suffix"):
+        if getattr(request, name):
+            raise ApiError(400, f"{name} is not supported", param=name)
+    if request.best_of not in (None, 1):
+        raise ApiError(400, "best_of is not supported; use n", param="best_of")
+    return request
+
+
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    request: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     return request
 
 

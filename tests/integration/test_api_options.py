@@ -130,3 +130,26 @@ def test_presence_and_frequency_penalties_discourage_repeats(client: OpenAI, pen
     penalised = create(client, temperature=0, max_tokens=48, **{penalty: 2.0}).choices[0].token_ids
     assert penalised != free
     assert len(set(penalised)) > len(set(free))
+
+
+def test_text_completions(client: OpenAI, hf: HfChat) -> None:
+    prompt = "Once upon a time, in a land of rivers,"
+    model = client.models.list().data[0].id
+    reply = client.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
+    ids = hf.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        out = hf.model.generate(input_ids=ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    expected = hf.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    choice = reply.choices[0]
+    assert reply.object == "text_completion" and choice.text == expected
+    assert choice.finish_reason == "length"
+    assert reply.usage.prompt_tokens == ids.shape[1] and reply.usage.completion_tokens == 12
+    assert len(choice.logprobs.token_logprobs) == 12 and all(len(t) == 2 for t in choice.logprobs.top_logprobs)
+    streamed = client.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, echo=True)
