@@ -157,3 +157,13 @@ def test_prompt_errors(parts: tuple[LanguageModel, ModelSpec]) -> None:
     small = make_engine(parts, num_blocks=2, block_size=4)
     with pytest.raises(PromptError, match="KV blocks"):
         small.prepare(request("big", 6, max_tokens=8))
+
+
+def test_choices_of_one_prompt_share_its_kv(parts: tuple[LanguageModel, ModelSpec]) -> None:
+    engine = make_engine(parts, prefill_budget=16)  # a 40-token prompt takes 3 steps to prefill
+    prompt = request("twin", 40, max_tokens=4)
+    for i in range(3):
+        engine.add(engine.prepare(dataclasses.replace(prompt, request_id=f"twin-{i}")))
+    tokens, _ = run_to_end(engine)
+    assert len({tuple(t) for t in tokens.values()}) == 1
+    assert engine.blocks.counters["prefix_hit_tokens"] == 2 * (39 // 4 * 4)  # all but the last block, twice

@@ -17,6 +17,7 @@ import torch
 from common.protocol import PreparedRequest, SamplingParams, TokenDelta
 from workers.decoder.blocks import BlockManager, BlockTable, media_token_keys
 from workers.decoder.sampling import Sampled, SamplingRow, sample_batch
+from workers.kernels import paged_attention
 from workers.models.language import LanguageModel
 from workers.models.mrope import expand_media_placeholders, rope_positions
 from workers.models.paged import BatchLayout, PagedKVCache, paged_forward
@@ -195,6 +196,8 @@ class Engine:
             budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
+            if self._twin_prefilling(seq):
+                break  # one step later its whole prompt comes from the prefix cache (n > 1 choices)
             if not self.blocks.can_allocate(seq.keys(), seq.table):
                 break  # first come, first served: later arrivals wait behind it
             self.waiting.popleft()
@@ -205,6 +208,13 @@ class Engine:
             batch.append(Scheduled(seq, num_new))
             budget -= num_new
         return batch
+
+    def _twin_prefilling(self, seq: Sequence) -> bool:
+        """A running sequence is still computing this very prompt (another choice of one request)."""
+        return self.blocks.enable_prefix_cache and any(
+            other.num_computed < len(other.prompt_ids) and other.prompt_keys == seq.prompt_keys
+            for other in self.running.values()
+        )
 
     def _make_room(self, seq: Sequence, num_new: int) -> bool:
         """Blocks for ``num_new`` more tokens of ``seq``, preempting the newest others if needed."""
@@ -243,7 +253,10 @@ class Engine:
         )
         ends = torch.cumsum(torch.tensor([b.num_new for b in batch]), 0) - 1
         logits_for = [int(ends[i]) for i, b in enumerate(batch) if b.samples]
-        return paged_forward(self.model, torch.cat(embeds), torch.cat(positions, dim=1), layout, self.kv, logits_for)
+        # paged_attention runs the Triton kernel on CUDA tensors and the torch reference elsewhere.
+        return paged_forward(
+            self.model, torch.cat(embeds), torch.cat(positions, dim=1), layout, self.kv, logits_for, paged_attention
+        )
 
     def _embeddings(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         embeds = self.model.embed(seq.token_ids(start, end))

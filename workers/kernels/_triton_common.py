@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import triton
 import triton.language as tl
 
@@ -25,3 +28,21 @@ def to_dtype(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 def round_to(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     """fp32 ``x`` rounded to ``dtype`` and back: an intermediate rounding that a torch reference makes."""
     return to_dtype(x, dtype, INTERPRETED).to(tl.float32)
+
+
+@dataclass
+class Launch:
+    """One kernel launch spelled out: what `aot` compiles for a GPU target and what `__call__` runs.
+
+    Built from tensors of any device (meta included), so that a launch can be compiled without a GPU.
+    """
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: dict[str, Any]  # runtime arguments by name: tensors, ints, floats
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int = 3  # Triton's default
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](**self.args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from workers.kernels._launch import check_launchable, interpreted
-from workers.kernels._triton_common import round_to, to_dtype
+from workers.kernels._triton_common import Launch, round_to, to_dtype
 
 BLOCK = 1024
 
@@ -37,16 +37,33 @@ def _silu_and_mul_kernel(
 
 def launch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     check_launchable(gate.device)
+    out, step = plan(gate, up, interpreted())
+    if out.numel():
+        step()
+    return out
+
+
+def plan(gate: torch.Tensor, up: torch.Tensor, interpreted_mode: bool = False) -> tuple[torch.Tensor, Launch]:
     width = gate.shape[-1]
     g2, u2 = _rows(gate), _rows(up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     o2 = out.view(-1, width)
-    if o2.numel() == 0:
-        return out
-    _silu_and_mul_kernel[(o2.shape[0], triton.cdiv(width, BLOCK))](
-        g2, u2, o2, width, g2.stride(0), u2.stride(0), o2.stride(0), BLOCK=BLOCK, INTERPRETED=interpreted(), num_warps=4
+    step = Launch(
+        _silu_and_mul_kernel,
+        grid=(o2.shape[0], triton.cdiv(width, BLOCK)),
+        args={
+            "gate_ptr": g2,
+            "up_ptr": u2,
+            "out_ptr": o2,
+            "n_cols": width,
+            "stride_g": g2.stride(0),
+            "stride_u": u2.stride(0),
+            "stride_o": o2.stride(0),
+        },
+        constexprs={"BLOCK": BLOCK, "INTERPRETED": interpreted_mode},
+        num_warps=4,
     )
-    return out
+    return out, step
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ cores for 16-bit inputs; fp32 inputs use IEEE fp32 products (Triton's default wo
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -29,12 +30,13 @@ import triton
 import triton.language as tl
 
 from workers.kernels._launch import check_launchable, interpreted, next_power_of_2
-from workers.kernels._triton_common import to_dtype
+from workers.kernels._triton_common import Launch, to_dtype
 from workers.kernels.attention import AttentionMetadata
 
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 32
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (its partial row and the merge) is not worth it
+DEFAULT_BLOCK_N = 64
 DEFAULT_SM_COUNT = 132  # H200; used when the device cannot be asked (the interpreter)
 
 
@@ -220,19 +222,36 @@ def launch(
 ) -> torch.Tensor:
     """Run the kernel(s); inputs are validated by `attention.check_inputs`."""
     check_launchable(q.device)
+    out, launches = plan(q, kv_k, kv_v, metadata, scale, num_splits, block_m, block_n, interpreted())
+    for step in launches:
+        step()
+    return out
+
+
+def plan(
+    q: torch.Tensor,
+    kv_k: torch.Tensor,
+    kv_v: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    num_splits: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    interpreted_mode: bool = False,
+) -> tuple[torch.Tensor, list[Launch]]:
+    """The output tensor and the launches that fill it (the attention kernel, then the split merge if any)."""
     tokens, heads, head_dim = q.shape
     kv_heads = kv_k.shape[1]
     group = heads // kv_heads
     decode_only = metadata.max_query_len == 1
     block_m = block_m or _default_block_m(group, decode_only)
-    block_n = block_n or 64
+    block_n = block_n or DEFAULT_BLOCK_N
     _check_blocks(block_m, block_n, group)
     # Decode-only batches put one token per program: more query rows would only be padding.
     block_q = 1 if decode_only else block_m // group
-    grid_q = tokens // block_q + metadata.num_seqs
     if num_splits is None:
         busy = -(-tokens // block_q) * kv_heads  # programs with work (the grid also holds spares)
-        num_splits = choose_num_splits(busy, metadata.max_context_len, _sm_count(q.device))
+        num_splits = choose_num_splits(busy, metadata.max_context_len, sm_count(q.device))
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
 
@@ -246,61 +265,74 @@ def launch(
     else:
         part_max = part_sum = part_acc = out  # not read: SPLIT is a compile-time False
 
-    _paged_attention_kernel[(grid_q, kv_heads, num_splits)](
-        q,
-        kv_k,
-        kv_v,
-        out,
-        part_acc,
-        part_max,
-        part_sum,
-        metadata.query_starts,
-        metadata.query_lens,
-        metadata.context_lens,
-        metadata.block_table,
-        metadata.num_seqs,
-        heads,
-        num_splits,
-        metadata.block_table.stride(0),
-        q.stride(0),
-        q.stride(1),
-        kv_k.stride(0),
-        kv_k.stride(1),
-        kv_v.stride(0),
-        kv_v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        scale * LOG2E,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        GROUP=group,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        BLOCK_N=block_n,
-        BLOCK_SIZE=metadata.block_size,
-        SPLIT=split,
-        INTERPRETED=interpreted(),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    attend = Launch(
+        _paged_attention_kernel,
+        grid=(tokens // block_q + metadata.num_seqs, kv_heads, num_splits),
+        args={
+            "q_ptr": q,
+            "k_cache_ptr": kv_k,
+            "v_cache_ptr": kv_v,
+            "out_ptr": out,
+            "part_acc_ptr": part_acc,
+            "part_max_ptr": part_max,
+            "part_sum_ptr": part_sum,
+            "query_starts_ptr": metadata.query_starts,
+            "query_lens_ptr": metadata.query_lens,
+            "context_lens_ptr": metadata.context_lens,
+            "block_table_ptr": metadata.block_table,
+            "num_seqs": metadata.num_seqs,
+            "num_heads": heads,
+            "num_splits": num_splits,
+            "block_table_stride": metadata.block_table.stride(0),
+            "stride_qt": q.stride(0),
+            "stride_qh": q.stride(1),
+            "stride_ks": kv_k.stride(0),
+            "stride_kh": kv_k.stride(1),
+            "stride_vs": kv_v.stride(0),
+            "stride_vh": kv_v.stride(1),
+            "stride_ot": out.stride(0),
+            "stride_oh": out.stride(1),
+            "scale_log2": scale * LOG2E,
+        },
+        constexprs={
+            "HEAD_DIM": head_dim,
+            "HEAD_DIM_PAD": head_dim_pad,
+            "GROUP": group,
+            "BLOCK_M": block_m,
+            "BLOCK_Q": block_q,
+            "BLOCK_N": block_n,
+            "BLOCK_SIZE": metadata.block_size,
+            "SPLIT": split,
+            "INTERPRETED": interpreted_mode,
+            "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+        },
         num_warps=4,
         num_stages=2,
     )
-    if split:
-        _reduce_splits_kernel[(tokens, heads)](
-            out,
-            part_acc,
-            part_max,
-            part_sum,
-            heads,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            SPLITS_PAD=next_power_of_2(num_splits),
-            INTERPRETED=interpreted(),
-            num_warps=4,
-        )
-    return out
+    if not split:
+        return out, [attend]
+    merge = Launch(
+        _reduce_splits_kernel,
+        grid=(tokens, heads),
+        args={
+            "out_ptr": out,
+            "part_acc_ptr": part_acc,
+            "part_max_ptr": part_max,
+            "part_sum_ptr": part_sum,
+            "num_heads": heads,
+            "num_splits": num_splits,
+            "stride_ot": out.stride(0),
+            "stride_oh": out.stride(1),
+        },
+        constexprs={
+            "HEAD_DIM": head_dim,
+            "HEAD_DIM_PAD": head_dim_pad,
+            "SPLITS_PAD": next_power_of_2(num_splits),
+            "INTERPRETED": interpreted_mode,
+        },
+        num_warps=4,
+    )
+    return out, [attend, merge]
 
 
 def choose_num_splits(programs: int, max_context_len: int, sm_count: int) -> int:
@@ -330,7 +362,9 @@ def _check_blocks(block_m: int, block_n: int, group: int) -> None:
         raise ValueError(f"block_m ({block_m}) must hold a whole head group ({group})")
 
 
-def _sm_count(device: torch.device) -> int:
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (the H200's count off a GPU, for the heuristic only)."""
     if device.type != "cuda":
         return DEFAULT_SM_COUNT
     return torch.cuda.get_device_properties(device).multi_processor_count

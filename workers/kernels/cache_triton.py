@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from workers.kernels._launch import check_launchable, next_power_of_2
+from workers.kernels._triton_common import Launch
 
 
 @triton.jit
@@ -45,26 +46,37 @@ def launch(
     k: torch.Tensor, v: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     check_launchable(k.device)
+    if k.shape[0]:
+        plan(k, v, kv_k, kv_v, slot_mapping)()
+
+
+def plan(
+    k: torch.Tensor, v: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, slot_mapping: torch.Tensor
+) -> Launch:
     tokens, kv_heads, head_dim = k.shape
-    if tokens == 0:
-        return
-    _reshape_and_cache_kernel[(tokens,)](
-        k,
-        v,
-        kv_k,
-        kv_v,
-        slot_mapping,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        kv_k.stride(0),
-        kv_k.stride(1),
-        kv_v.stride(0),
-        kv_v.stride(1),
-        KV_HEADS=kv_heads,
-        KV_HEADS_PAD=next_power_of_2(kv_heads),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=next_power_of_2(head_dim),
+    return Launch(
+        _reshape_and_cache_kernel,
+        grid=(tokens,),
+        args={
+            "k_ptr": k,
+            "v_ptr": v,
+            "kv_k_ptr": kv_k,
+            "kv_v_ptr": kv_v,
+            "slot_ptr": slot_mapping,
+            "stride_kt": k.stride(0),
+            "stride_kh": k.stride(1),
+            "stride_vt": v.stride(0),
+            "stride_vh": v.stride(1),
+            "stride_cks": kv_k.stride(0),
+            "stride_ckh": kv_k.stride(1),
+            "stride_cvs": kv_v.stride(0),
+            "stride_cvh": kv_v.stride(1),
+        },
+        constexprs={
+            "KV_HEADS": kv_heads,
+            "KV_HEADS_PAD": next_power_of_2(kv_heads),
+            "HEAD_DIM": head_dim,
+            "HEAD_DIM_PAD": next_power_of_2(head_dim),
+        },
         num_warps=2,
     )

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from workers.kernels._launch import check_launchable, interpreted, next_power_of_2
-from workers.kernels._triton_common import round_to, to_dtype
+from workers.kernels._triton_common import Launch, round_to, to_dtype
 
 
 @triton.jit
@@ -48,6 +48,16 @@ def launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     check_launchable(x.device)
+    out, summed, step = plan(x, residual, weight, eps, interpreted())
+    if out.numel():
+        step()
+    return out, summed
+
+
+def plan(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, interpreted_mode: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, Launch]:
+    """(normed, summed or None, the launch that fills them)."""
     hidden = x.shape[-1]
     x2 = _rows(x)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
@@ -55,28 +65,27 @@ def launch(
     r2 = _rows(residual) if residual is not None else x2
     s2 = summed.view(-1, hidden) if summed is not None else x2  # unused without ADD_RESIDUAL
     o2 = out.view(-1, hidden)
-    rows = x2.shape[0]
-    if rows == 0:
-        return out, summed
     block = next_power_of_2(hidden)
-    _rms_norm_kernel[(rows,)](
-        x2,
-        r2,
-        weight.contiguous(),
-        o2,
-        s2,
-        hidden,
-        x2.stride(0),
-        r2.stride(0),
-        o2.stride(0),
-        s2.stride(0),
-        eps,
-        BLOCK=block,
-        ADD_RESIDUAL=residual is not None,
-        INTERPRETED=interpreted(),
+    step = Launch(
+        _rms_norm_kernel,
+        grid=(x2.shape[0],),
+        args={
+            "x_ptr": x2,
+            "residual_ptr": r2,
+            "weight_ptr": weight.contiguous(),
+            "out_ptr": o2,
+            "summed_ptr": s2,
+            "n_cols": hidden,
+            "stride_x": x2.stride(0),
+            "stride_r": r2.stride(0),
+            "stride_o": o2.stride(0),
+            "stride_s": s2.stride(0),
+            "eps": eps,
+        },
+        constexprs={"BLOCK": block, "ADD_RESIDUAL": residual is not None, "INTERPRETED": interpreted_mode},
         num_warps=_num_warps(block),
     )
-    return out, summed
+    return out, summed, step
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

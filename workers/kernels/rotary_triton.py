@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from workers.kernels._launch import check_launchable, interpreted, next_power_of_2
-from workers.kernels._triton_common import round_to, to_dtype
+from workers.kernels._triton_common import Launch, round_to, to_dtype
 
 
 @triton.jit
@@ -94,37 +94,55 @@ def launch(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_launchable(q.device)
+    q_out, k_out, step = plan(q, k, cos, sin, inplace, interpreted())
+    if q.shape[0]:
+        step()
+    return q_out, k_out
+
+
+def plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inplace: bool,
+    interpreted_mode: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, Launch]:
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     q_out = q if inplace else torch.empty_like(q)
     k_out = k if inplace else torch.empty_like(k)
-    if tokens == 0:
-        return q_out, k_out
     half = head_dim // 2
-    _mrope_kernel[(tokens,)](
-        q,
-        k,
-        q_out,
-        k_out,
-        cos,
-        sin,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        q_out.stride(0),
-        q_out.stride(1),
-        k_out.stride(0),
-        k_out.stride(1),
-        cos.stride(0),
-        sin.stride(0),
-        HEADS=heads,
-        HEADS_PAD=next_power_of_2(heads),
-        KV_HEADS=kv_heads,
-        KV_HEADS_PAD=next_power_of_2(kv_heads),
-        HALF=half,
-        HALF_PAD=next_power_of_2(half),
-        INTERPRETED=interpreted(),
+    step = Launch(
+        _mrope_kernel,
+        grid=(tokens,),
+        args={
+            "q_ptr": q,
+            "k_ptr": k,
+            "q_out_ptr": q_out,
+            "k_out_ptr": k_out,
+            "cos_ptr": cos,
+            "sin_ptr": sin,
+            "stride_qt": q.stride(0),
+            "stride_qh": q.stride(1),
+            "stride_kt": k.stride(0),
+            "stride_kh": k.stride(1),
+            "stride_qot": q_out.stride(0),
+            "stride_qoh": q_out.stride(1),
+            "stride_kot": k_out.stride(0),
+            "stride_koh": k_out.stride(1),
+            "stride_ct": cos.stride(0),
+            "stride_st": sin.stride(0),
+        },
+        constexprs={
+            "HEADS": heads,
+            "HEADS_PAD": next_power_of_2(heads),
+            "KV_HEADS": kv_heads,
+            "KV_HEADS_PAD": next_power_of_2(kv_heads),
+            "HALF": half,
+            "HALF_PAD": next_power_of_2(half),
+            "INTERPRETED": interpreted_mode,
+        },
         num_warps=4,
     )
-    return q_out, k_out
+    return q_out, k_out, step

@@ -1,0 +1,192 @@
+"""Decode attention bandwidth: ``python -m workers.kernels.bench`` on a CUDA GPU.
+
+Decode attention reads every context token's K and V once per step and does little arithmetic, so its
+speed is the bytes it reads over the time it takes; this prints that rate against the H200's 4.8 TB/s of
+HBM bandwidth for the Qwen2-VL 2B and 7B attention shapes (bf16, block size 16, shuffled block tables).
+
+Two timings per case:
+- ``graph us``: the kernel alone. Calls are captured in a CUDA graph (no Python or launch overhead), each
+  on its own copy of the cache, with enough copies that together they overflow the L2 cache: every call
+  reads its K/V from HBM, as a real decode step (28 layers, each its own cache) does. GB/s comes from this.
+- ``eager us``: one plain call as the decoder makes it today (median of `triton.testing.do_bench`), so
+  Python and launch overhead show against the kernel time.
+
+``--splits-sweep`` times every split count for each case (``*`` marks the heuristic's): that is how to
+tune `choose_num_splits`. ``--reference`` adds the per-sequence SDPA reference's eager time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workers.kernels.attention import AttentionMetadata, paged_attention_triton
+from workers.models.paged import BatchLayout, paged_attention_reference
+
+PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
+L2_OVERFLOW_BYTES = 256 << 20  # well past the H200's 50 MB L2: the copies' K/V never stay cached
+GRAPH_REPLAYS = 20
+GEOMETRIES = {"2b": (12, 2, 128), "7b": (28, 4, 128)}  # heads, kv_heads, head_dim
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    batch: int
+    context: int
+
+    @property
+    def geometry(self) -> tuple[int, int, int]:
+        return GEOMETRIES[self.model]
+
+    @property
+    def kv_bytes(self) -> int:
+        _, kv_heads, head_dim = self.geometry
+        return 2 * self.batch * self.context * kv_heads * head_dim * 2  # K and V, bf16
+
+
+@dataclass
+class DecodeInputs:
+    q: torch.Tensor
+    kv_k: torch.Tensor  # [copies, slots, kv_heads, D]
+    kv_v: torch.Tensor
+    layout: BatchLayout
+    metadata: AttentionMetadata
+    bytes_read: int  # by one call
+
+    @property
+    def copies(self) -> int:
+        return self.kv_k.shape[0]
+
+
+def decode_inputs(case: Case, block_size: int, device: torch.device, seed: int = 0) -> DecodeInputs:
+    heads, kv_heads, head_dim = case.geometry
+    per_seq = -(-case.context // block_size)
+    num_blocks = case.batch * per_seq + 8
+    pool = list(range(num_blocks))
+    random.Random(seed).shuffle(pool)  # scattered blocks, as a long-running server's are
+    tables = [pool[i * per_seq : (i + 1) * per_seq] for i in range(case.batch)]
+    layout = BatchLayout.build([1] * case.batch, [case.context] * case.batch, tables, block_size, device)
+    copies = max(1, -(-L2_OVERFLOW_BYTES // case.kv_bytes))
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = (copies, num_blocks * block_size, kv_heads, head_dim)
+    kv_k = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+    kv_v = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+    q = torch.randn((case.batch, heads, head_dim), generator=g, device=device, dtype=torch.bfloat16)
+    qo_bytes = 2 * q.numel() * q.element_size()
+    table_bytes = case.batch * per_seq * 4
+    metadata = AttentionMetadata.from_layout(layout, device)
+    return DecodeInputs(q, kv_k, kv_v, layout, metadata, case.kv_bytes + qo_bytes + table_bytes)
+
+
+def graph_us(inputs: DecodeInputs, scale: float, splits: int) -> float:
+    """Kernel time of one call: a CUDA graph of one call per cache copy, replayed, divided out."""
+
+    def calls() -> None:
+        for i in range(inputs.copies):
+            paged_attention_triton(inputs.q, inputs.kv_k[i], inputs.kv_v[i], inputs.metadata, scale, num_splits=splits)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(GRAPH_REPLAYS):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (GRAPH_REPLAYS * inputs.copies)
+
+
+def eager_us(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=200, return_mode="median")) * 1e3
+
+
+def run(cases: Sequence[Case], block_size: int, splits_sweep: bool, with_reference: bool, device: torch.device) -> None:
+    from workers.kernels.attention_triton import sm_count
+
+    sms = sm_count(device)
+    print(f"{torch.cuda.get_device_name(device)}: {sms} SMs; peak {PEAK_BYTES_PER_S / 1e12:.1f} TB/s assumed")
+    print(
+        f"{'model':>5} {'batch':>5} {'context':>7} {'splits':>6} {'MB read':>8} {'graph us':>9} {'GB/s':>7} "
+        f"{'% peak':>7} {'eager us':>9}"
+    )
+    for case in cases:
+        run_case(case, decode_inputs(case, block_size, device), sms, splits_sweep, with_reference)
+        torch.cuda.empty_cache()
+
+
+def run_case(case: Case, inputs: DecodeInputs, sms: int, splits_sweep: bool, with_reference: bool) -> None:
+    from workers.kernels.attention_triton import choose_num_splits
+
+    scale = case.geometry[2] ** -0.5
+    auto = choose_num_splits(case.batch * case.geometry[1], case.context, sms)
+    for splits in [1, 2, 4, 8, 16, 32] if splits_sweep else [auto]:
+        kernel_us = graph_us(inputs, scale, splits)
+        eager = eager_us(
+            functools.partial(
+                paged_attention_triton,
+                inputs.q,
+                inputs.kv_k[0],
+                inputs.kv_v[0],
+                inputs.metadata,
+                scale,
+                num_splits=splits,
+            )
+        )
+        rate = inputs.bytes_read / (kernel_us * 1e-6)
+        mark = "*" if splits == auto and splits_sweep else ""
+        print(
+            f"{case.model:>5} {case.batch:>5} {case.context:>7} {str(splits) + mark:>6} "
+            f"{inputs.bytes_read / 1e6:>8.1f} {kernel_us:>9.1f} {rate / 1e9:>7.0f} "
+            f"{100 * rate / PEAK_BYTES_PER_S:>6.1f}% {eager:>9.1f}"
+        )
+    if with_reference:
+        reference = functools.partial(
+            paged_attention_reference, inputs.q, inputs.kv_k[0], inputs.kv_v[0], inputs.layout, scale
+        )
+        print(f"{'(per-sequence SDPA reference)':>62} {eager_us(reference):>9.1f}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="2b,7b", help="comma-separated: 2b, 7b")
+    parser.add_argument("--batches", default="1,32,64")
+    parser.add_argument("--contexts", default="1024,3072")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--splits-sweep", action="store_true", help="time every split count")
+    parser.add_argument("--reference", action="store_true", help="also time the plain-torch reference")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("workers.kernels.bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    cases = [
+        Case(model, int(batch), int(context))
+        for model in args.models.split(",")
+        for batch in args.batches.split(",")
+        for context in args.contexts.split(",")
+    ]
+    unknown = sorted({c.model for c in cases} - set(GEOMETRIES))
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose from {sorted(GEOMETRIES)}")
+    with torch.inference_mode():
+        run(cases, args.block_size, args.splits_sweep, args.reference, torch.device("cuda"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
