@@ -153,3 +153,8 @@ def test_text_completions(client: OpenAI, hf: HfChat) -> None:
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
     with pytest.raises(openai.BadRequestError, match="echo"):
         client.completions.create(model=model, prompt=prompt, max_tokens=2, echo=True)
+
+
+def test_max_completion_tokens_and_unknown_fields(client: OpenAI) -> None:
+    reply = create(client, temperature=0, max_tokens=None, max_completion_tokens=5, extra_body={"frobnicate": 1})
+    assert reply.usage.completion_tokens == 5 and reply.choices[0].finish_reason == "length"
