@@ -42,6 +42,11 @@ class FetcherConfig:
     max_media_bytes: int = 32 * 1024 * 1024
     max_image_pixels: int = 64_000_000
     max_images_per_request: int = 16
+    max_video_bytes: int = 64 * 1024 * 1024
+    max_video_frames: int = 768  # Qwen's FPS_MAX_FRAMES; sampled frames, after the fps rule
+    # The whole video's token budget (qwen-vl-utils assumes 128000); it bounds the float32 patches
+    # a fetcher thread holds (tokens * 4 * 28 * 28 * 3 * 4 bytes: ~900 MiB at 24576).
+    max_video_tokens: int = 24576
     max_redirects: int = 3
     allow_private_addresses: bool = False
     allowed_local_media_path: str = ""  # file:// URLs only below this directory; empty: refused

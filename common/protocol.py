@@ -130,10 +130,11 @@ class SamplingParams(Message):
 class MediaInput(Message):
     """One media item as the client gave it (before fetching)."""
 
-    kind: str  # "image"
+    kind: str  # "image" or "video"
     url: str
     min_pixels: int | None = None
     max_pixels: int | None = None
+    fps: float | None = None  # videos: frames sampled per second; None: the server default
 
 
 @message

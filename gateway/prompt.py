@@ -1,4 +1,4 @@
-"""Messages to prompt token ids with the checkpoint's own chat template, one placeholder per image."""
+"""Messages to prompt token ids with the checkpoint's own chat template, one placeholder per image or video."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from common.protocol import MediaInput
 from gateway.errors import ApiError
-from gateway.schema import ChatMessage, ImagePart, TextPart
+from gateway.schema import ChatMessage, ImagePart, TextPart, VideoPart
 
 
 @dataclass
@@ -43,6 +43,13 @@ class PromptBuilder:
                     url = part.image_url
                     media.append(MediaInput("image", url.url, url.min_pixels, url.max_pixels))
                     parts.append({"type": "image"})
+                elif isinstance(part, VideoPart):
+                    if role != "user":
+                        raise ApiError(400, f"messages[{i}]: videos are only allowed in user messages")
+                    video = part.video_url
+                    media.append(MediaInput("video", video.url, video.min_pixels, video.max_pixels, video.fps))
+                    # The Qwen2-VL template renders this as <|vision_start|><|video_pad|><|vision_end|>.
+                    parts.append({"type": "video"})
             rendered.append({"role": role, "content": parts})
         text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -31,7 +31,22 @@ class ImagePart(_Part):
     image_url: ImageUrl
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoUrl(BaseModel):
+    """The non-OpenAI ``video_url`` part (as vLLM and Qwen's own servers accept it)."""
+
+    model_config = ConfigDict(extra="allow")
+    url: str
+    fps: float | None = Field(default=None, gt=0, le=60)
+    min_pixels: int | None = Field(default=None, gt=0)
+    max_pixels: int | None = Field(default=None, gt=0)
+
+
+class VideoPart(_Part):
+    type: Literal["video_url"]
+    video_url: VideoUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class ChatMessage(BaseModel):

@@ -59,7 +59,7 @@ def wait_restarted(stack: Stack, program: str, old_pid: int, timeout_s: float = 
     raise TimeoutError(f"{program} was not restarted by supervisord within {timeout_s}s")
 
 
-@pytest.mark.parametrize("program", ["encoder-0", "fetcher-0", "cache"])
+@pytest.mark.parametrize("program", ["encoder-0", "fetcher-0", "cache", "decoder"])
 def test_kill_9_mid_flight(stack: Stack, program: str) -> None:
     client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=ANSWER_BOUND_S + 30)
     model = client.models.list().data[0].id

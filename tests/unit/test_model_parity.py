@@ -374,26 +374,21 @@ def test_rope_positions_by_hand(hub_checkpoint: Checkpoint) -> None:
     assert decode_positions(9, 2, delta).tolist() == [[6, 7]] * 3
 
 
-def test_rope_text_after_long_video_follows_qwen_reference(hub_checkpoint: Checkpoint) -> None:
-    """A video with more frame groups than spatial rows: text resumes after the largest temporal id.
-
-    This is the rule of Qwen's reference code (and of transformers 4.x / vLLM). transformers 5.17
-    resumes at ``start + max(h, w) // merge`` instead, i.e. before the video's last temporal ids; we
-    keep the reference rule, which is what the released checkpoints were trained with.
-    """
+def test_rope_text_after_long_video_matches_transformers(hub_checkpoint: Checkpoint) -> None:
+    """A video with more frame groups than spatial rows: text resumes after the spatial extent
+    (``start + max(h, w) // merge``) as transformers 5 does, and decoding after the largest id."""
     spec = hub_checkpoint.spec
     vid = spec.video_token_id
     ids = [1, vid, vid, vid, vid, 2, 3]  # (4, 2, 2) video = 4 frame groups of 1 merged token
     positions, delta = rope_positions(ids, [], [(4, 2, 2)], spec)
     assert positions.tolist() == [
-        [0, 1, 2, 3, 4, 5, 6],
-        [0, 1, 1, 1, 1, 5, 6],
-        [0, 1, 1, 1, 1, 5, 6],
+        [0, 1, 2, 3, 4, 2, 3],
+        [0, 1, 1, 1, 1, 2, 3],
+        [0, 1, 1, 1, 1, 2, 3],
     ]
-    assert delta == 0
-    # Up to the end of the video, transformers agrees.
-    ref, _ = hf.rope_index(hub_checkpoint.reference, ids[:5], [], [(4, 2, 2)])
-    assert torch.equal(positions[:, :5], ref)
+    assert delta == 5 - 7
+    ref, ref_delta = hf.rope_index(hub_checkpoint.reference, ids, [], [(4, 2, 2)])
+    assert torch.equal(positions, ref) and delta == ref_delta
 
 
 @pytest.mark.parametrize("split_after", ["image", "turn"])

@@ -79,7 +79,7 @@ SAMPLING = SamplingParams(
     repetition_penalty=1.1,
     top_logprobs=3,
 )
-MEDIA = MediaInput(kind="image", url="https://example.com/cat.png", min_pixels=3136, max_pixels=1_000_000)
+MEDIA = MediaInput(kind="video", url="https://example.com/cat.avi", min_pixels=3136, max_pixels=1_000_000, fps=2.5)
 PREPARED = PreparedMedia(kind="image", content_hash="ab" * 32, grid_thw=[1, 14, 20], num_tokens=70)
 DELTA = TokenDelta(
     request_id="r1",

@@ -39,7 +39,8 @@ from common.tensor_ref import dtype_name, inline_ref, nbytes_of
 from common.transport import Channel, EventLoop, Wakeup, worker_identity
 from workers.fetcher.errors import MediaError
 from workers.fetcher.image import ImageProcessorSpec
-from workers.fetcher.media import LoadedImage, load_image
+from workers.fetcher.media import LoadedImage, load_media
+from workers.fetcher.video import VideoProcessorSpec
 from workers.models.runtime import resolve_device, resolve_dtype
 from workers.models.spec import ModelSpec
 
@@ -77,6 +78,7 @@ class FetcherWorker:
         model_path = cfg.model_path()
         self.spec = ModelSpec.from_dir(model_path)
         self.image_spec = ImageProcessorSpec.from_dir(model_path)
+        self.video_spec = VideoProcessorSpec.from_dir(model_path)
         self.model_key = str(model_path.resolve())
         self.embed_dtype = dtype_name(resolve_dtype(cfg, resolve_device(cfg)))
         self.max_model_len = cfg.decoder.max_model_len or self.spec.max_position_embeddings
@@ -132,7 +134,7 @@ class FetcherWorker:
                     self.finish_error(
                         rid,
                         400,
-                        f"{len(msg.media)} images in one request; the limit is "
+                        f"{len(msg.media)} images and videos in one request; the limit is "
                         f"{self.cfg.fetcher.max_images_per_request}",
                     )
                     return
@@ -145,7 +147,10 @@ class FetcherWorker:
     def load_all(self, state: InFlight) -> None:
         """Thread: fetch and preprocess every item; the loop gets the result through ``loaded``."""
         try:
-            items = [load_image(m, self.image_spec, self.cfg.fetcher, self.model_key) for m in state.request.media]
+            items = [
+                load_media(m, self.image_spec, self.video_spec, self.cfg.fetcher, self.model_key)
+                for m in state.request.media
+            ]
             self.loaded.post((state.request.request_id, items))
         except MediaError as exc:
             self.loaded.post((state.request.request_id, exc))
@@ -222,7 +227,7 @@ class FetcherWorker:
         if msg.state == "error":
             self.finish_error(call.request_id, msg.status, msg.message)
             return
-        state.prepared[call.index] = PreparedMedia("image", item.content_hash, list(item.grid_thw), item.num_tokens)
+        state.prepared[call.index] = PreparedMedia(item.kind, item.content_hash, list(item.grid_thw), item.num_tokens)
         if len(state.prepared) == len(state.loaded):
             self.forward(state)
 

@@ -106,8 +106,9 @@ def rope_positions(
                     f"index {i}; were the placeholders expanded?"
                 )
             chunk = vision_positions(next_pos, grid, merge)
-            # The reference Qwen2-VL rule: text resumes after the largest id on any axis, temporal included.
-            next_pos = int(chunk.max()) + 1
+            # transformers 5 (the reference we are checked against) resumes text after the spatial extent
+            # only; for images that is also the largest id, for long videos it is below the last frames'.
+            next_pos += max(int(grid[1]), int(grid[2])) // merge
             i += count
         else:
             end = i
@@ -121,7 +122,9 @@ def rope_positions(
         if next(rest, None) is not None:
             raise ValueError(f"more {_kind(tok, spec)} grids given than placeholder runs in input_ids")
     positions = torch.cat(chunks, dim=1) if chunks else torch.zeros(3, 0, dtype=torch.int64)
-    delta = next_pos - (past_length + len(ids))
+    # Decoding continues after the largest id on any axis, as transformers' rope deltas do.
+    top = max(next_pos, int(positions.max()) + 1) if positions.numel() else next_pos
+    delta = top - (past_length + len(ids))
     return positions.to(torch.int64), delta
 
 
