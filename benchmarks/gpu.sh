@@ -32,14 +32,16 @@ export VLM_MODEL="$model"
 url=http://127.0.0.1:8000
 
 log "starting the stack"
-mkdir -p run/logs
-$py -m supervisor.supervisord -c ops/vlm.conf > "$out/supervisord.out" 2>&1 &
+logs=run/8000/logs
+mkdir -p $logs
+sed -e "s#%(here)s/../run/#$PWD/run/8000/#g" -e "s#%(here)s/..#$PWD#g" ops/vlm.conf > run/8000/supervisord.conf
+$py -m supervisor.supervisord -c run/8000/supervisord.conf > "$out/supervisord.out" 2>&1 &
 supervisor=$!
 for _ in $(seq 1 240); do
   curl -sf "$url/health" >/dev/null && break
   sleep 1
 done
-curl -sf "$url/health" > /dev/null || { log "stack not healthy"; tail -n 30 run/logs/*.log >> "$out/gpu.log"; kill $supervisor; exit 1; }
+curl -sf "$url/health" > /dev/null || { log "stack not healthy"; tail -n 30 $logs/*.log >> "$out/gpu.log"; kill $supervisor; exit 1; }
 log "stack healthy"
 
 quick() { [ "${QUICK:-0}" = 1 ]; }
@@ -55,14 +57,14 @@ bench() {  # name, time limit in seconds, args...
 # --num-requests: requests; sessions of 3 turns for multiturn; image requests for mixed
 bench seed3img-c1 60 --workload seed3img --concurrency 1 --num-requests "$(n 8 2)"
 bench seed3img-c32 110 --workload seed3img --concurrency 32 --num-requests "$(n 64 8)"
-quick && { log "QUICK: stopping after two workloads"; kill -TERM $supervisor; wait $supervisor; cp run/logs/*.log "$out/" 2>/dev/null; exit 0; }
+quick && { log "QUICK: stopping after two workloads"; kill -TERM $supervisor; wait $supervisor; cp $logs/*.log "$out/" 2>/dev/null; exit 0; }
 bench multiturn-c32 120 --workload multiturn --concurrency 32 --num-requests "$(n 32 4)"
 bench text-c16 45 --workload text --concurrency 16 --num-requests "$(n 32 4)"
 bench mixed 70 --workload mixed --concurrency 16 --vision-rate 2 --num-requests "$(n 32 4)"
 
 log "stopping the stack"
 kill -TERM $supervisor; wait $supervisor
-cp run/logs/*.log "$out/" 2>/dev/null
+cp $logs/*.log "$out/" 2>/dev/null
 
 log "transformers baseline"
 timeout 120 $py -m benchmarks.baseline_hf --model "$model" --workload seed3img --batch-sizes 1,8 \

@@ -35,9 +35,15 @@ class Stack:
     config_path: Path
     process: subprocess.Popen[bytes]
 
+    @property
+    def run_dir(self) -> Path:
+        from common.config import load_config
+
+        return load_config(self.config_path).run_path
+
     def ctl(self, *args: str) -> str:
         out = subprocess.run(
-            [str(REPO / ".venv/bin/supervisorctl"), "-c", str(REPO / "ops/vlm.conf"), *args],
+            [str(REPO / ".venv/bin/supervisorctl"), "-c", str(self.run_dir / "supervisord.conf"), *args],
             capture_output=True,
             text=True,
             timeout=30,
@@ -76,7 +82,7 @@ class Stack:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.5)
-        raise TimeoutError(f"stack not healthy within {timeout_s}s; logs in {REPO / 'run/logs'}")
+        raise TimeoutError(f"stack not healthy within {timeout_s}s; logs in {self.run_dir / 'logs'}")
 
 
 @pytest.fixture(scope="session")
