@@ -167,14 +167,15 @@ class FetcherWorker:
             self.finish_error(request_id, result.status, result.message)
             return
         state.loaded = result
-        prompt_len = len(state.request.prompt_ids) - len(result) + sum(x.num_tokens for x in result)
+        media_tokens = sum(x.num_tokens for x in result)
+        prompt_len = len(state.request.prompt_ids) - len(result) + media_tokens
         if prompt_len >= self.max_model_len:
             self.finish_error(
                 request_id,
                 400,
-                f"the prompt is {prompt_len} tokens ({prompt_len - len(state.request.prompt_ids) + len(result)} "
-                f"of them image tokens) but the model's context is {self.max_model_len}; shorten the prompt, "
-                "use fewer or smaller images, or lower max_pixels",
+                f"the prompt is {prompt_len} tokens ({media_tokens} of them image/video tokens) but the model's "
+                f"context is {self.max_model_len}; shorten the prompt, use fewer or smaller images or videos, "
+                "or lower max_pixels (or fps for videos)",
             )
             return
         if not result:
