@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# GPU correctness checks and kernel timings, for the GPU machine (run before benchmarks/gpu.sh).
+# Usage: benchmarks/gpu_checks.sh OUT_DIR        (carry .whl; see benchmarks/gpu.sh for why)
+# Writes: pytest-gpu.log (tests marked gpu: kernels vs references, paged forward, sampling, model
+# parity with transformers in bf16), kernels-bench.log (decode attention GB/s vs 4.8 TB/s).
+set -uo pipefail
+out=$(realpath -m "${1:?usage: benchmarks/gpu_checks.sh OUT_DIR}")
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PWD"
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__)'
+  echo "rev ${GIT_REV:-unknown}"; } > "$out/machine.txt" 2>&1
+timeout "${CHECKS_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+  tests/gpu tests/unit/test_paged.py tests/unit/test_sampling.py tests/unit/test_model_parity.py \
+  > "$out/pytest-gpu.log" 2>&1
+echo "pytest exit $?" >> "$out/pytest-gpu.log"
+timeout "${BENCH_TIMEOUT:-120}" python3 -m workers.kernels.bench > "$out/kernels-bench.log" 2>&1
+echo "bench exit $?" >> "$out/kernels-bench.log"
