@@ -62,6 +62,10 @@ class Sequence:
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0  # tokens whose KV is in the table
     finish_reason: str | None = None
+    all_keys: list[int] = field(default_factory=list)  # prompt_keys + output_ids, kept up to date
+
+    def __post_init__(self) -> None:
+        self.all_keys = list(self.prompt_keys)
 
     @property
     def request_id(self) -> str:
@@ -72,10 +76,17 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def keys(self) -> list[int]:
-        return self.prompt_keys + self.output_ids
+        return self.all_keys  # not rebuilt per step: prompts can be thousands of tokens
+
+    def add_output(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.all_keys.append(token)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        return (self.prompt_ids + self.output_ids)[start:end]
+        prompt = len(self.prompt_ids)
+        head = self.prompt_ids[start:end] if start < prompt else []
+        tail = self.output_ids[max(start - prompt, 0) : end - prompt] if end > prompt else []
+        return head + tail
 
 
 @dataclass
@@ -313,7 +324,7 @@ class Engine:
     def _append(self, seq: Sequence, sampled: Sampled, row: int) -> TokenDelta:
         params = seq.request.sampling
         token = sampled.token_ids[row]
-        seq.output_ids.append(token)
+        seq.add_output(token)
         self.counters["generated_tokens"] += 1
         if token in self._stops(params):  # (banned while below min_tokens)
             seq.finish_reason = "stop"
