@@ -180,6 +180,8 @@ class Gateway:
             previous = last_seen.get(choice.request_id)
             if previous is None:
                 self.latency.ttft.observe(now - started)
+                if event.queue_s is not None:
+                    self.latency.queue.observe(event.queue_s)
             else:
                 self.latency.itl.observe(now - previous)
             last_seen[choice.request_id] = now

@@ -63,6 +63,9 @@ class GatewayMetrics:
             "vlm_inter_token_latency_seconds", "Time between a choice's token batches.", TOKEN_GAP_BUCKETS
         )
         self.e2e = Histogram("vlm_e2e_request_latency_seconds", "Time from request to its last token.", LATENCY_BUCKETS)
+        self.queue = Histogram(
+            "vlm_request_queue_seconds", "Time a request waited in the decoder for a slot.", LATENCY_BUCKETS
+        )
 
     def render(self) -> list[str]:
-        return [*self.ttft.render(), *self.itl.render(), *self.e2e.render()]
+        return [*self.ttft.render(), *self.itl.render(), *self.e2e.render(), *self.queue.render()]

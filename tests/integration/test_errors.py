@@ -173,6 +173,7 @@ def test_metrics_parse_as_prometheus_and_move(stack: Stack) -> None:
         return next(s.value for s in samples if s.name == f"{name}_count")
 
     assert count(after, "vlm_time_to_first_token_seconds") == count(before, "vlm_time_to_first_token_seconds") + 1
+    assert count(after, "vlm_request_queue_seconds") == count(before, "vlm_request_queue_seconds") + 1
     assert after["vlm_gateway_requests"].type == "counter"  # type: ignore[attr-defined]
     assert after["vlm_decoder_kv_usage"].type == "gauge"  # type: ignore[attr-defined]
     assert "vlm_cache_commits" in after and "vlm_decoder_prefix_hit_tokens" in after

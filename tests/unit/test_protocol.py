@@ -89,6 +89,7 @@ DELTA = TokenDelta(
     completion_tokens=3,
     logprobs=[-0.5, -1.25, -0.125],
     top_logprobs=[[[1.0, -0.5], [7.0, -1.0]], [[2.0, -1.25]], [[3.0, -0.125]]],
+    queue_s=0.25,
 )
 
 

@@ -9,6 +9,7 @@ recomputes (its committed blocks usually come back from the prefix cache).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -63,6 +64,8 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the table
     finish_reason: str | None = None
     all_keys: list[int] = field(default_factory=list)  # prompt_keys + output_ids, kept up to date
+    queued_at: float = 0.0
+    queue_s: float | None = None  # arrival in the engine -> first admission
 
     def __post_init__(self) -> None:
         self.all_keys = list(self.prompt_keys)
@@ -167,6 +170,7 @@ class Engine:
         return keys
 
     def add(self, seq: Sequence) -> None:
+        seq.queued_at = time.monotonic()
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -212,6 +216,8 @@ class Engine:
             if not self.blocks.can_allocate(seq.keys(), seq.table):
                 break  # first come, first served: later arrivals wait behind it
             self.waiting.popleft()
+            if seq.queue_s is None:  # (a preempted sequence keeps its first wait)
+                seq.queue_s = time.monotonic() - seq.queued_at
             seq.num_computed = self.blocks.allocate(seq.keys(), seq.table)
             self.counters["prompt_tokens"] += seq.num_tokens - seq.num_computed
             self.running[seq.request_id] = seq
@@ -339,6 +345,7 @@ class Engine:
             completion_tokens=len(seq.output_ids),
             logprobs=[sampled.logprobs[row]] if wants_logprobs else None,  # type: ignore[list-item]
             top_logprobs=[[[t, lp] for t, lp in sampled.top_logprobs[row]]] if wants_logprobs else None,
+            queue_s=seq.queue_s if len(seq.output_ids) == 1 else None,
         )
 
     def stats(self) -> dict[str, float]:
