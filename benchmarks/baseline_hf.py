@@ -216,15 +216,7 @@ def _dtype(name: str, device: str) -> torch.dtype:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    opts = WorkloadOptions(
-        seed=args.seed,
-        max_tokens_mean=args.max_tokens_mean,
-        max_tokens_spread=args.max_tokens_spread,
-        image_scale=args.image_scale,
-        repeat_media=args.repeat_media,
-        media_pool=args.media_pool,
-        prompt_tokens=args.prompt_tokens,
-    )
+    opts = WorkloadOptions.from_args(args)
     specs = [request_for(args.workload, opts, i) for i in range(args.num_requests)]
     dtype = _dtype(args.dtype, args.device)
     model = HfModel(args.model, args.device, dtype)

@@ -423,23 +423,6 @@ async def resolve_model(http: aiohttp.ClientSession, base_url: str, headers: dic
     return str(models[0]["id"])
 
 
-def workload_options(args: argparse.Namespace) -> WorkloadOptions:
-    return WorkloadOptions(
-        seed=args.seed,
-        max_tokens_mean=args.max_tokens_mean,
-        max_tokens_spread=args.max_tokens_spread,
-        image_scale=args.image_scale,
-        repeat_media=args.repeat_media,
-        media_pool=args.media_pool,
-        prompt_tokens=args.prompt_tokens,
-        text_max_tokens=args.text_max_tokens,
-        turns=args.turns,
-        video_format=args.video_format,
-        video_frames=args.video_frames,
-        video_fps=args.video_fps,
-    )
-
-
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run the workload against the server; the results document (config, summary, requests)."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -447,7 +430,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=0)  # aiohttp's default of 100 connections would cap concurrency
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         model = args.model or await resolve_model(http, args.url, headers)
-        opts = workload_options(args)
+        opts = WorkloadOptions.from_args(args)
         prefetch: Prefetcher[Any]
         if args.workload == "multiturn":
             prefetch = Prefetcher(lambda i: multiturn_session(opts, i), args.num_requests, 8)

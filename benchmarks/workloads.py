@@ -7,7 +7,8 @@ exactly what ``serve`` sent.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,12 @@ class WorkloadOptions:
     video_format: str = "avi"  # "avi": one MJPEG AVI data URL; "frames": a list of JPEG data URLs
     video_frames: int = 8
     video_fps: int = 2
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkloadOptions:
+        """The options a command line gave; fields its parser does not define keep their defaults."""
+        given = vars(args)
+        return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
 
 
 @dataclass

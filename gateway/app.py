@@ -17,7 +17,6 @@ from aiohttp import web
 
 from common.config import Config
 from common.protocol import GenerateRequest, RequestError, SamplingParams, TokenDelta
-from common.transport import worker_identity
 from gateway.choice import ChoiceStream, ChoiceUpdate
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics, render_values
@@ -40,7 +39,6 @@ class Gateway:
         self.counters: dict[str, float] = dict.fromkeys(
             ("requests_total", "requests_failed", "requests_disconnected", "tokens_generated"), 0.0
         )
-        self.instance = worker_identity("gateway")[0]
         self.latency = GatewayMetrics()
 
     def app(self) -> web.Application:

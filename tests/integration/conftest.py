@@ -19,6 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from openai import OpenAI
+
+from common.config import load_config
+from tests.integration.hf_chat import HfChat
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,8 +41,6 @@ class Stack:
 
     @property
     def run_dir(self) -> Path:
-        from common.config import load_config
-
         return load_config(self.config_path).run_path
 
     def ctl(self, *args: str) -> str:
@@ -109,6 +111,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@pytest.fixture(scope="session")
+def client(stack: Stack) -> OpenAI:
+    """The official OpenAI client against the stack (no retries: every answer is the first one)."""
+    return OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def hf(stack: Stack) -> HfChat:
+    """transformers' own model and processor on the stack's checkpoint: the parity reference."""
+    return HfChat(load_config(stack.config_path).model_path())
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):

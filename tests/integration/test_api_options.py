@@ -9,21 +9,9 @@ import pytest
 import torch
 from openai import OpenAI
 
-from common.config import load_config
-from tests.integration.conftest import Stack
 from tests.integration.hf_chat import HfChat
 
 MESSAGES = [{"role": "user", "content": "Write a few words about rivers and mountains."}]
-
-
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> OpenAI:
-    return OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def hf(stack: Stack) -> HfChat:
-    return HfChat(load_config(stack.config_path).model_path())
 
 
 def create(client: OpenAI, **options: Any) -> Any:

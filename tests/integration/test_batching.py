@@ -64,9 +64,8 @@ def decoder_counter(stack: Stack, name: str, after: float | None = None, timeout
         time.sleep(0.2)
 
 
-def test_prefix_cache_reuses_a_shared_system_prompt_and_image(stack: Stack) -> None:
+def test_prefix_cache_reuses_a_shared_system_prompt_and_image(stack: Stack, hf: HfChat) -> None:
     client = client_for(stack.base_url)
-    hf = HfChat(load_config(stack.config_path).model_path())
     system = {"role": "system", "content": "You are a careful assistant who studies pictures. " * 6}
     image = {"type": "image_url", "image_url": {"url": data_url(make_image(140, 112, seed=501))}}
     other = {"type": "image_url", "image_url": {"url": data_url(make_image(140, 112, seed=502))}}

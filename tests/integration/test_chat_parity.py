@@ -4,25 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 from openai import OpenAI
 
-from common.config import load_config
 from tests.integration.conftest import MediaServer, Stack
 from tests.integration.hf_chat import HfChat
 from tests.media import data_url, make_image, png_bytes
 
 NEW_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> OpenAI:
-    return OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def hf(stack: Stack) -> HfChat:
-    return HfChat(load_config(stack.config_path).model_path())
 
 
 def ask(client: OpenAI, messages: list[dict[str, Any]], **extra: Any) -> Any:

@@ -25,16 +25,6 @@ WIDTH, HEIGHT = 160, 112
 
 
 @pytest.fixture(scope="module")
-def client(stack: Stack) -> OpenAI:
-    return OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def hf(stack: Stack) -> HfChat:
-    return HfChat(load_config(stack.config_path).model_path())
-
-
-@pytest.fixture(scope="module")
 def spec(stack: Stack) -> VideoProcessorSpec:
     return VideoProcessorSpec.from_dir(load_config(stack.config_path).model_path())
 
