@@ -79,6 +79,11 @@ class DecoderConfig:
     prefix_cache: bool = True
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     media_wait_s: float = 90.0
+    attention: str = "triton"  # "triton": the paged kernel on CUDA (torch elsewhere); "torch": always torch
+
+    def validate(self, where: str) -> None:
+        if self.attention not in ("triton", "torch"):
+            raise ValueError(f"{where}.attention: expected 'triton' or 'torch', got {self.attention!r}")
 
 
 @dataclass
@@ -147,6 +152,8 @@ def _apply_section(target: Any, values: dict[str, Any], where: str) -> None:
         if isinstance(current, int | float) and not isinstance(current, bool):
             value = type(current)(value)
         setattr(target, key, value)
+    if hasattr(target, "validate"):
+        target.validate(where)
 
 
 def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None) -> Config:

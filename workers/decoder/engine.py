@@ -21,7 +21,7 @@ from workers.decoder.sampling import Sampled, SamplingRow, sample_batch
 from workers.kernels import paged_attention
 from workers.models.language import LanguageModel
 from workers.models.mrope import expand_media_placeholders, rope_positions
-from workers.models.paged import BatchLayout, PagedKVCache, paged_forward
+from workers.models.paged import BatchLayout, PagedAttention, PagedKVCache, paged_forward
 from workers.models.spec import ModelSpec
 
 
@@ -115,8 +115,10 @@ class Engine:
         num_blocks: int,
         block_size: int,
         prefix_cache: bool = True,
+        attention: PagedAttention = paged_attention,
     ) -> None:
         self.model = model
+        self.attention = attention  # paged_attention: Triton on CUDA tensors, the torch reference elsewhere
         self.spec = spec
         self.max_model_len = max_model_len
         self.max_running = max_running
@@ -270,9 +272,8 @@ class Engine:
         )
         ends = torch.cumsum(torch.tensor([b.num_new for b in batch]), 0) - 1
         logits_for = [int(ends[i]) for i, b in enumerate(batch) if b.samples]
-        # paged_attention runs the Triton kernel on CUDA tensors and the torch reference elsewhere.
         return paged_forward(
-            self.model, torch.cat(embeds), torch.cat(positions, dim=1), layout, self.kv, logits_for, paged_attention
+            self.model, torch.cat(embeds), torch.cat(positions, dim=1), layout, self.kv, logits_for, self.attention
         )
 
     def _embeddings(self, seq: Sequence, start: int, end: int) -> torch.Tensor:

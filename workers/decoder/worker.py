@@ -35,6 +35,7 @@ from common.protocol import (
 from common.tensor_ref import ShmAttachments, read_tensor
 from common.transport import Channel, EventLoop, worker_identity
 from workers.decoder.engine import Engine, PromptError, Sequence
+from workers.kernels import paged_attention, paged_attention_reference
 from workers.models.language import LanguageModel
 from workers.models.paged import PagedKVCache
 from workers.models.runtime import resolve_device, resolve_dtype
@@ -84,6 +85,7 @@ class DecoderWorker:
             num_blocks=kv_cache_blocks(cfg, self.spec, model),
             block_size=cfg.decoder.block_size,
             prefix_cache=cfg.decoder.prefix_cache,
+            attention=paged_attention_reference if cfg.decoder.attention == "torch" else paged_attention,
         )
         self.ctx = zmq.Context()
         self.inbox = Channel(self.ctx, zmq.PULL, cfg.endpoint("decoder"), bind=True)
