@@ -55,12 +55,12 @@ bench() {  # name, time limit in seconds, args...
     || log "workload $name ended with status $?"
 }
 # --num-requests: requests; sessions of 3 turns for multiturn; image requests for mixed
-bench seed3img-c1 60 --workload seed3img --concurrency 1 --num-requests "$(n 8 2)"
-bench seed3img-c32 110 --workload seed3img --concurrency 32 --num-requests "$(n 64 8)"
+bench seed3img-c1 45 --workload seed3img --concurrency 1 --num-requests "$(n 8 2)"
+bench seed3img-c32 90 --workload seed3img --concurrency 32 --num-requests "$(n 64 8)"
 quick && { log "QUICK: stopping after two workloads"; kill -TERM $supervisor; wait $supervisor; cp $logs/*.log "$out/" 2>/dev/null; exit 0; }
-bench multiturn-c32 120 --workload multiturn --concurrency 32 --num-requests "$(n 32 4)"
-bench text-c16 45 --workload text --concurrency 16 --num-requests "$(n 32 4)"
-bench mixed 70 --workload mixed --concurrency 16 --vision-rate 2 --num-requests "$(n 32 4)"
+bench multiturn-c32 90 --workload multiturn --concurrency 32 --num-requests "$(n 32 4)"
+bench text-c16 30 --workload text --concurrency 16 --num-requests "$(n 32 4)"
+bench mixed 60 --workload mixed --concurrency 16 --vision-rate 2 --num-requests "$(n 32 4)"
 
 log "stopping the stack"
 kill -TERM $supervisor; wait $supervisor
