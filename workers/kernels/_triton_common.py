@@ -26,7 +26,15 @@ def to_dtype(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def round_to(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """fp32 ``x`` rounded to ``dtype`` and back: an intermediate rounding that a torch reference makes."""
+    """fp32 ``x`` rounded to ``dtype`` and back: an intermediate rounding that a torch reference makes.
+
+    bf16 is rounded on the bits in compiled code too: on the H200 a plain cast pair let the compiler keep a
+    product unrounded (fused into the following add), so q*cos + rot*sin missed the reference's exact zeros.
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
     return to_dtype(x, dtype, INTERPRETED).to(tl.float32)
 
 
