@@ -79,11 +79,12 @@ class DecoderConfig:
     prefix_cache: bool = True
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     media_wait_s: float = 90.0
-    attention: str = "triton"  # "triton": the paged kernel on CUDA (torch elsewhere); "torch": always torch
+    kernels: str = "triton"  # "triton": Triton kernels and fused projections on CUDA; "torch": plain torch
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (needs kernels = "triton" on CUDA)
 
     def validate(self, where: str) -> None:
-        if self.attention not in ("triton", "torch"):
-            raise ValueError(f"{where}.attention: expected 'triton' or 'torch', got {self.attention!r}")
+        if self.kernels not in ("triton", "torch"):
+            raise ValueError(f"{where}.kernels: expected 'triton' or 'torch', got {self.kernels!r}")
 
 
 @dataclass

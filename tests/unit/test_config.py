@@ -248,7 +248,7 @@ def test_shipped_config_loads_and_is_applied() -> None:
             assert getattr(getattr(cfg, section), key) == value, f"[{section}] {key}"
 
 
-def test_decoder_attention_choice_is_checked(tmp_path: Path) -> None:
-    assert load_config(write(tmp_path, '[decoder]\nattention = "torch"\n'), env={}).decoder.attention == "torch"
-    with pytest.raises(ValueError, match=r"\[decoder\]\.attention: expected 'triton' or 'torch', got 'flash'"):
-        load_config(write(tmp_path, '[decoder]\nattention = "flash"\n'), env={})
+def test_decoder_kernels_choice_is_checked(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, '[decoder]\nkernels = "torch"\n'), env={}).decoder.kernels == "torch"
+    with pytest.raises(ValueError, match=r"\[decoder\]\.kernels: expected 'triton' or 'torch', got 'flash'"):
+        load_config(write(tmp_path, '[decoder]\nkernels = "flash"\n'), env={})

@@ -10,6 +10,7 @@ import torch
 
 from common.protocol import PreparedMedia, PreparedRequest, SamplingParams
 from workers.decoder.engine import Engine, PromptError
+from workers.decoder.graphs import graph_batch_sizes
 from workers.models.language import LanguageModel
 from workers.models.spec import ModelSpec
 from workers.models.synth import generate_checkpoint
@@ -167,3 +168,60 @@ def test_choices_of_one_prompt_share_its_kv(parts: tuple[LanguageModel, ModelSpe
     tokens, _ = run_to_end(engine)
     assert len({tuple(t) for t in tokens.values()}) == 1
     assert engine.blocks.counters["prefix_hit_tokens"] == 2 * (39 // 4 * 4)  # all but the last block, twice
+
+
+@pytest.fixture(scope="module")
+def fused_parts(tmp_path_factory: pytest.TempPathFactory) -> tuple[LanguageModel, ModelSpec]:
+    """A model of its own: fusing re-points its projection weights (same values, one tensor per layer)."""
+    path: Path = generate_checkpoint(tmp_path_factory.mktemp("engine-fused") / "tiny", "tiny", seed=3)
+    return LanguageModel.from_checkpoint(path, dtype=torch.float32), ModelSpec.from_dir(path)
+
+
+def test_graph_batch_sizes() -> None:
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(6) == [1, 2, 4, 6]
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_static_decode_path_and_fused_layers_keep_outputs(
+    parts: tuple[LanguageModel, ModelSpec], fused_parts: tuple[LanguageModel, ModelSpec]
+) -> None:
+    """The decode runner that CUDA graphs replay, run without capture (padding to the graph sizes, the
+    scratch block, packed static buffers), with the fused layers: the same greedy tokens as the plain
+    engine, for text and image prompts, as sequences join and leave (batch sizes 1..5 pad to 1, 2, 4, 6)."""
+    model, spec = fused_parts
+    engine = Engine(
+        model,
+        spec,
+        max_model_len=4096,
+        max_running=6,
+        prefill_budget=64,
+        num_blocks=512,
+        block_size=4,
+        fuse=True,
+        decode_graphs="static",
+    )
+    requests = [request(f"g{i}", 5 + 7 * i, max_tokens=4 + 3 * i) for i in range(5)]
+    system = [(11 * i) % 900 + 20 for i in range(9)]
+    pictures = [image_request(f"img{i}", spec, f"hash-{i}", system, [31, 32 + i]) for i in range(2)]
+    rows = {p.request_id: image_rows(spec, i) for i, p in enumerate(pictures)}
+    for req in [*requests, *pictures]:
+        seq = engine.prepare(req)
+        seq.media_embeds = rows.get(req.request_id)
+        engine.add(seq)
+    tokens, _ = run_to_end(engine)
+    assert engine.graphs is not None
+    runs = engine.graphs.runs
+    assert engine.counters["graph_steps"] == sum(runs.values()) > 0
+    assert engine.counters["graph_steps"] < engine.counters["steps"]  # prefill steps did not take it
+    assert any(n < size for n, size in runs), runs  # some steps ran padded rows in the scratch block
+    for req in requests:
+        assert tokens[req.request_id] == solo(parts, req)
+    for req in pictures:
+        assert tokens[req.request_id] == solo(parts, req, rows[req.request_id])
+
+
+def test_engine_rejects_an_unknown_graph_mode(parts: tuple[LanguageModel, ModelSpec]) -> None:
+    with pytest.raises(ValueError, match="decode_graphs must be 'off', 'static' or 'cuda'"):
+        make_engine(parts, decode_graphs="always")  # type: ignore[arg-type]

@@ -17,11 +17,12 @@ import torch
 
 from common.protocol import PreparedRequest, SamplingParams, TokenDelta
 from workers.decoder.blocks import BlockManager, BlockTable, media_token_keys
+from workers.decoder.graphs import DecodeGraphs
 from workers.decoder.sampling import Sampled, SamplingRow, sample_batch
 from workers.kernels import paged_attention
 from workers.models.language import LanguageModel
 from workers.models.mrope import expand_media_placeholders, rope_positions
-from workers.models.paged import BatchLayout, PagedAttention, PagedKVCache, paged_forward
+from workers.models.paged import BatchLayout, PagedAttention, PagedKVCache, fuse_layers, paged_forward
 from workers.models.spec import ModelSpec
 
 
@@ -116,7 +117,14 @@ class Engine:
         block_size: int,
         prefix_cache: bool = True,
         attention: PagedAttention = paged_attention,
+        fuse: bool = False,
+        decode_graphs: str = "off",
     ) -> None:
+        """``fuse``: concatenated projections and the fused norm/activation/rotary/cache kernels (Triton on
+        CUDA). ``decode_graphs``: "cuda" replays decode steps from CUDA graphs; "static" runs the same
+        static-buffer path eagerly (how it is tested without a GPU); "off" runs every step eagerly."""
+        if decode_graphs not in ("off", "static", "cuda"):
+            raise ValueError(f"decode_graphs must be 'off', 'static' or 'cuda', got {decode_graphs!r}")
         self.model = model
         self.attention = attention  # paged_attention: Triton on CUDA tensors, the torch reference elsewhere
         self.spec = spec
@@ -124,10 +132,31 @@ class Engine:
         self.max_running = max_running
         self.prefill_budget = prefill_budget  # tokens computed per step, so running decodes keep moving
         self.blocks = BlockManager(num_blocks, block_size, prefix_cache)
-        self.kv = PagedKVCache.for_model(model, num_blocks, block_size)
+        self.fused = fuse_layers(model) if fuse else None
+        # The graphs' padding rows need a block that no sequence owns: one more than the manager hands out.
+        self.kv = PagedKVCache.for_model(model, num_blocks + (decode_graphs != "off"), block_size)
+        self.graphs = None
+        if decode_graphs != "off":
+            self.graphs = DecodeGraphs(
+                model,
+                self.kv,
+                max_batch=max_running,
+                max_context=max_model_len,
+                scratch_block=num_blocks,
+                attention=attention,
+                fused=self.fused,
+                capture=decode_graphs == "cuda",
+            )
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # insertion order = admission order
-        self.counters = {"prompt_tokens": 0.0, "generated_tokens": 0.0, "requests_finished": 0.0, "preemptions": 0.0}
+        self.counters = {
+            "prompt_tokens": 0.0,
+            "generated_tokens": 0.0,
+            "requests_finished": 0.0,
+            "preemptions": 0.0,
+            "steps": 0.0,
+            "graph_steps": 0.0,  # of which decode steps ran through `DecodeGraphs`
+        }
 
     # ------------------------------------------------------------------ admission
     def prepare(self, request: PreparedRequest) -> Sequence:
@@ -258,6 +287,10 @@ class Engine:
 
     # ------------------------------------------------------------------ run
     def run(self, batch: list[Scheduled]) -> torch.Tensor:
+        self.counters["steps"] += 1
+        if self._graphable(batch):
+            self.counters["graph_steps"] += 1
+            return self._run_graph(batch)
         embeds, positions = [], []
         for item in batch:
             start, end = item.seq.num_computed, item.seq.num_computed + item.num_new
@@ -273,8 +306,40 @@ class Engine:
         ends = torch.cumsum(torch.tensor([b.num_new for b in batch]), 0) - 1
         logits_for = [int(ends[i]) for i, b in enumerate(batch) if b.samples]
         return paged_forward(
-            self.model, torch.cat(embeds), torch.cat(positions, dim=1), layout, self.kv, logits_for, self.attention
+            self.model,
+            torch.cat(embeds),
+            torch.cat(positions, dim=1).to(self.model.device),
+            layout,
+            self.kv,
+            logits_for,
+            self.attention,
+            self.fused,
         )
+
+    def _graphable(self, batch: list[Scheduled]) -> bool:
+        """A decode step the graphs take: one sampled token per sequence, none of them a media placeholder
+        (those have no token embedding), within the graphs' batch and context."""
+        if self.graphs is None or not all(item.num_new == 1 and item.samples for item in batch):
+            return False
+        if not self.graphs.fits(len(batch), max(item.seq.num_tokens for item in batch)):
+            return False
+        return not any(
+            item.seq.num_computed < len(item.seq.prompt_ids) and bool(item.seq.media_mask[item.seq.num_computed])
+            for item in batch
+        )
+
+    def _run_graph(self, batch: list[Scheduled]) -> torch.Tensor:
+        assert self.graphs is not None  # _graphable checked
+        size = self.blocks.block_size
+        ids, slots, context_lens, tables, positions = [], [], [], [], []
+        for item in batch:
+            seq, at = item.seq, item.seq.num_computed
+            ids.extend(seq.token_ids(at, at + 1))
+            slots.append(seq.table.blocks[at // size] * size + at % size)
+            context_lens.append(at + 1)
+            tables.append(seq.table.blocks)
+            positions.append(self._positions(seq, at, at + 1))
+        return self.graphs.run(ids, torch.cat(positions, dim=1), slots, context_lens, tables)
 
     def _embeddings(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         embeds = self.model.embed(seq.token_ids(start, end))
@@ -295,7 +360,7 @@ class Engine:
         if end > prompt_len:  # generated tokens (a decode, or a recompute after preemption)
             tail = torch.arange(max(start, prompt_len), end) + seq.delta
             parts.append(tail.expand(3, -1))
-        return torch.cat(parts, dim=1).to(self.model.device)
+        return torch.cat(parts, dim=1)  # on the host
 
     # ------------------------------------------------------------------ postprocess
     def postprocess(self, batch: list[Scheduled], logits: torch.Tensor) -> list[TokenDelta]:

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import zmq
@@ -59,6 +60,17 @@ def kv_cache_blocks(cfg: Config, spec: ModelSpec, model: LanguageModel) -> int:
     return int(blocks)
 
 
+def runner_options(cfg: Config, device: torch.device) -> dict[str, Any]:
+    """How the engine runs its forwards: Triton kernels, fused projections and decode CUDA graphs on a GPU
+    unless the config turns them off; the plain-torch paths elsewhere (and always with kernels = "torch")."""
+    triton = cfg.decoder.kernels == "triton" and device.type == "cuda"
+    return {
+        "attention": paged_attention if triton else paged_attention_reference,
+        "fuse": triton,
+        "decode_graphs": "cuda" if triton and cfg.decoder.cuda_graphs else "off",
+    }
+
+
 @dataclass
 class Waiting:
     seq: Sequence
@@ -85,7 +97,7 @@ class DecoderWorker:
             num_blocks=kv_cache_blocks(cfg, self.spec, model),
             block_size=cfg.decoder.block_size,
             prefix_cache=cfg.decoder.prefix_cache,
-            attention=paged_attention_reference if cfg.decoder.attention == "torch" else paged_attention,
+            **runner_options(cfg, device),
         )
         self.ctx = zmq.Context()
         self.inbox = Channel(self.ctx, zmq.PULL, cfg.endpoint("decoder"), bind=True)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.kernels._launch import use_triton
-from workers.models.paged import BatchLayout
-from workers.models.paged import paged_attention_reference as _paged_attention_reference
+
+if TYPE_CHECKING:  # workers.models.paged imports this package's kernels: import it lazily here
+    from workers.models.paged import BatchLayout
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -103,14 +105,16 @@ def attention_metadata(layout: BatchLayout, device: torch.device | str | None = 
 
 
 def paged_attention_reference(
-    q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, layout: BatchLayout, scale: float
+    q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, layout: BatchLayout | AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """The plain-torch contract (`workers.models.paged.paged_attention_reference`)."""
-    return _paged_attention_reference(q, kv_k, kv_v, layout, scale)
+    from workers.models.paged import paged_attention_reference as reference
+
+    return reference(q, kv_k, kv_v, layout, scale)
 
 
 def paged_attention(
-    q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, layout: BatchLayout, scale: float
+    q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, layout: BatchLayout | AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Causal GQA attention of q [T, heads, D] over each sequence's slots in kv_k/kv_v [slots, kv_heads, D].
 

@@ -41,20 +41,25 @@ def mrope_cos_sin(
     inv_freq: torch.Tensor,
     mrope_section: Sequence[int],
     dtype: torch.dtype,
+    axis: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, head_dim] for position_ids [3, T].
 
     Frequency slot j of the rotated half takes its position from axis (t, h, w) according to
-    ``mrope_section`` (the first s0 slots from t, the next s1 from h, the last s2 from w).
+    ``mrope_section`` (the first s0 slots from t, the next s1 from h, the last s2 from w). ``axis``:
+    `mrope_axis` made beforehand, where building it now would copy from the host (a CUDA graph capture).
     """
-    axis = torch.repeat_interleave(
-        torch.arange(3, device=position_ids.device),
-        torch.tensor(list(mrope_section), device=position_ids.device),
-    )
+    if axis is None:
+        axis = mrope_axis(mrope_section, position_ids.device)
     pos = position_ids.index_select(0, axis).to(torch.float32)  # [head_dim/2, T]
     freqs = pos.transpose(0, 1) * inv_freq  # [T, head_dim/2], computed in fp32 like the reference
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def mrope_axis(mrope_section: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """int64 [head_dim/2]: which position axis (0 t, 1 h, 2 w) each rotary frequency slot reads."""
+    return torch.repeat_interleave(torch.arange(3), torch.tensor(list(mrope_section))).to(device)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -22,11 +22,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from workers.kernels.activation import silu_and_mul
+from workers.kernels.attention import AttentionMetadata
+from workers.kernels.cache import reshape_and_cache
+from workers.kernels.norm import fused_add_rms_norm, rms_norm
+from workers.kernels.rotary import apply_mrope
 from workers.models.language import DecoderLayer, LanguageModel, _causal_mask, apply_rotary, mrope_cos_sin
 from workers.models.spec import ModelSpec
 
-# q [T, heads, D], layer keys and values [slots, kv_heads, D], layout, scale -> [T, heads, D].
-PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "BatchLayout", float], torch.Tensor]
+# q [T, heads, D], layer keys and values [slots, kv_heads, D], layout (or the kernels' device-side form of
+# it), scale -> [T, heads, D].
+PagedAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, "BatchLayout | AttentionMetadata", float], torch.Tensor
+]
 
 
 # --- cache --------------------------------------------------------------------------------------------
@@ -152,6 +160,15 @@ class BatchLayout:
         if num_blocks is not None:
             layout.check_blocks(num_blocks)
         return layout
+
+    @classmethod
+    def from_metadata(cls, metadata: AttentionMetadata) -> BatchLayout:
+        """The host form of kernel metadata (a device sync): block tables cut to each context's blocks."""
+        query_lens, context_lens = metadata.query_lens.tolist(), metadata.context_lens.tolist()
+        tables = metadata.block_table.tolist()
+        size = metadata.block_size
+        cut = [table[: _blocks_for(c, size)] for table, c in zip(tables, context_lens, strict=True)]
+        return cls(query_lens, context_lens, cut, size, metadata.device)
 
     def to(self, device: torch.device | str) -> BatchLayout:
         device = torch.device(device)
@@ -282,15 +299,17 @@ def paged_attention_reference(
     q: torch.Tensor,
     kv_k: torch.Tensor,
     kv_v: torch.Tensor,
-    layout: BatchLayout,
+    layout: BatchLayout | AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Causal GQA attention of every sequence's new queries over its whole context, gathered from slots.
 
     q [T, heads, D] (flat, sequence after sequence); kv_k, kv_v [slots, kv_heads, D] already hold the new
     tokens' k/v. Query i of sequence s sits at position ``context_len - query_len + i`` and sees
-    positions ``0 ..`` itself. Returns [T, heads, D].
+    positions ``0 ..`` itself. Returns [T, heads, D]. An `AttentionMetadata` is read back to the host first.
     """
+    if isinstance(layout, AttentionMetadata):
+        layout = BatchLayout.from_metadata(layout)
     out = torch.empty_like(q)
     slots = layout.context_slots
     q_starts, ctx_start = layout.query_starts, 0
@@ -323,6 +342,43 @@ def _sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past:
     return out.squeeze(0)
 
 
+# --- fused projections ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    """One layer's projections concatenated, so that q/k/v is one GEMM and gate/up another."""
+
+    qkv_weight: torch.Tensor  # [(heads + 2 kv_heads) * D, hidden]
+    qkv_bias: torch.Tensor
+    gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
+
+
+def fuse_layers(model: LanguageModel) -> list[FusedLayer]:
+    """Concatenate every layer's q/k/v and gate/up weights and point the modules' own parameters at
+    views of the result, so the model's memory does not grow and both forward paths keep working."""
+    fused = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        with torch.no_grad():
+            qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            qkv_b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        _point_at_parts(qkv_w, [attn.q_proj, attn.k_proj, attn.v_proj], "weight")
+        _point_at_parts(qkv_b, [attn.q_proj, attn.k_proj, attn.v_proj], "bias")
+        _point_at_parts(gate_up, [mlp.gate_proj, mlp.up_proj], "weight")
+        fused.append(FusedLayer(qkv_w, qkv_b, gate_up))
+    return fused
+
+
+def _point_at_parts(whole: torch.Tensor, modules: Sequence[torch.nn.Module], name: str) -> None:
+    start = 0
+    for module in modules:
+        rows = getattr(module, name).shape[0]
+        setattr(module, name, torch.nn.Parameter(whole[start : start + rows], requires_grad=False))
+        start += rows
+
+
 # --- forward ------------------------------------------------------------------------------------------
 
 
@@ -335,12 +391,14 @@ def paged_forward(
     kv: PagedKVCache,
     logits_for: Sequence[int] | None = None,
     attention: PagedAttention = paged_attention_reference,
+    fused: Sequence[FusedLayer] | None = None,
 ) -> torch.Tensor:
     """Run a batch of sequences' new tokens through the decoder, writing their k/v into ``kv``.
 
     inputs_embeds [T, hidden] and position_ids [3, T], tokens of sequence 0 first. Returns logits
     [len(logits_for), vocab] of the given flat token indices (default: each sequence's last token).
-    ``attention`` is the one place a paged kernel plugs in.
+    ``attention`` is the one place a paged kernel plugs in; with ``fused`` (from `fuse_layers`) the
+    layers run the fused projections and the fused norm / activation / rotary / cache-write kernels.
     """
     _validate(model, inputs_embeds, position_ids, layout, kv)
     device = model.device
@@ -349,13 +407,39 @@ def paged_forward(
     inv_freq = model._rope_inv_freq()
     cos, sin = mrope_cos_sin(position_ids.to(device), inv_freq, model.spec.mrope_section, model.dtype)
     x = inputs_embeds.to(device=device, dtype=model.dtype)
-    for index, layer in enumerate(model.layers):
-        x = _decoder_layer(layer, index, x, cos, sin, layout, kv, attention)
     rows = layout.last_token_indices if logits_for is None else [int(i) for i in logits_for]
     if any(not 0 <= i < x.shape[0] for i in rows):
         raise ValueError(f"logits_for indices must lie in [0, {x.shape[0]}), got {rows}")
-    x = x[torch.tensor(rows, dtype=torch.int64, device=device)]
-    return model.lm_head(model.norm(x))
+    picked = None if rows == list(range(x.shape[0])) else torch.tensor(rows, dtype=torch.int64).to(device)
+    return forward_logits(model, x, cos, sin, layout.slot_mapping, layout, kv, picked, attention, fused)
+
+
+def forward_logits(
+    model: LanguageModel,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    attn_layout: BatchLayout | AttentionMetadata,
+    kv: PagedKVCache,
+    rows: torch.Tensor | None,
+    attention: PagedAttention,
+    fused: Sequence[FusedLayer] | None = None,
+) -> torch.Tensor:
+    """The layers, the final norm and lm_head over device tensors (logits of ``rows``, or of every token).
+
+    No host copy and no sync of its own: with Triton kernels this is what a CUDA graph captures.
+    """
+    if fused is None:
+        for index, layer in enumerate(model.layers):
+            x = _decoder_layer(layer, index, x, cos, sin, slots, attn_layout, kv, attention)
+        x = x if rows is None else x.index_select(0, rows)
+        return model.lm_head(model.norm(x))
+    h, residual = _fused_layers(model, x, cos, sin, slots, attn_layout, kv, attention, fused)
+    if rows is not None:
+        h, residual = h.index_select(0, rows), residual.index_select(0, rows)
+    normed, _ = fused_add_rms_norm(h, residual, model.norm.weight, model.norm.eps)
+    return model.lm_head(normed)
 
 
 def _decoder_layer(
@@ -364,12 +448,13 @@ def _decoder_layer(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    layout: BatchLayout,
+    slots: torch.Tensor,
+    attn_layout: BatchLayout | AttentionMetadata,
     kv: PagedKVCache,
     attention: PagedAttention,
 ) -> torch.Tensor:
     # DecoderLayer.forward without its per-sequence cache: same modules, same op order.
-    x = x + _self_attention(layer, index, layer.input_layernorm(x), cos, sin, layout, kv, attention)
+    x = x + _self_attention(layer, index, layer.input_layernorm(x), cos, sin, slots, attn_layout, kv, attention)
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
@@ -379,7 +464,8 @@ def _self_attention(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    layout: BatchLayout,
+    slots: torch.Tensor,
+    attn_layout: BatchLayout | AttentionMetadata,
     kv: PagedKVCache,
     attention: PagedAttention,
 ) -> torch.Tensor:
@@ -387,8 +473,59 @@ def _self_attention(
     q = apply_rotary(attn.q_proj(x).view(t, attn.num_heads, attn.head_dim), cos, sin)
     k = apply_rotary(attn.k_proj(x).view(t, attn.num_kv_heads, attn.head_dim), cos, sin)
     v = attn.v_proj(x).view(t, attn.num_kv_heads, attn.head_dim)
-    kv.write(index, layout.slot_mapping, k, v)
-    out = attention(q, kv.keys[index], kv.values[index], layout, attn.head_dim**-0.5)
+    kv.write(index, slots, k, v)
+    out = attention(q, kv.keys[index], kv.values[index], attn_layout, attn.head_dim**-0.5)
+    return attn.o_proj(out.reshape(t, -1))
+
+
+def _fused_layers(
+    model: LanguageModel,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    attn_layout: BatchLayout | AttentionMetadata,
+    kv: PagedKVCache,
+    attention: PagedAttention,
+    fused: Sequence[FusedLayer],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same layers with the residual carried beside the normed activations: each residual add is
+    fused into the next RMSNorm. Returns (last MLP output, residual before it); their sum is the hidden."""
+    layers = model.layers
+    residual = x
+    h = rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+    for index, (layer, weights) in enumerate(zip(layers, fused, strict=True)):
+        h = _fused_attention(layer, weights, index, h, cos, sin, slots, attn_layout, kv, attention)
+        norm = layer.post_attention_layernorm
+        h, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        intermediate = weights.gate_up_weight.shape[0] // 2
+        gate_up = F.linear(h, weights.gate_up_weight)
+        h = layer.mlp.down_proj(silu_and_mul(gate_up[:, :intermediate], gate_up[:, intermediate:]))
+        if index + 1 < len(layers):
+            norm = layers[index + 1].input_layernorm
+            h, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+    return h, residual
+
+
+def _fused_attention(
+    layer: DecoderLayer,
+    weights: FusedLayer,
+    index: int,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    attn_layout: BatchLayout | AttentionMetadata,
+    kv: PagedKVCache,
+    attention: PagedAttention,
+) -> torch.Tensor:
+    attn, t = layer.self_attn, h.shape[0]
+    heads, kv_heads = attn.num_heads, attn.num_kv_heads
+    qkv = F.linear(h, weights.qkv_weight, weights.qkv_bias).view(t, heads + 2 * kv_heads, attn.head_dim)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    apply_mrope(q, k, cos, sin, inplace=True)
+    reshape_and_cache(k, v, kv.keys[index], kv.values[index], slots)
+    out = attention(q, kv.keys[index], kv.values[index], attn_layout, attn.head_dim**-0.5)
     return attn.o_proj(out.reshape(t, -1))
 
 

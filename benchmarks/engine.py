@@ -1,0 +1,249 @@
+"""Engine-level timings without HTTP: decode steps, prefills and the whole engine loop, beside
+transformers on the same checkpoint and the H200's roofline.
+
+    python -m benchmarks.engine --model DIR --out engine.json [--quick]
+
+- ``decode``: one decode step (the model forward, no sampling) for batch x context, through the CUDA
+  graphs the engine replays and eagerly with the same kernels; timed with CUDA events over many steps.
+- ``prefill``: one prompt of N text tokens through ``paged_forward`` (fused layers, Triton attention).
+- ``engine_tpot``: the real `Engine` (scheduling, sampling, host work) generating 256 greedy tokens after
+  an 820-token prompt, batch 1 and 32: wall time per step, which is what a client sees as TPOT.
+- ``hf``: transformers' forward on the same checkpoint: one decode step over a cache of the same context,
+  and the same prefills.
+- ``roofline``: weight bytes (+ KV bytes read) / 4.8 TB/s for decode; 2 * params * tokens / 790 TFLOP/s
+  (+ attention) for prefill — the ANCHORS.md figures.
+Needs a CUDA GPU (it says so and exits 2 otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.protocol import PreparedRequest, SamplingParams
+from workers.decoder.engine import Engine
+from workers.decoder.graphs import DecodeGraphs
+from workers.kernels import paged_attention
+from workers.models.language import LanguageModel
+from workers.models.paged import BatchLayout, FusedLayer, PagedKVCache, fuse_layers, paged_forward
+from workers.models.spec import ModelSpec
+
+HBM_BYTES_PER_S = 4.8e12
+BF16_FLOPS = 790e12
+
+
+def cuda_time_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Mean milliseconds per call, CUDA events around ``repeats`` calls after two warm-ups."""
+    for _ in range(2):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def language_bytes(model: LanguageModel) -> int:
+    """Bytes a decode step must read: every weight but the embedding table (one row per token)."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen or name.startswith("embed_tokens"):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    if model.lm_head.weight is model.embed_tokens.weight:
+        total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    return total
+
+
+def decode_roofline_ms(model: LanguageModel, batch: int, context: int) -> float:
+    spec = model.spec
+    kv = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * batch * context
+    return (language_bytes(model) + kv) / HBM_BYTES_PER_S * 1e3
+
+
+def prefill_roofline_ms(model: LanguageModel, tokens: int) -> float:
+    spec = model.spec
+    params = language_bytes(model) / 2
+    attention = 2 * 2 * spec.num_layers * spec.num_heads * spec.head_dim * tokens * tokens / 2
+    return (2 * params * tokens + attention) / BF16_FLOPS * 1e3
+
+
+def fake_tables(batch: int, context: int, block_size: int) -> list[list[int]]:
+    per = -(-(context + 1) // block_size)
+    return [list(range(s * per, (s + 1) * per)) for s in range(batch)]
+
+
+def bench_decode(
+    model: LanguageModel, fused: list[FusedLayer], grid: list[tuple[int, int]], repeats: int
+) -> list[dict[str, Any]]:
+    block_size = 16
+    max_batch = max(b for b, _ in grid)
+    max_context = max(c for _, c in grid) + 1
+    num_blocks = max(b * -(-(c + 1) // block_size) for b, c in grid) + 1
+    kv = PagedKVCache.for_model(model, num_blocks, block_size)
+    common = {"max_batch": max_batch, "max_context": max_context, "scratch_block": num_blocks - 1}
+    graphs = DecodeGraphs(model, kv, attention=paged_attention, fused=fused, capture=True, **common)
+    eager = DecodeGraphs(model, kv, attention=paged_attention, fused=fused, capture=False, **common)
+    rows = []
+    for batch, context in grid:
+        tables = fake_tables(batch, context, block_size)
+        args = (
+            [17] * batch,
+            torch.full((3, batch), context, dtype=torch.int64),
+            [t[context // block_size] * block_size + context % block_size for t in tables],
+            [context + 1] * batch,
+            tables,
+        )
+        graph_ms = cuda_time_ms(functools.partial(graphs.run, *args), repeats)
+        eager_ms = cuda_time_ms(functools.partial(eager.run, *args), max(3, repeats // 10))
+        roof = decode_roofline_ms(model, batch, context)
+        rows.append(
+            {"batch": batch, "context": context, "graph_ms": graph_ms, "eager_ms": eager_ms, "roofline_ms": roof}
+        )
+        print(
+            f"decode b={batch:3d} ctx={context:5d}: graph {graph_ms:.3f} ms, eager {eager_ms:.3f} ms, "
+            f"roofline {roof:.3f} ms",
+            flush=True,
+        )
+    return rows
+
+
+def bench_prefill(model: LanguageModel, lengths: list[int], layers: list[FusedLayer] | None) -> list[dict[str, Any]]:
+    block_size = 16
+    rows = []
+    for n in lengths:
+        kv = PagedKVCache.for_model(model, -(-n // block_size) + 1, block_size)
+        layout = BatchLayout.build([n], [n], [list(range(-(-n // block_size)))], block_size, model.device)
+        embeds = model.embed(torch.arange(n) % 1000 + 10)
+        positions = torch.arange(n).expand(3, -1)
+        forward = functools.partial(paged_forward, model, embeds, positions, layout, kv, None, paged_attention, layers)
+        ms = cuda_time_ms(forward, 5)
+        roof = prefill_roofline_ms(model, n)
+        rows.append({"tokens": n, "ms": ms, "roofline_ms": roof})
+        print(f"prefill {n:5d} tokens: {ms:.2f} ms (roofline {roof:.2f} ms)", flush=True)
+    return rows
+
+
+def bench_engine(model: LanguageModel, spec: ModelSpec, batch: int, prompt: int, new: int) -> dict[str, Any]:
+    block_size = 16
+    blocks = batch * (-(-(prompt + new) // block_size) + 1) + 1
+    engine = Engine(
+        model,
+        spec,
+        max_model_len=prompt + new + 1,
+        max_running=max(batch, 1),
+        prefill_budget=8192,
+        num_blocks=blocks,
+        block_size=block_size,
+        prefix_cache=False,
+        attention=paged_attention,
+        fuse=True,
+        decode_graphs="cuda",
+    )
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        ids = [(7 * j + i) % 5000 + 10 for j in range(prompt)]
+        engine.add(engine.prepare(PreparedRequest(f"r{i}", ids, [], params)))
+    times = []
+    while engine.has_work():
+        engine.step()
+        times.append(time.perf_counter())
+    gaps = [b - a for a, b in itertools.pairwise(times[1:])]  # decode steps only (step 0 is the prefill)
+    gaps.sort()
+    result = {
+        "batch": batch,
+        "prompt": prompt,
+        "new_tokens": new,
+        "steps": len(times),
+        "graph_steps": engine.counters["graph_steps"],
+        "mean_step_ms": 1e3 * sum(gaps) / len(gaps),
+        "p50_step_ms": 1e3 * gaps[len(gaps) // 2],
+        "p99_step_ms": 1e3 * gaps[int(len(gaps) * 0.99)],
+    }
+    print(
+        f"engine b={batch}: {result['mean_step_ms']:.3f} ms per decode step (p50 {result['p50_step_ms']:.3f}, "
+        f"p99 {result['p99_step_ms']:.3f}), {result['graph_steps']:.0f}/{len(times)} steps in graphs",
+        flush=True,
+    )
+    return result
+
+
+def bench_hf(model_dir: Path, decode_grid: list[tuple[int, int]], prefills: list[int]) -> dict[str, Any]:
+    from transformers import DynamicCache, Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda().eval()
+    out: dict[str, Any] = {"decode": [], "prefill": []}
+    with torch.inference_mode():
+        for batch, context in decode_grid:
+            ids = (torch.arange(batch * context, device="cuda") % 1000 + 10).view(batch, context)
+            cache = DynamicCache()
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            step = torch.full((batch, 1), 17, device="cuda")
+            ms = cuda_time_ms(functools.partial(_hf_decode_step, model, step, cache, context), 10)
+            out["decode"].append({"batch": batch, "context": context, "ms": ms})
+            print(f"hf decode b={batch:3d} ctx={context:5d}: {ms:.2f} ms", flush=True)
+        for n in prefills:
+            ids = (torch.arange(n, device="cuda") % 1000 + 10).view(1, n)
+            ms = cuda_time_ms(functools.partial(model, input_ids=ids, use_cache=False), 5)
+            out["prefill"].append({"tokens": n, "ms": ms})
+            print(f"hf prefill {n:5d} tokens: {ms:.2f} ms", flush=True)
+    return out
+
+
+def _hf_decode_step(model: Any, step: torch.Tensor, cache: Any, context: int) -> None:
+    model(input_ids=step, past_key_values=cache, use_cache=True)
+    cache.crop(context)  # back to the same context for the next step
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and steps")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.engine needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
+    grid = (
+        [(1, 1000), (32, 1000), (64, 3000)]
+        if args.quick
+        else [(1, 1000), (1, 3000), (8, 1000), (32, 1000), (32, 3000), (64, 1000), (64, 3000)]
+    )
+    prefills = [820, 2800]
+    spec = ModelSpec.from_dir(args.model)
+    results: dict[str, Any] = {"model": str(args.model), "device": torch.cuda.get_device_name()}
+    model = LanguageModel.from_checkpoint(args.model, device="cuda", dtype=torch.bfloat16)
+    results["language_weight_bytes"] = language_bytes(model)
+    results["prefill_unfused"] = bench_prefill(model, prefills, None)
+    fused = fuse_layers(model)
+    results["prefill"] = bench_prefill(model, prefills, fused)
+    results["decode"] = bench_decode(model, fused, grid, repeats=20 if args.quick else 50)
+    results["engine_tpot"] = [bench_engine(model, spec, b, 820, 64 if args.quick else 256) for b in (1, 32)]
+    del model
+    torch.cuda.empty_cache()
+    if not args.skip_hf:
+        try:
+            results["hf"] = bench_hf(args.model, [(1, 1000), (32, 1000)], prefills)
+        except Exception as exc:  # the baseline failing must not lose our own figures
+            results["hf_error"] = repr(exc)
+            print(f"transformers baseline failed: {exc!r}", flush=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
