@@ -208,12 +208,33 @@ def _hf_decode_step(model: Any, step: torch.Tensor, cache: Any, context: int) ->
     cache.crop(context)  # back to the same context for the next step
 
 
+def profile_prefill(model: LanguageModel, tokens: int) -> None:
+    """Where the host time of an eager fused prefill goes (the GPU waits on it when launches dominate)."""
+    import cProfile
+    import pstats
+
+    fused = fuse_layers(model)
+    kv = PagedKVCache.for_model(model, -(-tokens // 16) + 1, 16)
+    layout = BatchLayout.build([tokens], [tokens], [list(range(-(-tokens // 16)))], 16, model.device)
+    embeds, positions = model.embed(torch.arange(tokens) % 1000 + 10), torch.arange(tokens).expand(3, -1)
+    forward = functools.partial(paged_forward, model, embeds, positions, layout, kv, None, paged_attention, fused)
+    print(f"eager fused prefill of {tokens} tokens: {cuda_time_ms(forward, 5):.2f} ms", flush=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(5):
+        forward()
+    torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and steps")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="only: cProfile of one eager 820-token prefill")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.engine needs a CUDA GPU", file=sys.stderr)
@@ -227,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     spec = ModelSpec.from_dir(args.model)
     results: dict[str, Any] = {"model": str(args.model), "device": torch.cuda.get_device_name()}
     model = LanguageModel.from_checkpoint(args.model, device="cuda", dtype=torch.bfloat16)
+    if args.profile:
+        profile_prefill(model, 820)
+        return
     results["language_weight_bytes"] = language_bytes(model)
     results["prefill_unfused"] = bench_prefill(model, prefills, None)
     fused = fuse_layers(model)

@@ -13,7 +13,15 @@ from tests.gpu.test_kernels_gpu import _SKIP_REASON
 from workers.decoder.engine import Engine
 from workers.kernels import paged_attention
 from workers.models.language import LanguageModel
-from workers.models.paged import BatchLayout, PagedKVCache, fuse_layers, paged_attention_reference, paged_forward
+from workers.models.paged import (
+    BatchLayout,
+    FusedLayer,
+    PagedAttention,
+    PagedKVCache,
+    fuse_layers,
+    paged_attention_reference,
+    paged_forward,
+)
 from workers.models.spec import ModelSpec
 from workers.models.synth import generate_checkpoint
 
@@ -55,7 +63,7 @@ def test_graph_replay_equals_the_static_path_bit_for_bit(tiny_checkpoint: Path) 
     replayed, engine = generate(tiny_checkpoint, torch.bfloat16, decode_graphs="cuda", **fast)
     static, _ = generate(tiny_checkpoint, torch.bfloat16, decode_graphs="static", **fast)
     assert engine.graphs is not None and set(engine.graphs.graphs) == set(engine.graphs.sizes)
-    assert engine.counters["graph_steps"] > 100
+    assert engine.counters["graph_steps"] >= 20  # 7 requests of 24 tokens, mostly decoding together
     assert replayed == static
 
 
@@ -68,9 +76,9 @@ def test_graphs_and_fused_kernels_keep_fp32_greedy_outputs(tiny_checkpoint: Path
 
 def test_2b_logits_through_the_fused_paged_path_match_transformers(tmp_path: Path) -> None:
     """The 2b-shaped checkpoint in bf16: a 300-token prefill and 8 single-token decode steps through the
-    fused layers and Triton kernels, against transformers' logits of the same positions. Tolerance: bf16
-    noise through 28 layers, |ours - theirs| <= 4% of the row's largest logit, and the same argmax on
-    at least 90% of the positions."""
+    fused layers and Triton kernels, against transformers' logits of the same positions; the plain-torch
+    paged path beside it shows the bf16 noise floor. Tolerance: |ours - theirs| <= 5% of the row's largest
+    logit, the same argmax on at least 90% of the positions (random weights make many near-ties)."""
     from transformers import Qwen2VLForConditionalGeneration
 
     path = generate_checkpoint(tmp_path / "2b", "2b", seed=0)
@@ -82,21 +90,30 @@ def test_2b_logits_through_the_fused_paged_path_match_transformers(tmp_path: Pat
     torch.cuda.empty_cache()
 
     model = LanguageModel.from_checkpoint(path, device=CUDA, dtype=torch.bfloat16)
-    fused = fuse_layers(model)
+    plain = paged_logits(model, ids, None, paged_attention_reference)  # plain torch: the noise floor
+    fused = paged_logits(model, ids, fuse_layers(model), paged_attention)
+    scale = theirs.abs().amax(-1, keepdim=True)
+    for name, ours in (("plain torch", plain), ("fused + Triton", fused)):
+        worst = ((ours - theirs).abs() / scale).max().item()
+        agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+        print(f"2b bf16 {name} vs transformers: worst |diff| / row max {worst:.4f}, argmax agreement {agree:.3f}")
+        assert worst <= 0.05
+        assert agree >= 0.9
+
+
+def paged_logits(
+    model: LanguageModel, ids: list[int], fused: list[FusedLayer] | None, attention: PagedAttention
+) -> torch.Tensor:
+    """Logits of every position: a prefill of all but 8 tokens, then 8 single-token decode steps."""
     kv = PagedKVCache.for_model(model, 32, 16)
     table = list(range(20))
-    ours = []
-    steps = [(0, 300)] + [(300 + i, 301 + i) for i in range(8)]
+    prefill = len(ids) - 8
+    steps = [(0, prefill)] + [(prefill + i, prefill + i + 1) for i in range(8)]
+    out = []
     for start, end in steps:
         layout = BatchLayout.build([end - start], [end], [table], 16, CUDA)
         embeds = model.embed(ids[start:end])
         positions = torch.arange(start, end).expand(3, -1)
         rows = range(end - start)
-        ours.append(paged_forward(model, embeds, positions, layout, kv, rows, paged_attention, fused).float())
-    ours_all = torch.cat(ours)
-    scale = theirs.abs().amax(-1, keepdim=True)
-    worst = ((ours_all - theirs).abs() / scale).max().item()
-    agree = (ours_all.argmax(-1) == theirs.argmax(-1)).float().mean().item()
-    print(f"2b bf16 vs transformers: worst |diff| / row max {worst:.4f}, argmax agreement {agree:.3f}")
-    assert worst <= 0.04
-    assert agree >= 0.9
+        out.append(paged_forward(model, embeds, positions, layout, kv, rows, attention, fused).float())
+    return torch.cat(out)

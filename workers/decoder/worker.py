@@ -186,8 +186,8 @@ class DecoderWorker:
             case StatsResult(incarnation=inc):
                 self.cache_seen = time.monotonic()
                 if self.cache_incarnation and inc != self.cache_incarnation:
-                    self.fail_waiting("the embedding cache daemon restarted")
                     self.pools.forget_except("")
+                    self.reacquire_waiting()
                 self.cache_incarnation = inc
             case CacheAcquireResult(request_id=rid):
                 waiting = self.waiting.get(rid)
@@ -229,6 +229,15 @@ class DecoderWorker:
             "requests_running": float(len(self.engine.running)),
         }
         return {**self.engine.stats(), **gauges}
+
+    def reacquire_waiting(self) -> None:
+        """Ask the new cache for every waiting request's embeddings again. An acquire sent before the
+        restart may have been lost with the old daemon, or may have reached the new one: asking again
+        answers both. Embeddings the old daemon held are gone, and the new one says so at once (503)."""
+        for rid, waiting in self.waiting.items():
+            waiting.call_id = uuid.uuid4().hex  # an answer to the earlier call is ignored
+            hashes = [m.content_hash for m in waiting.seq.request.media]
+            self.cache.send(CacheAcquire(waiting.call_id, rid, hashes))
 
     def fail_waiting(self, why: str) -> None:
         for rid in list(self.waiting):
