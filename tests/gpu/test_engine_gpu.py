@@ -75,30 +75,46 @@ def test_graphs_and_fused_kernels_keep_fp32_greedy_outputs(tiny_checkpoint: Path
 
 
 def test_2b_logits_through_the_fused_paged_path_match_transformers(tmp_path: Path) -> None:
-    """The 2b-shaped checkpoint in bf16: a 300-token prefill and 8 single-token decode steps through the
-    fused layers and Triton kernels, against transformers' logits of the same positions; the plain-torch
-    paged path beside it shows the bf16 noise floor. Tolerance: |ours - theirs| <= 5% of the row's largest
-    logit, the same argmax on at least 90% of the positions (random weights make many near-ties)."""
+    """The 2b-shaped checkpoint: a 300-token prefill and 8 single-token decode steps through our bf16 paths
+    (plain torch, Triton attention, fused layers, both), measured against transformers in fp32 — the
+    truth bf16 approximates — beside transformers' own bf16. "Within bf16 tolerance" means: no further
+    from fp32 than transformers' bf16 is (worst |diff| / row max at most 1.5x its, argmax agreement with
+    fp32 at most 3 points below its)."""
     from transformers import Qwen2VLForConditionalGeneration
 
     path = generate_checkpoint(tmp_path / "2b", "2b", seed=0)
     ids = [(37 * j) % 30000 + 100 for j in range(308)]
-    reference = Qwen2VLForConditionalGeneration.from_pretrained(str(path), dtype=torch.bfloat16).to(CUDA).eval()
+    truth, hf_bf16 = (
+        hf_logits(path, ids, dtype, Qwen2VLForConditionalGeneration) for dtype in (torch.float32, torch.bfloat16)
+    )
+    scale = truth.abs().amax(-1, keepdim=True)
+
+    def distance(logits: torch.Tensor) -> tuple[float, float]:
+        worst = ((logits - truth).abs() / scale).max().item()
+        return worst, (logits.argmax(-1) == truth.argmax(-1)).float().mean().item()
+
+    hf_worst, hf_agree = distance(hf_bf16)
+    print(f"2b transformers bf16 vs fp32: worst |diff| / row max {hf_worst:.4f}, argmax agreement {hf_agree:.3f}")
+    model = LanguageModel.from_checkpoint(path, device=CUDA, dtype=torch.bfloat16)
+    variants = {"plain torch": paged_logits(model, ids, None, paged_attention_reference)}
+    variants["torch layers + Triton attention"] = paged_logits(model, ids, None, paged_attention)
+    layers = fuse_layers(model)
+    variants["fused layers + torch attention"] = paged_logits(model, ids, layers, paged_attention_reference)
+    variants["fused layers + Triton attention"] = paged_logits(model, ids, layers, paged_attention)
+    for name, ours in variants.items():
+        worst, agree = distance(ours)
+        print(f"2b ours bf16 ({name}) vs fp32: worst |diff| / row max {worst:.4f}, argmax agreement {agree:.3f}")
+        assert worst <= 1.5 * hf_worst, name
+        assert agree >= hf_agree - 0.03, name
+
+
+def hf_logits(path: Path, ids: list[int], dtype: torch.dtype, model_class: type) -> torch.Tensor:
+    reference = model_class.from_pretrained(str(path), dtype=dtype).to(CUDA).eval()
     with torch.inference_mode():
-        theirs = reference(input_ids=torch.tensor([ids], device=CUDA), use_cache=False).logits[0].float()
+        logits = reference(input_ids=torch.tensor([ids], device=CUDA), use_cache=False).logits[0].float()
     del reference
     torch.cuda.empty_cache()
-
-    model = LanguageModel.from_checkpoint(path, device=CUDA, dtype=torch.bfloat16)
-    plain = paged_logits(model, ids, None, paged_attention_reference)  # plain torch: the noise floor
-    fused = paged_logits(model, ids, fuse_layers(model), paged_attention)
-    scale = theirs.abs().amax(-1, keepdim=True)
-    for name, ours in (("plain torch", plain), ("fused + Triton", fused)):
-        worst = ((ours - theirs).abs() / scale).max().item()
-        agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
-        print(f"2b bf16 {name} vs transformers: worst |diff| / row max {worst:.4f}, argmax agreement {agree:.3f}")
-        assert worst <= 0.05
-        assert agree >= 0.9
+    return logits
 
 
 def paged_logits(
