@@ -332,14 +332,15 @@ class Engine:
         assert self.graphs is not None  # _graphable checked
         size = self.blocks.block_size
         ids, slots, context_lens, tables, positions = [], [], [], [], []
-        for item in batch:
+        for item in batch:  # plain ints: per-sequence tensors would cost more than the step's GPU time
             seq, at = item.seq, item.seq.num_computed
             ids.extend(seq.token_ids(at, at + 1))
             slots.append(seq.table.blocks[at // size] * size + at % size)
             context_lens.append(at + 1)
             tables.append(seq.table.blocks)
-            positions.append(self._positions(seq, at, at + 1))
-        return self.graphs.run(ids, torch.cat(positions, dim=1), slots, context_lens, tables)
+            prompt_len = len(seq.prompt_ids)
+            positions.append(seq.positions[:, at].tolist() if at < prompt_len else [at + seq.delta] * 3)
+        return self.graphs.run(ids, positions, slots, context_lens, tables)
 
     def _embeddings(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         embeds = self.model.embed(seq.token_ids(start, end))

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from workers.kernels.attention import AttentionMetadata
@@ -67,6 +68,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.runs: Counter[tuple[int, int]] = Counter()  # (sequences, graph size) -> steps
         self.outputs: dict[int, torch.Tensor] = {}
+        self._host_arrays = {name: t.numpy() for name, t in self._views(self.host_long, self.host_int).items()}
         self._fill_padding(0, b)
         self.long.copy_(self.host_long)
         self.int.copy_(self.host_int)
@@ -83,12 +85,12 @@ class DecodeGraphs:
     def run(
         self,
         token_ids: Sequence[int],
-        positions: torch.Tensor,
+        positions: Sequence[Sequence[int]],
         slots: Sequence[int],
         context_lens: Sequence[int],
         block_tables: Sequence[Sequence[int]],
     ) -> torch.Tensor:
-        """Logits [n, vocab] of one decode step of n sequences (positions [3, n] on the host).
+        """Logits [n, vocab] of one decode step of n sequences (positions: a (t, h, w) triple each).
 
         The result is a view of the graph's output buffer: valid until the next `run`.
         """
@@ -116,7 +118,7 @@ class DecodeGraphs:
     def _stage(
         self,
         token_ids: Sequence[int],
-        positions: torch.Tensor,
+        positions: Sequence[Sequence[int]],
         slots: Sequence[int],
         context_lens: Sequence[int],
         block_tables: Sequence[Sequence[int]],
@@ -124,15 +126,16 @@ class DecodeGraphs:
         width: int,
     ) -> None:
         n = len(token_ids)
-        host = self._views(self.host_long, self.host_int)
-        host["token_ids"][:n] = torch.as_tensor(token_ids, dtype=torch.int64)
-        host["positions"][:, :n] = positions
-        host["slots"][:n] = torch.as_tensor(slots, dtype=torch.int64)
-        host["context_lens"][:n] = torch.as_tensor(context_lens, dtype=torch.int32)
+        host = self._host_arrays  # numpy views of the pinned buffers: filling from lists is cheap there
+        host["token_ids"][:n] = token_ids
+        host["positions"][:, :n] = np.asarray(positions, dtype=np.int64).T
+        host["slots"][:n] = slots
+        host["context_lens"][:n] = context_lens
         table = host["block_table"]
         for row, blocks in enumerate(block_tables):
-            table[row, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.int32)
+            table[row, : len(blocks)] = blocks
         self._fill_padding(n, size)
+        host = self._views(self.host_long, self.host_int)
         # The device side only needs rows [:size] and table columns [:width]; the kernels never read a
         # table entry past a context's last block, so stale columns beyond it are harmless.
         dev = self._views(self.long, self.int)

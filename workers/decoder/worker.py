@@ -113,11 +113,14 @@ class DecoderWorker:
         self.loop.on_message(self.cache, self.on_cache)
         self.loop.every(cfg.liveness.heartbeat_s, self.heartbeat)
         self.heartbeat()
+        graphs = self.engine.graphs
         log.info(
-            "decoder ready on %s in %.1fs: context %d at %s",
+            "decoder ready on %s in %.1fs: context %d, kernels %s, decode graphs %s, at %s",
             device,
             time.monotonic() - started,
             max_len,
+            "triton + fused layers" if self.engine.fused is not None else "torch",
+            f"for batch sizes {graphs.sizes}" if graphs is not None and graphs.graphs else "off",
             self.inbox.address,
         )
 
