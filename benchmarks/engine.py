@@ -102,7 +102,7 @@ def bench_decode(
         tables = fake_tables(batch, context, block_size)
         args = (
             [17] * batch,
-            torch.full((3, batch), context, dtype=torch.int64),
+            [[context] * 3] * batch,
             [t[context // block_size] * block_size + context % block_size for t in tables],
             [context + 1] * batch,
             tables,
