@@ -24,7 +24,7 @@ import torch
 
 from workers.kernels.attention import AttentionMetadata
 from workers.models.language import LanguageModel, mrope_axis, mrope_cos_sin
-from workers.models.paged import FusedLayer, PagedAttention, PagedKVCache, forward_logits
+from workers.models.paged import FusedLayer, PagedAttention, PagedKVCache, StepContext, forward_logits
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -171,7 +171,8 @@ class DecodeGraphs:
             positions = views["positions"][:, :size]
             cos, sin = mrope_cos_sin(positions, self.inv_freq, model.spec.mrope_section, model.dtype, self.axis)
             slots = views["slots"][:size]
-            return forward_logits(model, x, cos, sin, slots, metadata, self.kv, None, self.attention, self.fused)
+            step = StepContext(cos, sin, slots, metadata, self.kv, self.attention)
+            return forward_logits(model, x, step, None, self.fused)
 
     def _capture(self) -> None:
         pool = None

@@ -411,19 +411,28 @@ def paged_forward(
     if any(not 0 <= i < x.shape[0] for i in rows):
         raise ValueError(f"logits_for indices must lie in [0, {x.shape[0]}), got {rows}")
     picked = None if rows == list(range(x.shape[0])) else torch.tensor(rows, dtype=torch.int64).to(device)
-    return forward_logits(model, x, cos, sin, layout.slot_mapping, layout, kv, picked, attention, fused)
+    step = StepContext(cos, sin, layout.slot_mapping, layout, kv, attention)
+    return forward_logits(model, x, step, picked, fused)
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every layer of one forward reads besides its activations: rotary tables, where the new k/v
+    go, where each sequence's context lies, the cache and the attention that reads it."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor  # [T] the slot each new token's k/v is written to
+    attn_layout: BatchLayout | AttentionMetadata
+    kv: PagedKVCache
+    attention: PagedAttention
 
 
 def forward_logits(
     model: LanguageModel,
     x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slots: torch.Tensor,
-    attn_layout: BatchLayout | AttentionMetadata,
-    kv: PagedKVCache,
+    step: StepContext,
     rows: torch.Tensor | None,
-    attention: PagedAttention,
     fused: Sequence[FusedLayer] | None = None,
 ) -> torch.Tensor:
     """The layers, the final norm and lm_head over device tensors (logits of ``rows``, or of every token).
@@ -432,62 +441,33 @@ def forward_logits(
     """
     if fused is None:
         for index, layer in enumerate(model.layers):
-            x = _decoder_layer(layer, index, x, cos, sin, slots, attn_layout, kv, attention)
+            x = _decoder_layer(layer, index, x, step)
         x = x if rows is None else x.index_select(0, rows)
         return model.lm_head(model.norm(x))
-    h, residual = _fused_layers(model, x, cos, sin, slots, attn_layout, kv, attention, fused)
+    h, residual = _fused_layers(model, x, step, fused)
     if rows is not None:
         h, residual = h.index_select(0, rows), residual.index_select(0, rows)
     normed, _ = fused_add_rms_norm(h, residual, model.norm.weight, model.norm.eps)
     return model.lm_head(normed)
 
 
-def _decoder_layer(
-    layer: DecoderLayer,
-    index: int,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slots: torch.Tensor,
-    attn_layout: BatchLayout | AttentionMetadata,
-    kv: PagedKVCache,
-    attention: PagedAttention,
-) -> torch.Tensor:
+def _decoder_layer(layer: DecoderLayer, index: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:
     # DecoderLayer.forward without its per-sequence cache: same modules, same op order.
-    x = x + _self_attention(layer, index, layer.input_layernorm(x), cos, sin, slots, attn_layout, kv, attention)
+    x = x + _self_attention(layer, index, layer.input_layernorm(x), step)
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def _self_attention(
-    layer: DecoderLayer,
-    index: int,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slots: torch.Tensor,
-    attn_layout: BatchLayout | AttentionMetadata,
-    kv: PagedKVCache,
-    attention: PagedAttention,
-) -> torch.Tensor:
+def _self_attention(layer: DecoderLayer, index: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:
     attn, t = layer.self_attn, x.shape[0]
-    q = apply_rotary(attn.q_proj(x).view(t, attn.num_heads, attn.head_dim), cos, sin)
-    k = apply_rotary(attn.k_proj(x).view(t, attn.num_kv_heads, attn.head_dim), cos, sin)
+    q = apply_rotary(attn.q_proj(x).view(t, attn.num_heads, attn.head_dim), step.cos, step.sin)
+    k = apply_rotary(attn.k_proj(x).view(t, attn.num_kv_heads, attn.head_dim), step.cos, step.sin)
     v = attn.v_proj(x).view(t, attn.num_kv_heads, attn.head_dim)
-    kv.write(index, slots, k, v)
-    out = attention(q, kv.keys[index], kv.values[index], attn_layout, attn.head_dim**-0.5)
-    return attn.o_proj(out.reshape(t, -1))
+    step.kv.write(index, step.slots, k, v)
+    return attn.o_proj(_attend(q, index, attn.head_dim, step).reshape(t, -1))
 
 
 def _fused_layers(
-    model: LanguageModel,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slots: torch.Tensor,
-    attn_layout: BatchLayout | AttentionMetadata,
-    kv: PagedKVCache,
-    attention: PagedAttention,
-    fused: Sequence[FusedLayer],
+    model: LanguageModel, x: torch.Tensor, step: StepContext, fused: Sequence[FusedLayer]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same layers with the residual carried beside the normed activations: each residual add is
     fused into the next RMSNorm. Returns (last MLP output, residual before it); their sum is the hidden."""
@@ -495,7 +475,7 @@ def _fused_layers(
     residual = x
     h = rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
     for index, (layer, weights) in enumerate(zip(layers, fused, strict=True)):
-        h = _fused_attention(layer, weights, index, h, cos, sin, slots, attn_layout, kv, attention)
+        h = _fused_attention(layer, weights, index, h, step)
         norm = layer.post_attention_layernorm
         h, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
         intermediate = weights.gate_up_weight.shape[0] // 2
@@ -508,25 +488,19 @@ def _fused_layers(
 
 
 def _fused_attention(
-    layer: DecoderLayer,
-    weights: FusedLayer,
-    index: int,
-    h: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slots: torch.Tensor,
-    attn_layout: BatchLayout | AttentionMetadata,
-    kv: PagedKVCache,
-    attention: PagedAttention,
+    layer: DecoderLayer, weights: FusedLayer, index: int, h: torch.Tensor, step: StepContext
 ) -> torch.Tensor:
     attn, t = layer.self_attn, h.shape[0]
     heads, kv_heads = attn.num_heads, attn.num_kv_heads
     qkv = F.linear(h, weights.qkv_weight, weights.qkv_bias).view(t, heads + 2 * kv_heads, attn.head_dim)
     q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-    apply_mrope(q, k, cos, sin, inplace=True)
-    reshape_and_cache(k, v, kv.keys[index], kv.values[index], slots)
-    out = attention(q, kv.keys[index], kv.values[index], attn_layout, attn.head_dim**-0.5)
-    return attn.o_proj(out.reshape(t, -1))
+    apply_mrope(q, k, step.cos, step.sin, inplace=True)
+    reshape_and_cache(k, v, step.kv.keys[index], step.kv.values[index], step.slots)
+    return attn.o_proj(_attend(q, index, attn.head_dim, step).reshape(t, -1))
+
+
+def _attend(q: torch.Tensor, index: int, head_dim: int, step: StepContext) -> torch.Tensor:
+    return step.attention(q, step.kv.keys[index], step.kv.values[index], step.attn_layout, head_dim**-0.5)
 
 
 def _validate(
