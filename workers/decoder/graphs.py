@@ -68,7 +68,10 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.runs: Counter[tuple[int, int]] = Counter()  # (sequences, graph size) -> steps
         self.outputs: dict[int, torch.Tensor] = {}
-        self._host_arrays = {name: t.numpy() for name, t in self._views(self.host_long, self.host_int).items()}
+        # Views made once: the staging runs every decode step.
+        self.host = self._views(self.host_long, self.host_int)
+        self.host_arrays = {name: t.numpy() for name, t in self.host.items()}  # cheap to fill from lists
+        self.dev = self._views(self.long, self.int)
         self._fill_padding(0, b)
         self.long.copy_(self.host_long)
         self.int.copy_(self.host_int)
@@ -126,7 +129,7 @@ class DecodeGraphs:
         width: int,
     ) -> None:
         n = len(token_ids)
-        host = self._host_arrays  # numpy views of the pinned buffers: filling from lists is cheap there
+        host = self.host_arrays
         host["token_ids"][:n] = token_ids
         host["positions"][:, :n] = np.asarray(positions, dtype=np.int64).T
         host["slots"][:n] = slots
@@ -135,10 +138,9 @@ class DecodeGraphs:
         for row, blocks in enumerate(block_tables):
             table[row, : len(blocks)] = blocks
         self._fill_padding(n, size)
-        host = self._views(self.host_long, self.host_int)
         # The device side only needs rows [:size] and table columns [:width]; the kernels never read a
         # table entry past a context's last block, so stale columns beyond it are harmless.
-        dev = self._views(self.long, self.int)
+        host, dev = self.host, self.dev
         for name in ("token_ids", "slots", "context_lens"):
             dev[name][:size].copy_(host[name][:size], non_blocking=True)
         dev["positions"][:, :size].copy_(host["positions"][:, :size], non_blocking=True)
@@ -146,7 +148,7 @@ class DecodeGraphs:
 
     def _fill_padding(self, start: int, end: int) -> None:
         """Rows [start, end): one token at position 0 in the scratch block."""
-        host = self._views(self.host_long, self.host_int)
+        host = self.host_arrays
         host["token_ids"][start:end] = 0
         host["positions"][:, start:end] = 0
         host["slots"][start:end] = self.scratch_slot
@@ -155,7 +157,7 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ the captured step
     def _forward(self, size: int) -> torch.Tensor:
-        model, views = self.model, self._views(self.long, self.int)
+        model, views = self.model, self.dev
         metadata = AttentionMetadata(
             query_starts=self.query_starts[: size + 1],
             query_lens=self.query_lens[:size],
