@@ -121,16 +121,19 @@ def bench_decode(
     return rows
 
 
+def prefill_call(model: LanguageModel, tokens: int, layers: list[FusedLayer] | None) -> Callable[[], object]:
+    """One sequence's prefill of ``tokens`` text tokens into a cache of its own, ready to call repeatedly."""
+    blocks, block_size = -(-tokens // 16), 16
+    kv = PagedKVCache.for_model(model, blocks + 1, block_size)
+    layout = BatchLayout.build([tokens], [tokens], [list(range(blocks))], block_size, model.device)
+    embeds, positions = model.embed(torch.arange(tokens) % 1000 + 10), torch.arange(tokens).expand(3, -1)
+    return functools.partial(paged_forward, model, embeds, positions, layout, kv, None, paged_attention, layers)
+
+
 def bench_prefill(model: LanguageModel, lengths: list[int], layers: list[FusedLayer] | None) -> list[dict[str, Any]]:
-    block_size = 16
     rows = []
     for n in lengths:
-        kv = PagedKVCache.for_model(model, -(-n // block_size) + 1, block_size)
-        layout = BatchLayout.build([n], [n], [list(range(-(-n // block_size)))], block_size, model.device)
-        embeds = model.embed(torch.arange(n) % 1000 + 10)
-        positions = torch.arange(n).expand(3, -1)
-        forward = functools.partial(paged_forward, model, embeds, positions, layout, kv, None, paged_attention, layers)
-        ms = cuda_time_ms(forward, 5)
+        ms = cuda_time_ms(prefill_call(model, n, layers), 5)
         roof = prefill_roofline_ms(model, n)
         rows.append({"tokens": n, "ms": ms, "roofline_ms": roof})
         print(f"prefill {n:5d} tokens: {ms:.2f} ms (roofline {roof:.2f} ms)", flush=True)
@@ -213,11 +216,7 @@ def profile_prefill(model: LanguageModel, tokens: int) -> None:
     import cProfile
     import pstats
 
-    fused = fuse_layers(model)
-    kv = PagedKVCache.for_model(model, -(-tokens // 16) + 1, 16)
-    layout = BatchLayout.build([tokens], [tokens], [list(range(-(-tokens // 16)))], 16, model.device)
-    embeds, positions = model.embed(torch.arange(tokens) % 1000 + 10), torch.arange(tokens).expand(3, -1)
-    forward = functools.partial(paged_forward, model, embeds, positions, layout, kv, None, paged_attention, fused)
+    forward = prefill_call(model, tokens, fuse_layers(model))
     print(f"eager fused prefill of {tokens} tokens: {cuda_time_ms(forward, 5):.2f} ms", flush=True)
     profiler = cProfile.Profile()
     profiler.enable()
