@@ -27,11 +27,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from common.protocol import PreparedRequest, SamplingParams
 from workers.decoder.engine import Engine
-from workers.decoder.graphs import DecodeGraphs
+from workers.decoder.graphs import StepGraphs, StepInputs
 from workers.kernels import paged_attention
 from workers.models.language import LanguageModel
 from workers.models.paged import BatchLayout, FusedLayer, PagedKVCache, fuse_layers, paged_forward
@@ -94,21 +95,22 @@ def bench_decode(
     max_context = max(c for _, c in grid) + 1
     num_blocks = max(b * -(-(c + 1) // block_size) for b, c in grid) + 1
     kv = PagedKVCache.for_model(model, num_blocks, block_size)
-    common = {"max_batch": max_batch, "max_context": max_context, "scratch_block": num_blocks - 1}
-    graphs = DecodeGraphs(model, kv, attention=paged_attention, fused=fused, capture=True, **common)
-    eager = DecodeGraphs(model, kv, attention=paged_attention, fused=fused, capture=False, **common)
+    common = {"max_seqs": max_batch, "max_tokens": 0, "max_context": max_context, "scratch_block": num_blocks - 1}
+    graphs = StepGraphs(model, kv, attention=paged_attention, fused=fused, capture=True, **common)
+    eager = StepGraphs(model, kv, attention=paged_attention, fused=fused, capture=False, **common)
     rows = []
     for batch, context in grid:
         tables = fake_tables(batch, context, block_size)
-        args = (
-            [17] * batch,
-            [[context] * 3] * batch,
-            [t[context // block_size] * block_size + context % block_size for t in tables],
-            [context + 1] * batch,
-            tables,
+        inputs = StepInputs(
+            positions=np.full((3, batch), context, dtype=np.int64),
+            slots=np.asarray([t[context // block_size] * block_size + context % block_size for t in tables]),
+            query_lens=[1] * batch,
+            context_lens=[context + 1] * batch,
+            block_tables=tables,
+            rows=[],
         )
-        graph_ms = cuda_time_ms(functools.partial(graphs.run, *args), repeats)
-        eager_ms = cuda_time_ms(functools.partial(eager.run, *args), max(3, repeats // 10))
+        graph_ms = cuda_time_ms(functools.partial(graphs.decode, inputs, [17] * batch), repeats)
+        eager_ms = cuda_time_ms(functools.partial(eager.decode, inputs, [17] * batch), max(3, repeats // 10))
         roof = decode_roofline_ms(model, batch, context)
         rows.append(
             {"batch": batch, "context": context, "graph_ms": graph_ms, "eager_ms": eager_ms, "roofline_ms": roof}
@@ -130,17 +132,60 @@ def prefill_call(model: LanguageModel, tokens: int, layers: list[FusedLayer] | N
     return functools.partial(paged_forward, model, embeds, positions, layout, kv, None, paged_attention, layers)
 
 
+def prefill_graph_call(model: LanguageModel, graphs: StepGraphs, tokens: int) -> Callable[[], object]:
+    """One sequence's prefill of ``tokens`` text tokens replayed from the mixed graphs, as the engine runs
+    a step of up to ``graph_tokens`` tokens (embedding lookup and staging included)."""
+    block_size = graphs.kv.block_size
+    blocks = -(-tokens // block_size)
+    ids = torch.arange(tokens) % 1000 + 10
+    inputs = StepInputs(
+        positions=np.broadcast_to(np.arange(tokens, dtype=np.int64), (3, tokens)),
+        slots=np.arange(tokens, dtype=np.int64),
+        query_lens=[tokens],
+        context_lens=[tokens],
+        block_tables=[list(range(blocks))],
+        rows=[tokens - 1],
+    )
+    return lambda: graphs.mixed(inputs, model.embed(ids))
+
+
 def bench_prefill(model: LanguageModel, lengths: list[int], layers: list[FusedLayer] | None) -> list[dict[str, Any]]:
+    """Eager (``paged_forward``) and, with fused layers, replayed from mixed graphs sized to the longest."""
+    graphs = None
+    if layers is not None:
+        blocks = -(-max(lengths) // 16)
+        kv = PagedKVCache.for_model(model, blocks + 1, 16)
+        graphs = StepGraphs(
+            model,
+            kv,
+            max_seqs=1,
+            max_tokens=max(lengths),
+            max_context=max(lengths),
+            scratch_block=blocks,
+            attention=paged_attention,
+            fused=layers,
+            capture=True,
+        )
     rows = []
     for n in lengths:
         ms = cuda_time_ms(prefill_call(model, n, layers), 5)
         roof = prefill_roofline_ms(model, n)
-        rows.append({"tokens": n, "ms": ms, "roofline_ms": roof})
-        print(f"prefill {n:5d} tokens: {ms:.2f} ms (roofline {roof:.2f} ms)", flush=True)
+        row: dict[str, Any] = {"tokens": n, "ms": ms, "roofline_ms": roof}
+        line = f"prefill {n:5d} tokens: {ms:.2f} ms"
+        if graphs is not None:
+            row["graph_ms"] = cuda_time_ms(prefill_graph_call(model, graphs, n), 10)
+            row["graph_tokens"] = next(t for t in graphs.token_sizes if t >= n)
+            line += f", graph {row['graph_ms']:.2f} ms (padded to {row['graph_tokens']})"
+        rows.append(row)
+        print(f"{line} (roofline {roof:.2f} ms)", flush=True)
+    del graphs
+    torch.cuda.empty_cache()
     return rows
 
 
-def bench_engine(model: LanguageModel, spec: ModelSpec, batch: int, prompt: int, new: int) -> dict[str, Any]:
+def bench_engine(
+    model: LanguageModel, spec: ModelSpec, batch: int, prompt: int, new: int, overlap: bool = True
+) -> dict[str, Any]:
     block_size = 16
     blocks = batch * (-(-(prompt + new) // block_size) + 1) + 1
     engine = Engine(
@@ -154,7 +199,9 @@ def bench_engine(model: LanguageModel, spec: ModelSpec, batch: int, prompt: int,
         prefix_cache=False,
         attention=paged_attention,
         fuse=True,
-        decode_graphs="cuda",
+        graphs="cuda",
+        graph_tokens=2048,
+        overlap=overlap,
     )
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     for i in range(batch):
@@ -172,13 +219,16 @@ def bench_engine(model: LanguageModel, spec: ModelSpec, batch: int, prompt: int,
         "new_tokens": new,
         "steps": len(times),
         "graph_steps": engine.counters["graph_steps"],
+        "overlap": overlap,
+        "overlapped_steps": engine.counters["overlapped_steps"],
         "mean_step_ms": 1e3 * sum(gaps) / len(gaps),
         "p50_step_ms": 1e3 * gaps[len(gaps) // 2],
         "p99_step_ms": 1e3 * gaps[int(len(gaps) * 0.99)],
     }
     print(
         f"engine b={batch}: {result['mean_step_ms']:.3f} ms per decode step (p50 {result['p50_step_ms']:.3f}, "
-        f"p99 {result['p99_step_ms']:.3f}), {result['graph_steps']:.0f}/{len(times)} steps in graphs",
+        f"p99 {result['p99_step_ms']:.3f}), {result['graph_steps']:.0f}/{len(times)} steps in graphs, "
+        f"{result['overlapped_steps']:.0f} overlapped",
         flush=True,
     )
     return result
@@ -255,7 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     fused = fuse_layers(model)
     results["prefill"] = bench_prefill(model, prefills, fused)
     results["decode"] = bench_decode(model, fused, grid, repeats=20 if args.quick else 50)
-    results["engine_tpot"] = [bench_engine(model, spec, b, 820, 64 if args.quick else 256) for b in (1, 32)]
+    new = 64 if args.quick else 256
+    runs = [(1, True), (32, True), (1, False), (32, False)]
+    results["engine_tpot"] = [bench_engine(model, spec, b, 820, new, overlap) for b, overlap in runs]
     del model
     torch.cuda.empty_cache()
     if not args.skip_hf:

@@ -80,11 +80,15 @@ class DecoderConfig:
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     media_wait_s: float = 90.0
     kernels: str = "triton"  # "triton": Triton kernels and fused projections on CUDA; "torch": plain torch
-    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (needs kernels = "triton" on CUDA)
+    cuda_graphs: bool = True  # steps replayed from CUDA graphs (needs kernels = "triton" on CUDA)
+    graph_tokens: int = 2048  # mixed prefill/decode steps up to this many tokens replay graphs too (0: none)
+    overlap: bool = True  # with graphs: stage decode step N+1 while the GPU runs step N
 
     def validate(self, where: str) -> None:
         if self.kernels not in ("triton", "torch"):
             raise ValueError(f"{where}.kernels: expected 'triton' or 'torch', got {self.kernels!r}")
+        if self.graph_tokens < 0:
+            raise ValueError(f"{where}.graph_tokens: expected >= 0 (0: no mixed graphs), got {self.graph_tokens}")
 
 
 @dataclass

@@ -60,16 +60,29 @@ def generate(path: Path, dtype: torch.dtype, **runner: object) -> tuple[dict[str
 def test_graph_replay_equals_the_static_path_bit_for_bit(tiny_checkpoint: Path) -> None:
     """The same kernels with the same inputs: replaying the captured graphs changes nothing."""
     fast = {"attention": paged_attention, "fuse": True}
-    replayed, engine = generate(tiny_checkpoint, torch.bfloat16, decode_graphs="cuda", **fast)
-    static, _ = generate(tiny_checkpoint, torch.bfloat16, decode_graphs="static", **fast)
-    assert engine.graphs is not None and set(engine.graphs.graphs) == set(engine.graphs.sizes)
+    replayed, engine = generate(tiny_checkpoint, torch.bfloat16, graphs="cuda", graph_tokens=128, **fast)
+    static, _ = generate(tiny_checkpoint, torch.bfloat16, graphs="static", graph_tokens=128, **fast)
+    assert engine.graphs is not None and set(engine.graphs.graphs) == set(engine.graphs.keys())
     assert engine.counters["graph_steps"] >= 20  # 7 requests of 24 tokens, mostly decoding together
+    assert engine.graphs.mixed_runs  # prefill chunks (budget 96) beside decodes replayed mixed graphs
     assert replayed == static
 
 
+def test_overlapped_graph_steps_keep_the_outputs(tiny_checkpoint: Path) -> None:
+    """Staging step N+1 while the GPU runs step N (ids fed on the device, async token copies): bf16
+    greedy outputs equal the synchronous graph engine's."""
+    fast = {"attention": paged_attention, "fuse": True, "graphs": "cuda", "graph_tokens": 128}
+    overlapped, engine = generate(tiny_checkpoint, torch.bfloat16, overlap=True, **fast)
+    synchronous, _ = generate(tiny_checkpoint, torch.bfloat16, overlap=False, **fast)
+    assert engine.counters["overlapped_steps"] >= 10
+    assert overlapped == synchronous
+
+
 def test_graphs_and_fused_kernels_keep_fp32_greedy_outputs(tiny_checkpoint: Path) -> None:
-    """fp32: graphs + fused projections + Triton kernels against the plain-torch engine."""
-    fast, _ = generate(tiny_checkpoint, torch.float32, attention=paged_attention, fuse=True, decode_graphs="cuda")
+    """fp32: graphs (decode and mixed) + overlap + fused projections + Triton kernels against the
+    plain-torch engine."""
+    graphs = {"graphs": "cuda", "graph_tokens": 128, "overlap": True}
+    fast, _ = generate(tiny_checkpoint, torch.float32, attention=paged_attention, fuse=True, **graphs)
     plain, _ = generate(tiny_checkpoint, torch.float32, attention=paged_attention_reference)
     assert fast == plain
 

@@ -10,7 +10,7 @@ import torch
 
 from common.protocol import PreparedMedia, PreparedRequest, SamplingParams
 from workers.decoder.engine import Engine, PromptError
-from workers.decoder.graphs import graph_batch_sizes
+from workers.decoder.graphs import graph_batch_sizes, graph_token_sizes
 from workers.models.language import LanguageModel
 from workers.models.spec import ModelSpec
 from workers.models.synth import generate_checkpoint
@@ -184,23 +184,39 @@ def test_graph_batch_sizes() -> None:
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
 
 
-def test_static_decode_path_and_fused_layers_keep_outputs(
-    parts: tuple[LanguageModel, ModelSpec], fused_parts: tuple[LanguageModel, ModelSpec]
+def test_graph_token_sizes() -> None:
+    assert graph_token_sizes(0) == []
+    assert graph_token_sizes(40) == [32, 40]
+    assert graph_token_sizes(2048) == [32, 64, *range(128, 1024, 128), 1024, 1280, 1536, 1792, 2048]
+    assert graph_token_sizes(1000) == [32, 64, 128, 256, 384, 512, 640, 768, 896, 1000]
+
+
+@pytest.mark.parametrize(("graph_tokens", "overlap"), [(0, False), (48, True)])
+def test_static_graph_paths_and_fused_layers_keep_outputs(
+    parts: tuple[LanguageModel, ModelSpec],
+    fused_parts: tuple[LanguageModel, ModelSpec],
+    graph_tokens: int,
+    overlap: bool,
 ) -> None:
-    """The decode runner that CUDA graphs replay, run without capture (padding to the graph sizes, the
-    scratch block, packed static buffers), with the fused layers: the same greedy tokens as the plain
-    engine, for text and image prompts, as sequences join and leave (batch sizes 1..5 pad to 1, 2, 4, 6)."""
+    """The runner that CUDA graphs replay, run without capture (padding to the graph sizes with empty
+    sequences and tokens of none, the scratch block, packed static buffers), with the fused layers: the
+    same greedy tokens as the plain engine, for text and image prompts, as sequences join and leave (decode
+    batches 1..5 pad to 1, 2, 4, 6). With ``graph_tokens`` every other step (prefill chunks of up to 40
+    tokens beside decodes) takes a mixed graph, padded to 32 or 46 tokens (the budget of 40 plus one token
+    for each of 6 sequences); with ``overlap`` decode steps run one ahead of the host."""
     model, spec = fused_parts
     engine = Engine(
         model,
         spec,
         max_model_len=4096,
         max_running=6,
-        prefill_budget=64,
+        prefill_budget=40,
         num_blocks=512,
         block_size=4,
         fuse=True,
-        decode_graphs="static",
+        graphs="static",
+        graph_tokens=graph_tokens,
+        overlap=overlap,
     )
     requests = [request(f"g{i}", 5 + 7 * i, max_tokens=4 + 3 * i) for i in range(5)]
     system = [(11 * i) % 900 + 20 for i in range(9)]
@@ -212,16 +228,87 @@ def test_static_decode_path_and_fused_layers_keep_outputs(
         engine.add(seq)
     tokens, _ = run_to_end(engine)
     assert engine.graphs is not None
-    runs = engine.graphs.runs
-    assert engine.counters["graph_steps"] == sum(runs.values()) > 0
-    assert engine.counters["graph_steps"] < engine.counters["steps"]  # prefill steps did not take it
+    runs, mixed = engine.graphs.runs, engine.graphs.mixed_runs
+    assert engine.counters["graph_steps"] == sum(runs.values()) + sum(mixed.values())
     assert any(n < size for n, size in runs), runs  # some steps ran padded rows in the scratch block
+    if graph_tokens:
+        assert engine.graphs.token_sizes == [32, 46]
+        assert any(t < size for t, size in mixed) and any(t > 32 for t, _ in mixed), mixed
+        assert engine.counters["graph_steps"] == engine.counters["steps"]
+    else:
+        assert not mixed and engine.counters["graph_steps"] < engine.counters["steps"]
+    assert (engine.counters["overlapped_steps"] > 5) == overlap
+    assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
     for req in requests:
         assert tokens[req.request_id] == solo(parts, req)
     for req in pictures:
         assert tokens[req.request_id] == solo(parts, req, rows[req.request_id])
 
 
+def test_overlapped_steps_emit_exactly_what_synchronous_steps_do(
+    fused_parts: tuple[LanguageModel, ModelSpec],
+) -> None:
+    """Running decode step N+1 before reading step N's tokens changes no delta: seeded sampling, the
+    penalties that read the token just sampled, logprobs, stop tokens (a finish the host learns one step
+    late), min_tokens, length limits, and an abort while a step is pending."""
+    model, spec = fused_parts
+
+    def deltas(overlap: bool) -> dict[str, list[tuple[object, ...]]]:
+        engine = Engine(
+            model,
+            spec,
+            max_model_len=64,
+            max_running=4,
+            prefill_budget=64,
+            num_blocks=128,
+            block_size=4,
+            fuse=True,
+            graphs="static",
+            overlap=overlap,
+        )
+        sampled = {"temperature": 0.8, "top_p": 0.9, "seed": 7, "ignore_eos": False}
+        stops = {"temperature": 1.0, "seed": 3, "stop_token_ids": list(range(10, 400))}
+        reqs = [
+            request("seeded", 9, max_tokens=30, **sampled, frequency_penalty=0.5, top_logprobs=2),
+            request("rep", 11, max_tokens=30, repetition_penalty=1.3, presence_penalty=0.4, seed=1, temperature=1.0),
+            request("stops", 7, max_tokens=30, **stops),
+            request("min", 8, max_tokens=30, **stops, min_tokens=5),
+            request("long", 30, max_tokens=40, temperature=0.0),  # reaches max_model_len
+            request("aborted", 6, max_tokens=30, temperature=0.0),
+        ]
+        for req in reqs:
+            engine.add(engine.prepare(req))
+        out: dict[str, list[tuple[object, ...]]] = {}
+        while engine.has_work():
+            for d in engine.step():
+                out.setdefault(d.request_id, []).append((d.token_ids, d.finish_reason, d.logprobs, d.top_logprobs))
+            if len(out.get("aborted", [])) == 4 and engine.holds("aborted"):
+                assert engine.abort("aborted")
+            engine.blocks.check_integrity()
+        assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
+        if overlap:
+            assert engine.counters["overlapped_steps"] > 10
+        return out
+
+    synchronous, overlapped = deltas(False), deltas(True)
+    # Tokens and finishes exactly; logprobs to 1e-5, because a row dropped one step late (a finished
+    # sequence's) changes the batch's graph size, and fp32 GEMMs of another height round differently.
+    assert overlapped.keys() == synchronous.keys()
+    for rid, steps in synchronous.items():
+        assert [(t, f) for t, f, _, _ in overlapped[rid]] == [(t, f) for t, f, _, _ in steps], rid
+        for (_, _, lp, top), (_, _, lp2, top2) in zip(steps, overlapped[rid], strict=True):
+            assert (lp is None) == (lp2 is None) and (top is None) == (top2 is None)
+            if lp is not None:
+                assert lp2 == pytest.approx(lp, abs=1e-5)
+                assert [t for t, _ in top2[0]] == [t for t, _ in top[0]]
+                assert [v for _, v in top2[0]] == pytest.approx([v for _, v in top[0]], abs=1e-5)
+    finishes = {rid: steps[-1][1] for rid, steps in synchronous.items()}
+    assert finishes["stops"] == "stop" and len(synchronous["stops"]) < 30
+    assert len(synchronous["min"]) >= 5
+    assert finishes["long"] == "length" and finishes["seeded"] in ("length", "stop")
+    assert len(synchronous["aborted"]) >= 4 and finishes["aborted"] is None
+
+
 def test_engine_rejects_an_unknown_graph_mode(parts: tuple[LanguageModel, ModelSpec]) -> None:
-    with pytest.raises(ValueError, match="decode_graphs must be 'off', 'static' or 'cuda'"):
-        make_engine(parts, decode_graphs="always")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="graphs must be 'off', 'static' or 'cuda'"):
+        make_engine(parts, graphs="always")  # type: ignore[arg-type]

@@ -296,6 +296,12 @@ class BlockManager:
         live = self._require_live(table, "can_append to")
         return self._growth_blocks(live, _count(num_tokens, "num_tokens (tokens to add)")) <= self.num_free_blocks()
 
+    def can_append_all(self, growth: Sequence[tuple[BlockTable, int]]) -> bool:
+        """Whether ``append(table, n)`` would succeed for every (table, n) pair, one after another
+        (an ``n`` <= 0 needs nothing)."""
+        needed = sum(self._growth_blocks(self._require_live(t, "can_append to"), max(n, 0)) for t, n in growth)
+        return needed <= self.num_free_blocks()
+
     def append(self, table: BlockTable, num_tokens: int) -> None:
         """Grow the table by ``num_tokens`` more tokens (a delta, not a total), adding blocks as needed.
 

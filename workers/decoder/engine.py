@@ -13,12 +13,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from common.protocol import PreparedRequest, SamplingParams, TokenDelta
 from workers.decoder.blocks import BlockManager, BlockTable, media_token_keys
-from workers.decoder.graphs import DecodeGraphs
-from workers.decoder.sampling import Sampled, SamplingRow, sample_batch
+from workers.decoder.graphs import StepGraphs, StepInputs
+from workers.decoder.sampling import Sampled, SampleFuture, SamplingRow, sample_async, sample_batch
 from workers.kernels import paged_attention
 from workers.models.language import LanguageModel
 from workers.models.mrope import expand_media_placeholders, rope_positions
@@ -104,6 +105,15 @@ class Scheduled:
         return self.seq.num_computed + self.num_new == self.seq.num_tokens
 
 
+@dataclass
+class Pending:
+    """A decode step whose forward and sampling are launched but whose tokens the host has not read: its
+    sequences are already advanced (their KV is computed), their new tokens not yet appended."""
+
+    batch: list[Scheduled]
+    sampled: SampleFuture
+
+
 class Engine:
     def __init__(
         self,
@@ -118,13 +128,20 @@ class Engine:
         prefix_cache: bool = True,
         attention: PagedAttention = paged_attention,
         fuse: bool = False,
-        decode_graphs: str = "off",
+        graphs: str = "off",
+        graph_tokens: int = 0,
+        overlap: bool = False,
     ) -> None:
         """``fuse``: concatenated projections and the fused norm/activation/rotary/cache kernels (Triton on
-        CUDA). ``decode_graphs``: "cuda" replays decode steps from CUDA graphs; "static" runs the same
-        static-buffer path eagerly (how it is tested without a GPU); "off" runs every step eagerly."""
-        if decode_graphs not in ("off", "static", "cuda"):
-            raise ValueError(f"decode_graphs must be 'off', 'static' or 'cuda', got {decode_graphs!r}")
+        CUDA). ``graphs``: "cuda" replays steps from CUDA graphs (decode steps up to ``max_running``
+        sequences, mixed prefill/decode steps up to ``graph_tokens`` tokens); "static" runs the same
+        static-buffer path eagerly (how it is tested without a GPU); "off" runs every step eagerly.
+        ``overlap`` (with graphs): while the GPU runs decode step N, the host stages step N+1 and reads
+        step N-1's tokens (see `step`)."""
+        if graphs not in ("off", "static", "cuda"):
+            raise ValueError(f"graphs must be 'off', 'static' or 'cuda', got {graphs!r}")
+        if graph_tokens < 0:
+            raise ValueError(f"graph_tokens must be >= 0, got {graph_tokens}")
         self.model = model
         self.attention = attention  # paged_attention: Triton on CUDA tensors, the torch reference elsewhere
         self.spec = spec
@@ -133,20 +150,23 @@ class Engine:
         self.prefill_budget = prefill_budget  # tokens computed per step, so running decodes keep moving
         self.blocks = BlockManager(num_blocks, block_size, prefix_cache)
         self.fused = fuse_layers(model) if fuse else None
-        # The graphs' padding rows need a block that no sequence owns: one more than the manager hands out.
-        self.kv = PagedKVCache.for_model(model, num_blocks + (decode_graphs != "off"), block_size)
+        # The graphs' padding tokens need a block that no sequence owns: one more than the manager hands out.
+        self.kv = PagedKVCache.for_model(model, num_blocks + (graphs != "off"), block_size)
         self.graphs = None
-        if decode_graphs != "off":
-            self.graphs = DecodeGraphs(
+        if graphs != "off":
+            self.graphs = StepGraphs(
                 model,
                 self.kv,
-                max_batch=max_running,
+                max_seqs=max_running,
+                max_tokens=min(graph_tokens, prefill_budget + max_running),
                 max_context=max_model_len,
                 scratch_block=num_blocks,
                 attention=attention,
                 fused=self.fused,
-                capture=decode_graphs == "cuda",
+                capture=graphs == "cuda",
             )
+        self.overlap = overlap and self.graphs is not None
+        self.pending: Pending | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # insertion order = admission order
         self.counters = {
@@ -155,7 +175,8 @@ class Engine:
             "requests_finished": 0.0,
             "preemptions": 0.0,
             "steps": 0.0,
-            "graph_steps": 0.0,  # of which decode steps ran through `DecodeGraphs`
+            "graph_steps": 0.0,  # of which steps replayed a graph (decode or mixed)
+            "overlapped_steps": 0.0,  # of which decode steps were staged while the previous one ran
         }
 
     # ------------------------------------------------------------------ admission
@@ -218,14 +239,29 @@ class Engine:
         return request_id in self.running or any(s.request_id == request_id for s in self.waiting)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.pending)
 
     def step(self) -> list[TokenDelta]:
+        """One step; returns the tokens it made known.
+
+        With ``overlap``, a decode step that ran from a graph leaves its sampled ids on the device
+        (`Pending`). If the next step is the same sequences decoding again, it is staged and launched
+        with those ids as input before the host waits for them; the host then reads them, emits them
+        (stop checks, finishes) and launches the new step's sampling, all while the GPU computes. A
+        sequence that finished on the pending token just has its row of the new step dropped. Anything
+        else (arrivals to admit, a prefill, a sequence at its length limit, blocks short) first reads
+        the pending tokens, then schedules as usual."""
+        if self.pending is not None and self._continues(self.pending):
+            return self._step_ahead(self.pending)
+        deltas = self._flush()
         batch = self.schedule()
         if not batch:
-            return []
-        logits = self.run(batch)
-        return self.postprocess(batch, logits)
+            return deltas
+        logits, decode_graph = self.run(batch)
+        if self.overlap and decode_graph:
+            self.pending = self._launch_sampling(batch, logits)
+            return deltas
+        return deltas + self.postprocess(batch, logits)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> list[Scheduled]:
@@ -286,28 +322,31 @@ class Engine:
         self.counters["preemptions"] += 1
 
     # ------------------------------------------------------------------ run
-    def run(self, batch: list[Scheduled]) -> torch.Tensor:
+    def run(self, batch: list[Scheduled]) -> tuple[torch.Tensor, bool]:
+        """Logits of the sampling sequences, and whether the step ran as a decode graph."""
         self.counters["steps"] += 1
-        if self._graphable(batch):
+        if self._decode_graphable(batch):
             self.counters["graph_steps"] += 1
-            return self._run_graph(batch)
-        embeds, positions = [], []
-        for item in batch:
-            start, end = item.seq.num_computed, item.seq.num_computed + item.num_new
-            embeds.append(self._embeddings(item.seq, start, end))
-            positions.append(self._positions(item.seq, start, end))
+            return self._run_decode_graph(batch), True
+        embeds = torch.cat([self._embeddings(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch])
+        ends = np.cumsum([b.num_new for b in batch]) - 1
+        logits_for = [int(ends[i]) for i, b in enumerate(batch) if b.samples]
+        contexts = [b.seq.num_computed + b.num_new for b in batch]
+        graphs = self.graphs
+        if graphs is not None and graphs.fits_mixed(int(ends[-1]) + 1, len(batch), max(contexts)):
+            self.counters["graph_steps"] += 1
+            return graphs.mixed(self._step_inputs(batch, logits_for), embeds), False
+        positions = [self._positions(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch]
         layout = BatchLayout.build(
             [b.num_new for b in batch],
-            [b.seq.num_computed + b.num_new for b in batch],
+            contexts,
             [b.seq.table.blocks for b in batch],
             self.blocks.block_size,
             self.model.device,
         )
-        ends = torch.cumsum(torch.tensor([b.num_new for b in batch]), 0) - 1
-        logits_for = [int(ends[i]) for i, b in enumerate(batch) if b.samples]
-        return paged_forward(
+        logits = paged_forward(
             self.model,
-            torch.cat(embeds),
+            embeds,
             torch.cat(positions, dim=1).to(self.model.device),
             layout,
             self.kv,
@@ -315,32 +354,113 @@ class Engine:
             self.attention,
             self.fused,
         )
+        return logits, False
 
-    def _graphable(self, batch: list[Scheduled]) -> bool:
+    def _decode_graphable(self, batch: list[Scheduled]) -> bool:
         """A decode step the graphs take: one sampled token per sequence, none of them a media placeholder
         (those have no token embedding), within the graphs' batch and context."""
         if self.graphs is None or not all(item.num_new == 1 and item.samples for item in batch):
             return False
-        if not self.graphs.fits(len(batch), max(item.seq.num_tokens for item in batch)):
+        if not self.graphs.fits_decode(len(batch), max(item.seq.num_tokens for item in batch)):
             return False
         return not any(
             item.seq.num_computed < len(item.seq.prompt_ids) and bool(item.seq.media_mask[item.seq.num_computed])
             for item in batch
         )
 
-    def _run_graph(self, batch: list[Scheduled]) -> torch.Tensor:
-        assert self.graphs is not None  # _graphable checked
+    def _run_decode_graph(self, batch: list[Scheduled], device_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        assert self.graphs is not None  # _decode_graphable or _continues checked
         size = self.blocks.block_size
         ids, slots, context_lens, tables, positions = [], [], [], [], []
         for item in batch:  # plain ints: per-sequence tensors would cost more than the step's GPU time
             seq, at = item.seq, item.seq.num_computed
-            ids.extend(seq.token_ids(at, at + 1))
+            if device_token_ids is None:
+                ids.extend(seq.token_ids(at, at + 1))
             slots.append(seq.table.blocks[at // size] * size + at % size)
             context_lens.append(at + 1)
             tables.append(seq.table.blocks)
             prompt_len = len(seq.prompt_ids)
             positions.append(seq.positions[:, at].tolist() if at < prompt_len else [at + seq.delta] * 3)
-        return self.graphs.run(ids, positions, slots, context_lens, tables)
+        inputs = StepInputs(
+            positions=np.asarray(positions, dtype=np.int64).T,
+            slots=np.asarray(slots, dtype=np.int64),
+            query_lens=[1] * len(batch),
+            context_lens=context_lens,
+            block_tables=tables,
+            rows=[],
+        )
+        return self.graphs.decode(inputs, None if device_token_ids is not None else ids, device_token_ids)
+
+    def _step_inputs(self, batch: list[Scheduled], rows: list[int]) -> StepInputs:
+        size = self.blocks.block_size
+        positions, slots = [], []
+        for item in batch:
+            start, end = item.seq.num_computed, item.seq.num_computed + item.num_new
+            positions.append(self._positions(item.seq, start, end).numpy())
+            at = np.arange(start, end)
+            slots.append(np.asarray(item.seq.table.blocks, dtype=np.int64)[at // size] * size + at % size)
+        return StepInputs(
+            positions=np.concatenate(positions, axis=1),
+            slots=np.concatenate(slots),
+            query_lens=[b.num_new for b in batch],
+            context_lens=[b.seq.num_computed + b.num_new for b in batch],
+            block_tables=[b.seq.table.blocks for b in batch],
+            rows=rows,
+        )
+
+    # ------------------------------------------------------------------ overlap
+    def _continues(self, pending: Pending) -> bool:
+        """Whether the next step is exactly the pending sequences decoding once more, with room for it."""
+        if self.waiting and len(self.running) < self.max_running:
+            return False  # arrivals to admit: schedule normally
+        seqs = [item.seq for item in pending.batch]
+        if len(seqs) != len(self.running) or any(self.running.get(s.request_id) is not s for s in seqs):
+            return False  # aborted, or others running (e.g. a prefill in progress)
+        for seq in seqs:  # the pending token is the (len(output_ids) + 1)-th
+            if len(seq.output_ids) + 1 >= seq.request.sampling.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
+                return False  # it finishes on the pending token: nothing to run after it
+        assert self.graphs is not None  # pending steps come from decode graphs
+        if not self.graphs.fits_decode(len(seqs), max(s.num_computed + 1 for s in seqs)):
+            return False
+        return self.blocks.can_append_all([(s.table, s.num_computed + 1 - s.table.num_tokens) for s in seqs])
+
+    def _step_ahead(self, pending: Pending) -> list[TokenDelta]:
+        batch = [Scheduled(item.seq, 1) for item in pending.batch]
+        for item in batch:
+            grow = item.seq.num_computed + 1 - item.seq.table.num_tokens
+            if grow > 0:
+                self.blocks.append(item.seq.table, grow)  # _continues checked that all fit
+        self.counters["steps"] += 1
+        self.counters["graph_steps"] += 1
+        self.counters["overlapped_steps"] += 1
+        logits = self._run_decode_graph(batch, pending.sampled.tokens)
+        deltas = self._flush()  # the GPU runs the new step meanwhile
+        live = [i for i, item in enumerate(batch) if item.seq.finish_reason is None]
+        if live:
+            if len(live) < len(batch):
+                logits = logits.index_select(0, torch.tensor(live, dtype=torch.int64).to(logits.device))
+            self.pending = self._launch_sampling([batch[i] for i in live], logits)
+        return deltas
+
+    def _launch_sampling(self, batch: list[Scheduled], logits: torch.Tensor) -> Pending:
+        """Sample on the device and advance the sequences; the tokens are read by `_flush`."""
+        sampled = sample_async(logits, [self._sampling_row(item.seq) for item in batch])
+        for item in batch:
+            item.seq.num_computed += item.num_new
+            self.blocks.commit(item.seq.keys(), item.seq.table, item.seq.num_computed)
+        return Pending(batch, sampled)
+
+    def _flush(self) -> list[TokenDelta]:
+        """Read the pending step's tokens and emit them (sequences aborted meanwhile are skipped)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return []
+        sampled = pending.sampled.result()
+        deltas = []
+        for row, item in enumerate(pending.batch):
+            if self.running.get(item.seq.request_id) is item.seq:
+                deltas.append(self._emit(item.seq, sampled, row))
+        return deltas
 
     def _embeddings(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         embeds = self.model.embed(seq.token_ids(start, end))
@@ -373,15 +493,19 @@ class Engine:
             samples = item.samples  # (before num_computed moves)
             seq.num_computed += item.num_new
             self.blocks.commit(seq.keys(), seq.table, seq.num_computed)
-            if not samples:
-                continue
-            deltas.append(self._append(seq, sampled, row))
-            row += 1
-            if seq.finish_reason is not None:
-                del self.running[seq.request_id]
-                self.blocks.free(seq.table)
-                self.counters["requests_finished"] += 1
+            if samples:
+                deltas.append(self._emit(seq, sampled, row))
+                row += 1
         return deltas
+
+    def _emit(self, seq: Sequence, sampled: Sampled, row: int) -> TokenDelta:
+        """Append the sampled token; a sequence that finishes on it leaves and gives its blocks back."""
+        delta = self._append(seq, sampled, row)
+        if seq.finish_reason is not None:
+            del self.running[seq.request_id]
+            self.blocks.free(seq.table)
+            self.counters["requests_finished"] += 1
+        return delta
 
     def _stops(self, params: SamplingParams) -> set[int]:
         stops = set(params.stop_token_ids)

@@ -1,15 +1,25 @@
-"""Decode steps replayed from CUDA graphs.
+"""Engine steps replayed from CUDA graphs.
 
-A decode step (one new token per sequence) launches a few hundred small kernels; from Python, eagerly,
-launching them costs far more than running them. `DecodeGraphs` records the whole decode forward once
-per batch size of a ladder (1, 2, 4, 8, 16, 24, 32, ...) and afterwards only refreshes its static input
-buffers and replays: a batch of n sequences runs in the graph of the smallest size >= n, the spare rows
-padded with a sequence of one token that lives in a scratch block nobody else owns.
+Launched eagerly from Python, one forward costs far more host time than GPU time: a decode step is a few
+hundred small kernels, and even an 800-token prefill is launch bound (Triton's launcher alone takes tens
+of microseconds per kernel). `StepGraphs` records the forward once per shape and afterwards only refreshes
+its static input buffers and replays. Two ladders of shapes:
 
-Every input the graph reads lives in two packed device buffers (int64: token ids, positions, slots;
-int32: context lengths, block tables), filled from pinned host buffers by two asynchronous copies.
-Attention runs with a fixed split count per batch size (the heuristic's choice for the longest context),
-since the graph cannot pick one per step; splits that get no keys cost one early exit each.
+- decode graphs, one per batch size (1, 2, 4, 8, 16, 24, ...): one new token per sequence, the token ids
+  read on the device (so the sampled ids of the previous step can be fed without a trip to the host);
+- mixed graphs, one per token count (32, 64, 128, then multiples of 128 up to 1,024 and of 256 beyond):
+  any mix of prefill chunks and decodes of up to ``max_seqs`` sequences, from input embeddings (media
+  rows already merged).
+
+A step runs in the smallest graph that holds it. Padding is made of *empty* sequences (no new token,
+no context: attention skips them) and of tokens that belong to no sequence; those tokens' k/v go to a
+scratch block that no sequence owns and their rows are never read, so whatever they compute is
+harmless. Every input lives in two packed device buffers (int64: token ids, slots, logits rows,
+positions; int32: query starts and lengths, context lengths, block tables), filled from pinned host
+buffers by asynchronous copies. The host buffers alternate between two sets: with the engine's
+overlap a step is staged while the previous one may still be copying from the other set.
+Attention runs with the split count that the longest context would get, since a graph cannot choose
+per step; splits that get no keys cost one early exit each.
 
 Without capture (``capture=False``) the same static-buffer path runs eagerly: how it is tested on CPU.
 """
@@ -18,6 +28,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,158 +44,214 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sorted({*sizes, max_batch})
 
 
-class DecodeGraphs:
+def graph_token_sizes(max_tokens: int) -> list[int]:
+    """32, 64, then multiples of 128 up to 1,024 and of 256 beyond, up to ``max_tokens`` (included); none
+    for 0. At most ~12% of a mixed graph's tokens are padding once a step has more than 128."""
+    if max_tokens <= 0:
+        return []
+    ladder = [32, 64, *range(128, 1024, 128), *range(1024, max_tokens, 256)]
+    return sorted({*(n for n in ladder if n < max_tokens), max_tokens})
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    tokens: int
+    seqs: int
+    decode: bool  # one token per sequence, token ids in; else embeddings in
+
+
+@dataclass
+class StepInputs:
+    """One step's host-side description, sequence after sequence (as `BatchLayout` orders tokens)."""
+
+    positions: np.ndarray  # int64 [3, T]
+    slots: np.ndarray  # int64 [T]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    rows: list[int]  # flat token indices whose logits are wanted (mixed steps)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slots.shape[0]
+
+
+class _Staging:
+    """Packed buffers with named views: int64 ``token_ids, slots, rows, positions``; int32 ``meta``
+    (query starts, query lengths, context lengths) and ``block_table``."""
+
+    def __init__(self, tokens: int, seqs: int, max_blocks: int, device: torch.device, pin: bool) -> None:
+        t, s = tokens, seqs
+        self.long = torch.zeros(5 * t + s, dtype=torch.int64, device=device, pin_memory=pin)
+        self.int = torch.zeros(3 * s + 1 + s * max_blocks, dtype=torch.int32, device=device, pin_memory=pin)
+        self.token_ids = self.long[:t]
+        self.slots = self.long[t : 2 * t]
+        self.rows = self.long[2 * t : 2 * t + s]
+        self.positions = self.long[2 * t + s :].view(3, t)
+        self.meta = self.int[: 3 * s + 1]
+        self.query_starts = self.int[: s + 1]
+        self.query_lens = self.int[s + 1 : 2 * s + 1]
+        self.context_lens = self.int[2 * s + 1 : 3 * s + 1]
+        self.block_table = self.int[3 * s + 1 :].view(s, max_blocks)
+
+
+class StepGraphs:
     def __init__(
         self,
         model: LanguageModel,
         kv: PagedKVCache,
         *,
-        max_batch: int,
+        max_seqs: int,
+        max_tokens: int,
         max_context: int,
         scratch_block: int,
         attention: PagedAttention,
         fused: Sequence[FusedLayer] | None,
         capture: bool,
     ) -> None:
+        """``max_tokens``: the largest mixed graph (0: decode graphs only)."""
         if not 0 <= scratch_block < kv.num_blocks:
             raise ValueError(f"scratch block {scratch_block} is not in the cache's [0, {kv.num_blocks})")
         self.model, self.kv, self.attention, self.fused = model, kv, attention, fused
-        self.sizes = graph_batch_sizes(max_batch)
+        self.decode_sizes = graph_batch_sizes(max_seqs)
+        self.token_sizes = graph_token_sizes(max_tokens)
+        self.max_seqs = max_seqs
         self.max_context = max_context
         self.max_blocks = -(-max_context // kv.block_size)
         self.scratch_slot = scratch_block * kv.block_size
-        self.scratch_block = scratch_block
-        device, b = model.device, max_batch
+        device = model.device
+        tokens = max([max_seqs, *self.token_sizes])
         pin = device.type == "cuda"
-        # int64: token ids [b], positions [3, b], slots [b]; int32: context lengths [b], block tables [b, blocks]
-        self.host_long = torch.zeros(5 * b, dtype=torch.int64, pin_memory=pin)
-        self.host_int = torch.zeros(b + b * self.max_blocks, dtype=torch.int32, pin_memory=pin)
-        self.long = torch.zeros(5 * b, dtype=torch.int64, device=device)
-        self.int = torch.zeros(b + b * self.max_blocks, dtype=torch.int32, device=device)
-        self.query_starts = torch.arange(b + 1, dtype=torch.int32, device=device)
-        self.query_lens = torch.ones(b, dtype=torch.int32, device=device)
+        self.hosts = [_Staging(tokens, max_seqs, self.max_blocks, torch.device("cpu"), pin) for _ in range(2)]
+        self.host_arrays = [{name: getattr(h, name).numpy() for name in _ARRAYS} for h in self.hosts]
+        self.flip = 0  # which host set the next step stages into
+        self.dev = _Staging(tokens, max_seqs, self.max_blocks, device, False)
+        self.embeds = torch.zeros((tokens, model.spec.hidden_size), dtype=model.dtype, device=device)
         self.axis = mrope_axis(model.spec.mrope_section, device)
         self.inv_freq = model._rope_inv_freq()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.runs: Counter[tuple[int, int]] = Counter()  # (sequences, graph size) -> steps
-        self.outputs: dict[int, torch.Tensor] = {}
-        # Views made once: the staging runs every decode step.
-        self.host = self._views(self.host_long, self.host_int)
-        self.host_arrays = {name: t.numpy() for name, t in self.host.items()}  # cheap to fill from lists
-        self.dev = self._views(self.long, self.int)
-        self._fill_padding(0, b)
-        self.long.copy_(self.host_long)
-        self.int.copy_(self.host_int)
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}
+        self.runs: Counter[tuple[int, int]] = Counter()  # decode: (sequences, graph size) -> steps
+        self.mixed_runs: Counter[tuple[int, int]] = Counter()  # mixed: (tokens, graph tokens) -> steps
         if capture:
             self._capture()
 
-    @property
-    def max_batch(self) -> int:
-        return self.sizes[-1]
+    def keys(self) -> list[GraphKey]:
+        decode = [GraphKey(n, n, True) for n in self.decode_sizes]
+        return decode + [GraphKey(t, self.max_seqs, False) for t in self.token_sizes]
 
-    def fits(self, num_seqs: int, max_context: int) -> bool:
-        return num_seqs <= self.max_batch and max_context <= self.max_context
+    def fits_decode(self, num_seqs: int, max_context: int) -> bool:
+        return num_seqs <= self.decode_sizes[-1] and max_context <= self.max_context
 
-    def run(
-        self,
-        token_ids: Sequence[int],
-        positions: Sequence[Sequence[int]],
-        slots: Sequence[int],
-        context_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
+    def fits_mixed(self, num_tokens: int, num_seqs: int, max_context: int) -> bool:
+        return (
+            bool(self.token_sizes)
+            and num_tokens <= self.token_sizes[-1]
+            and num_seqs <= self.max_seqs
+            and max_context <= self.max_context
+        )
+
+    # ------------------------------------------------------------------ steps
+    def decode(
+        self, inputs: StepInputs, token_ids: Sequence[int] | None, device_token_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Logits [n, vocab] of one decode step of n sequences (positions: a (t, h, w) triple each).
-
-        The result is a view of the graph's output buffer: valid until the next `run`.
-        """
-        n = len(token_ids)
-        size = next(s for s in self.sizes if s >= n)
+        """Logits [n, vocab] of one decode step of n sequences; the token ids come from the host list or,
+        when it is None, from ``device_token_ids`` [n] (int64 on the model's device, e.g. the previous
+        step's sampled ids). The result is a view of the graph's output buffer: valid until the next step."""
+        n = len(inputs.query_lens)
+        size = next(s for s in self.decode_sizes if s >= n)
         self.runs[n, size] += 1
-        width = max(len(t) for t in block_tables)
-        self._stage(token_ids, positions, slots, context_lens, block_tables, size, width)
-        if size in self.graphs:
-            self.graphs[size].replay()
-            return self.outputs[size][:n]
-        return self._forward(size)[:n]
+        key = GraphKey(size, size, True)
+        self._stage(inputs, key, token_ids)
+        if device_token_ids is not None:
+            self.dev.token_ids[:n].copy_(device_token_ids)  # after the staged copy, on the same stream
+        return self._replay(key)[:n]
+
+    def mixed(self, inputs: StepInputs, embeds: torch.Tensor) -> torch.Tensor:
+        """Logits [len(inputs.rows), vocab] of one step of prefill chunks and decodes, from embeddings
+        [T, hidden] on the model's device. A view of the graph's output buffer, as for `decode`."""
+        t = inputs.num_tokens
+        size = next(s for s in self.token_sizes if s >= t)
+        self.mixed_runs[t, size] += 1
+        key = GraphKey(size, self.max_seqs, False)
+        self._stage(inputs, key, None)
+        self.embeds[:t].copy_(embeds)
+        return self._replay(key)[: len(inputs.rows)]
+
+    def _replay(self, key: GraphKey) -> torch.Tensor:
+        if key in self.graphs:
+            self.graphs[key].replay()
+            return self.outputs[key]
+        return self._forward(key)
 
     # ------------------------------------------------------------------ buffers
-    def _views(self, buf_long: torch.Tensor, buf_int: torch.Tensor) -> dict[str, torch.Tensor]:
-        b = self.max_batch
-        return {
-            "token_ids": buf_long[:b],
-            "positions": buf_long[b : 4 * b].view(3, b),
-            "slots": buf_long[4 * b :],
-            "context_lens": buf_int[:b],
-            "block_table": buf_int[b:].view(b, self.max_blocks),
-        }
-
-    def _stage(
-        self,
-        token_ids: Sequence[int],
-        positions: Sequence[Sequence[int]],
-        slots: Sequence[int],
-        context_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        size: int,
-        width: int,
-    ) -> None:
-        n = len(token_ids)
-        host = self.host_arrays
-        host["token_ids"][:n] = token_ids
-        host["positions"][:, :n] = np.asarray(positions, dtype=np.int64).T
-        host["slots"][:n] = slots
-        host["context_lens"][:n] = context_lens
-        table = host["block_table"]
-        for row, blocks in enumerate(block_tables):
+    def _stage(self, inputs: StepInputs, key: GraphKey, token_ids: Sequence[int] | None) -> None:
+        host, arrays = self.hosts[self.flip], self.host_arrays[self.flip]
+        self.flip ^= 1
+        t, s = inputs.num_tokens, len(inputs.query_lens)
+        if token_ids is not None:
+            arrays["token_ids"][:t] = token_ids
+        arrays["token_ids"][t : key.tokens] = 0
+        arrays["positions"][:, :t] = inputs.positions
+        arrays["positions"][:, t : key.tokens] = 0
+        arrays["slots"][:t] = inputs.slots
+        arrays["slots"][t : key.tokens] = self.scratch_slot  # tokens of no sequence
+        arrays["rows"][: len(inputs.rows)] = inputs.rows
+        arrays["rows"][len(inputs.rows) : key.seqs] = 0
+        starts = arrays["query_starts"]
+        starts[0] = 0
+        np.cumsum(inputs.query_lens, out=starts[1 : s + 1])
+        starts[s + 1 : key.seqs + 1] = t  # empty sequences
+        arrays["query_lens"][:s] = inputs.query_lens
+        arrays["query_lens"][s : key.seqs] = 0
+        arrays["context_lens"][:s] = inputs.context_lens
+        arrays["context_lens"][s : key.seqs] = 0
+        table = arrays["block_table"]
+        width = 1
+        for row, blocks in enumerate(inputs.block_tables):
             table[row, : len(blocks)] = blocks
-        self._fill_padding(n, size)
-        # The device side only needs rows [:size] and table columns [:width]; the kernels never read a
-        # table entry past a context's last block, so stale columns beyond it are harmless.
-        host, dev = self.host, self.dev
-        for name in ("token_ids", "slots", "context_lens"):
-            dev[name][:size].copy_(host[name][:size], non_blocking=True)
-        dev["positions"][:, :size].copy_(host["positions"][:, :size], non_blocking=True)
-        dev["block_table"][:size, :width].copy_(host["block_table"][:size, :width], non_blocking=True)
+            width = max(width, len(blocks))
+        # The kernels never read a table entry past a context's last block, nor any of an empty sequence.
+        dev = self.dev
+        dev.token_ids[: key.tokens].copy_(host.token_ids[: key.tokens], non_blocking=True)
+        dev.slots[: key.tokens].copy_(host.slots[: key.tokens], non_blocking=True)
+        dev.rows[: key.seqs].copy_(host.rows[: key.seqs], non_blocking=True)
+        dev.positions[:, : key.tokens].copy_(host.positions[:, : key.tokens], non_blocking=True)
+        dev.meta.copy_(host.meta, non_blocking=True)
+        dev.block_table[: key.seqs, :width].copy_(host.block_table[: key.seqs, :width], non_blocking=True)
 
-    def _fill_padding(self, start: int, end: int) -> None:
-        """Rows [start, end): one token at position 0 in the scratch block."""
-        host = self.host_arrays
-        host["token_ids"][start:end] = 0
-        host["positions"][:, start:end] = 0
-        host["slots"][start:end] = self.scratch_slot
-        host["context_lens"][start:end] = 1
-        host["block_table"][start:end, 0] = self.scratch_block
-
-    # ------------------------------------------------------------------ the captured step
-    def _forward(self, size: int) -> torch.Tensor:
-        model, views = self.model, self.dev
+    # ------------------------------------------------------------------ the captured forward
+    def _forward(self, key: GraphKey) -> torch.Tensor:
+        model, dev, t, s = self.model, self.dev, key.tokens, key.seqs
         metadata = AttentionMetadata(
-            query_starts=self.query_starts[: size + 1],
-            query_lens=self.query_lens[:size],
-            context_lens=views["context_lens"][:size],
-            block_table=views["block_table"][:size],
-            num_tokens=size,
-            max_query_len=1,
+            query_starts=dev.query_starts[: s + 1],
+            query_lens=dev.query_lens[:s],
+            context_lens=dev.context_lens[:s],
+            block_table=dev.block_table[:s],
+            num_tokens=t,
+            max_query_len=1 if key.decode else t,  # decode: one query row per program
             max_context_len=self.max_context,  # fixes the split count for every context length
             block_size=self.kv.block_size,
         )
         with torch.inference_mode():
-            x = model.embed_tokens(views["token_ids"][:size])
-            positions = views["positions"][:, :size]
+            x = model.embed_tokens(dev.token_ids[:t]) if key.decode else self.embeds[:t]
+            positions = dev.positions[:, :t]
             cos, sin = mrope_cos_sin(positions, self.inv_freq, model.spec.mrope_section, model.dtype, self.axis)
-            slots = views["slots"][:size]
-            step = StepContext(cos, sin, slots, metadata, self.kv, self.attention)
-            return forward_logits(model, x, step, None, self.fused)
+            step = StepContext(cos, sin, dev.slots[:t], metadata, self.kv, self.attention)
+            return forward_logits(model, x, step, None if key.decode else dev.rows[:s], self.fused)
 
     def _capture(self) -> None:
         pool = None
-        # Largest first: the smaller graphs then fit in the memory pool the largest one reserved.
-        for size in reversed(self.sizes):
-            self._forward(size)  # compiles the Triton kernels for this shape outside the capture
+        # Largest first: the smaller graphs then fit in the memory pool the larger ones reserved.
+        for key in sorted(self.keys(), key=lambda k: (k.tokens, k.seqs), reverse=True):
+            self._forward(key)  # compiles the Triton kernels for this shape outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
+                self.outputs[key] = self._forward(key)
             pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize()
+
+
+_ARRAYS = ("token_ids", "slots", "rows", "positions", "query_starts", "query_lens", "context_lens", "block_table")

@@ -149,7 +149,7 @@ def _gumbel(keys: list[int], unseeded: int, vocab: int, device: torch.device) ->
     """Gumbel noise, float64: the seeded rows' (hashed) first, then ``unseeded`` rows from the torch RNG."""
     exponentials = []  # Exp(1) draws; Gumbel = -log(Exp(1))
     if keys:
-        key_t = torch.tensor([_signed64(k) for k in keys], dtype=torch.int64).to(device)
+        key_t = upload(torch.tensor([_signed64(k) for k in keys], dtype=torch.int64), device)
         exponentials.append(seeded_uniforms(key_t, vocab).log_().neg_())
     if unseeded:
         draws = torch.empty(unseeded, vocab, dtype=torch.float64, device=device).exponential_()
@@ -168,7 +168,7 @@ def _pairs(columns: list[list[int]], vocab: int, device: torch.device) -> torch.
     table = torch.tensor(columns, dtype=torch.int64)
     tokens = table[1]
     table = table[:, (tokens >= 0) & (tokens < vocab)]  # filtered here, on the CPU, to avoid a device sync
-    return table.to(device) if table.shape[1] else None
+    return upload(table, device) if table.shape[1] else None
 
 
 def _needs_changes(rows: Sequence[SamplingRow]) -> bool:
@@ -230,7 +230,8 @@ def _adjust_(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     if any(r.repetition_penalty != 1.0 or r.frequency_penalty or r.presence_penalty for r in rows):
         params = torch.tensor(
             [[r.repetition_penalty, r.frequency_penalty, r.presence_penalty] for r in rows], dtype=torch.float32
-        ).to(scores.device)
+        )
+        params = upload(params, scores.device)
         _apply_repetition(scores, rows, params[:, 0])
         _apply_frequency_presence(scores, rows, params[:, 1], params[:, 2])
     _apply_bans(scores, rows)
@@ -295,7 +296,8 @@ def _draw(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
             for r in rows
         ],
         dtype=torch.float32,
-    ).to(scores.device)
+    )
+    params = upload(params, scores.device)
     scaled = scores / params[:, :1]  # promotes bf16/fp16 to float32, as vLLM divides in float32
     if scaled.dtype != torch.float32:
         scaled = scaled.float()
@@ -310,8 +312,16 @@ def _draw(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 # --------------------------------------------------------------------------- the batch
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without waiting for the device: a plain copy to a GPU waits for the stream to
+    drain, which would serialise sampling with the forward the engine has just launched behind it."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _index(ids: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.int64).to(device)
+    return upload(torch.tensor(ids, dtype=torch.int64), device)
 
 
 def _choose(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -357,28 +367,61 @@ def _logprob_table(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int]
 
 def sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Sampled:
     """The next token of each row of ``logits`` ``[batch, vocab]`` under ``rows[i]``; see the module doc."""
+    return sample_async(logits, rows).result()
+
+
+def sample_async(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleFuture:
+    """`sample_batch` launched on the device; the host waits only when the result is read."""
     if logits.dim() != 2 or logits.shape[0] != len(rows) or not logits.is_floating_point():
         raise ValueError(f"logits must be a float [{len(rows)}, vocab] tensor, got {tuple(logits.shape)}")
-    n = len(rows)
-    if n == 0:
-        return Sampled([], [], [])
+    if not rows:
+        return SampleFuture(torch.empty(0, dtype=torch.int64, device=logits.device), rows, [])
     tokens = _choose(logits, rows)
     wanted = [i for i, r in enumerate(rows) if r.top_logprobs >= 0]
     if not wanted:
-        return Sampled(tokens.tolist(), [None] * n, [[] for _ in range(n)])
+        return SampleFuture(tokens, rows, wanted)
     top = max(rows[i].top_logprobs for i in wanted)
-    table = _logprob_table(logits, tokens, wanted, top)
-    flat = torch.cat([tokens.double(), table.flatten()]).tolist()  # one device-to-host copy
-    token_ids = [int(t) for t in flat[:n]]
-    logprobs: list[float | None] = [None] * n
-    tops: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-    width = table.shape[1]
-    width_top = (width - 1) // 2
-    for j, i in enumerate(wanted):
-        line = flat[n + j * width : n + (j + 1) * width]
-        logprobs[i] = line[0]
-        k = min(rows[i].top_logprobs, width_top)
-        pairs = zip(line[1 + width_top : 1 + width_top + k], line[1 : 1 + k], strict=True)
-        # topk's order among equal values is unspecified; lower id first makes it deterministic.
-        tops[i] = sorted(((int(t), v) for t, v in pairs), key=lambda p: (-p[1], p[0]))
-    return Sampled(token_ids, logprobs, tops)
+    return SampleFuture(tokens, rows, wanted, _logprob_table(logits, tokens, wanted, top))
+
+
+class SampleFuture:
+    """Sampled ids on the device (``tokens``, e.g. the next step's input) and their copy on its way to the
+    host: one asynchronous device-to-host copy, waited for by `result`."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        wanted: list[int],
+        table: torch.Tensor | None = None,
+    ) -> None:
+        self.tokens = tokens
+        self.rows, self.wanted = rows, wanted
+        flat = tokens if table is None else torch.cat([tokens.double(), table.flatten()])
+        self.event: torch.cuda.Event | None = None
+        if flat.is_cuda:
+            self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self.host.copy_(flat, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = flat
+
+    def result(self) -> Sampled:
+        if self.event is not None:
+            self.event.synchronize()
+        flat = self.host.tolist()
+        n, rows = len(self.rows), self.rows
+        token_ids = [int(t) for t in flat[:n]]
+        logprobs: list[float | None] = [None] * n
+        tops: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        width = (len(flat) - n) // len(self.wanted) if self.wanted else 0  # 1 + 2 * top (capped by the vocab)
+        width_top = (width - 1) // 2
+        for j, i in enumerate(self.wanted):
+            line = flat[n + j * width : n + (j + 1) * width]
+            logprobs[i] = line[0]
+            k = min(rows[i].top_logprobs, width_top)
+            pairs = zip(line[1 + width_top : 1 + width_top + k], line[1 : 1 + k], strict=True)
+            # topk's order among equal values is unspecified; lower id first makes it deterministic.
+            tops[i] = sorted(((int(t), v) for t, v in pairs), key=lambda p: (-p[1], p[0]))
+        return Sampled(token_ids, logprobs, tops)

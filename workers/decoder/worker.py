@@ -61,13 +61,17 @@ def kv_cache_blocks(cfg: Config, spec: ModelSpec, model: LanguageModel) -> int:
 
 
 def runner_options(cfg: Config, device: torch.device) -> dict[str, Any]:
-    """How the engine runs its forwards: Triton kernels, fused projections and decode CUDA graphs on a GPU
-    unless the config turns them off; the plain-torch paths elsewhere (and always with kernels = "torch")."""
+    """How the engine runs its forwards: Triton kernels, fused projections, CUDA graphs and overlapped
+    decode steps on a GPU unless the config turns them off; the plain-torch paths elsewhere (and always
+    with kernels = "torch")."""
     triton = cfg.decoder.kernels == "triton" and device.type == "cuda"
+    graphs = triton and cfg.decoder.cuda_graphs
     return {
         "attention": paged_attention if triton else paged_attention_reference,
         "fuse": triton,
-        "decode_graphs": "cuda" if triton and cfg.decoder.cuda_graphs else "off",
+        "graphs": "cuda" if graphs else "off",
+        "graph_tokens": cfg.decoder.graph_tokens,
+        "overlap": graphs and cfg.decoder.overlap,
     }
 
 
@@ -115,12 +119,15 @@ class DecoderWorker:
         self.heartbeat()
         graphs = self.engine.graphs
         log.info(
-            "decoder ready on %s in %.1fs: context %d, kernels %s, decode graphs %s, at %s",
+            "decoder ready on %s in %.1fs: context %d, kernels %s, CUDA graphs %s, overlap %s, at %s",
             device,
             time.monotonic() - started,
             max_len,
             "triton + fused layers" if self.engine.fused is not None else "torch",
-            f"for batch sizes {graphs.sizes}" if graphs is not None and graphs.graphs else "off",
+            f"for decode batches {graphs.decode_sizes} and mixed steps of {graphs.token_sizes} tokens"
+            if graphs is not None and graphs.graphs
+            else "off",
+            self.engine.overlap,
             self.inbox.address,
         )
 

@@ -163,12 +163,16 @@ class BatchLayout:
 
     @classmethod
     def from_metadata(cls, metadata: AttentionMetadata) -> BatchLayout:
-        """The host form of kernel metadata (a device sync): block tables cut to each context's blocks."""
+        """The host form of kernel metadata (a device sync): block tables cut to each context's blocks.
+
+        Empty sequences (no new token: the padding of a CUDA-graph step) are left out; tokens past the
+        last sequence's belong to none (`paged_attention_reference` gives them zeros)."""
         query_lens, context_lens = metadata.query_lens.tolist(), metadata.context_lens.tolist()
         tables = metadata.block_table.tolist()
         size = metadata.block_size
-        cut = [table[: _blocks_for(c, size)] for table, c in zip(tables, context_lens, strict=True)]
-        return cls(query_lens, context_lens, cut, size, metadata.device)
+        kept = [s for s, q in enumerate(query_lens) if q > 0]
+        cut = [tables[s][: _blocks_for(context_lens[s], size)] for s in kept]
+        return cls([query_lens[s] for s in kept], [context_lens[s] for s in kept], cut, size, metadata.device)
 
     def to(self, device: torch.device | str) -> BatchLayout:
         device = torch.device(device)
@@ -306,11 +310,12 @@ def paged_attention_reference(
 
     q [T, heads, D] (flat, sequence after sequence); kv_k, kv_v [slots, kv_heads, D] already hold the new
     tokens' k/v. Query i of sequence s sits at position ``context_len - query_len + i`` and sees
-    positions ``0 ..`` itself. Returns [T, heads, D]. An `AttentionMetadata` is read back to the host first.
+    positions ``0 ..`` itself. Returns [T, heads, D]. An `AttentionMetadata` is read back to the host first;
+    rows of tokens that belong to no sequence (graph padding) are zeros.
     """
     if isinstance(layout, AttentionMetadata):
         layout = BatchLayout.from_metadata(layout)
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q)
     slots = layout.context_slots
     q_starts, ctx_start = layout.query_starts, 0
     for s, (past, ctx) in enumerate(zip(layout.past_lens, layout.context_lens, strict=True)):
