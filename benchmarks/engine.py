@@ -277,6 +277,42 @@ def profile_prefill(model: LanguageModel, tokens: int) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
+def profile_decode(model: LanguageModel, batch: int, context: int) -> None:
+    """GPU time per kernel of one decode-graph replay (torch.profiler sees the kernels a graph launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    blocks = batch * -(-(context + 1) // 16) + 1
+    kv = PagedKVCache.for_model(model, blocks, 16)
+    graphs = StepGraphs(
+        model,
+        kv,
+        max_seqs=batch,
+        max_tokens=0,
+        max_context=context + 1,
+        scratch_block=blocks - 1,
+        attention=paged_attention,
+        fused=fuse_layers(model),
+        capture=True,
+    )
+    tables = fake_tables(batch, context, 16)
+    inputs = StepInputs(
+        positions=np.full((3, batch), context, dtype=np.int64),
+        slots=np.asarray([t[context // 16] * 16 + context % 16 for t in tables]),
+        query_lens=[1] * batch,
+        context_lens=[context + 1] * batch,
+        block_tables=tables,
+        rows=[],
+    )
+    steps = 20
+    print(f"decode b={batch} ctx={context}: {cuda_time_ms(lambda: graphs.decode(inputs, [17] * batch), 50):.3f} ms")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graphs.decode(inputs, [17] * batch)
+        torch.cuda.synchronize()
+    print(f"kernels over {steps} replays (divide totals by {steps} for one step):")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
@@ -284,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes and steps")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--profile", action="store_true", help="only: cProfile of one eager 820-token prefill")
+    parser.add_argument("--profile-decode", action="store_true", help="only: kernels of a batch-1 decode graph")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.engine needs a CUDA GPU", file=sys.stderr)
@@ -299,6 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     model = LanguageModel.from_checkpoint(args.model, device="cuda", dtype=torch.bfloat16)
     if args.profile:
         profile_prefill(model, 820)
+        return
+    if args.profile_decode:
+        profile_decode(model, 1, 1000)
         return
     results["language_weight_bytes"] = language_bytes(model)
     results["prefill_unfused"] = bench_prefill(model, prefills, None)
