@@ -241,11 +241,11 @@ def test_split_k(heads: int, kv_heads: int, head_dim: int, num_splits: int, dtyp
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [GEOMETRIES[0], GEOMETRIES[2]])
 def test_decode_batch_splits_by_itself(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-    """A small decode-only batch with a long context: the heuristic splits it (a context past 512 keys)."""
+    """A small decode-only batch with a long context: the heuristic splits it (700 keys: 10 splits)."""
     from workers.kernels import attention_triton
 
     context_lens = [700, 65, 1]
-    assert attention_triton.choose_num_splits(len(context_lens) * kv_heads, max(context_lens), 132) == 2
+    assert attention_triton.choose_num_splits(len(context_lens) * kv_heads, max(context_lens), 132) == 10
     batch = paged_batch([1, 1, 1], context_lens, 16, heads, kv_heads, head_dim, dtype, seed=3)
     check_attention(*batch)
 
@@ -296,10 +296,10 @@ def test_choose_num_splits() -> None:
     from workers.kernels.attention_triton import MAX_SPLITS, choose_num_splits
 
     assert choose_num_splits(200, 100_000, 132) == 1  # enough programs already
-    assert choose_num_splits(2, 400, 132) == 1  # too short to cut
-    assert choose_num_splits(2, 3000, 132) == 8  # 3000 // 256 = 11, rounded down to a power of two
+    assert choose_num_splits(2, 100, 132) == 1  # too short to cut: two splits would need 128 keys
+    assert choose_num_splits(2, 400, 132) == 6  # 400 // 64: one key tile each
     assert choose_num_splits(2, 1_000_000, 132) == MAX_SPLITS
-    assert choose_num_splits(64, 3000, 132) == 4  # about two programs per SM
+    assert choose_num_splits(64, 3000, 132) == 5  # about two programs per SM
 
 
 @pytest.mark.parametrize(
