@@ -59,7 +59,8 @@ class FetcherConfig:
 @dataclass
 class EncoderConfig:
     count: int = 0  # 0: one per visible GPU, or one on a CPU host
-    credits: int = 4
+    credits: int = 16  # jobs an encoder holds at once: what it can pack into one forward
+    max_batch_patches: int = 32768  # patches (before merging) per forward; a larger single image goes alone
 
 
 @dataclass

@@ -15,6 +15,7 @@ from common.config import Config
 from common.dispatch import Dispatcher, Job
 from common.protocol import (
     Abort,
+    CacheRelease,
     DecoderStats,
     FetchDone,
     GenerateRequest,
@@ -159,6 +160,9 @@ class Pipeline:
         for tracked in list(self.requests.values()):
             if tracked.stage == "decode":
                 self._deliver(RequestError(tracked.request_id, 503, "unavailable", f"{why}; retry the request"))
+                # The decoder that leased the request's embeddings is gone and will never release them;
+                # without this they would stay pinned (unevictable) until the lease TTL.
+                self._send(self.cache, CacheRelease(tracked.request_id))
 
     # ------------------------------------------------------------------ status
     def decoder_live(self) -> bool:

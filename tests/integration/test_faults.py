@@ -59,10 +59,26 @@ def wait_restarted(stack: Stack, program: str, old_pid: int, timeout_s: float = 
     raise TimeoutError(f"{program} was not restarted by supervisord within {timeout_s}s")
 
 
+def cache_gauges_settle(stack: Stack, timeout_s: float = 30.0) -> dict[str, float]:
+    """The cache daemon's gauges once no request holds a lease and no slot waits for an encoder."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = stack.metrics()
+        held = metrics.get("vlm_cache_leased_requests", -1), metrics.get("vlm_cache_pending_entries", -1)
+        if held == (0, 0) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("program", ["encoder-0", "fetcher-0", "cache", "decoder"])
 def test_kill_9_mid_flight(stack: Stack, program: str) -> None:
+    """Every request ends (answered or failed with an explained 5xx) within the bound; afterwards no lease
+    or reserved slot is left behind, and — unless the cache daemon itself died — an image encoded before
+    the kill is still a cache hit."""
     client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=ANSWER_BOUND_S + 30)
     model = client.models.list().data[0].id
+    warm_seed = zlib.crc32(f"warm/{program}".encode()) % 1000 + 20_000
+    assert one_request(client, model, warm_seed)[0].startswith("ok:")
     seeds = [zlib.crc32(f"{program}/{i}".encode()) % 10_000 + 1000 for i in range(12)]
     victim = stack.pid(program)
     with ThreadPoolExecutor(len(seeds)) as pool:
@@ -77,3 +93,9 @@ def test_kill_9_mid_flight(stack: Stack, program: str) -> None:
     # The stack serves again: a new image end to end.
     outcome, _, _ = one_request(client, model, seed=zlib.crc32(program.encode()) % 1000)
     assert outcome.startswith("ok:"), outcome
+    settled = cache_gauges_settle(stack)
+    assert settled["vlm_cache_leased_requests"] == 0 and settled["vlm_cache_pending_entries"] == 0, settled
+    if program != "cache":  # the daemon's pool is the cache: only its own death loses it
+        hits = settled.get("vlm_cache_hits_total", 0.0)
+        assert one_request(client, model, warm_seed)[0].startswith("ok:")
+        assert stack.metrics().get("vlm_cache_hits_total", 0.0) == hits + 1

@@ -172,6 +172,7 @@ class EmbeddingStore:
         return {
             **self.counters,
             "entries": float(len(self.entries)),
+            "pending_entries": float(sum(not e.ready for e in self.entries.values())),
             "bytes_used": float(self.allocator.size - self.allocator.free_bytes),
             "bytes_total": float(self.allocator.size),
             "leased_requests": float(len(self.leases)),

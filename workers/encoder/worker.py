@@ -1,9 +1,16 @@
-"""The encoder process: one per GPU, runs the vision tower and writes embeddings into cache slots."""
+"""The encoder process: one per GPU, runs the vision tower and writes embeddings into cache slots.
+
+Jobs that arrive together are encoded together: the event loop drains the socket, then `step` packs
+the queued images of any requests into one forward (each image its own attention segments), bounded
+by ``max_batch_patches``, and hands every job its own rows. A batch that fails is retried image by
+image, so one bad job fails alone.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import torch
 import zmq
@@ -31,7 +38,9 @@ class EncoderWorker:
         self.jobs = Channel(self.ctx, zmq.ROUTER, cfg.endpoint(self.name), bind=True)
         self.cache = Channel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
         self.pools = ShmAttachments()
-        self.counters = {"images_encoded": 0.0, "patches_encoded": 0.0, "failures": 0.0}
+        self.counters = {"images_encoded": 0.0, "patches_encoded": 0.0, "failures": 0.0, "batches": 0.0}
+        self.queued: deque[tuple[bytes, EncodeJob]] = deque()
+        self.max_batch_patches = cfg.encoder.max_batch_patches
         self.loop = EventLoop()
         self.loop.on_message(self.jobs, self.handle)
         log.info(
@@ -45,7 +54,7 @@ class EncoderWorker:
 
     def run(self) -> None:
         try:
-            self.loop.run()
+            self.loop.run(self.step)
         finally:
             self.jobs.close()
             self.cache.close()
@@ -58,31 +67,91 @@ class EncoderWorker:
             case Ping():
                 self.jobs.send_to(peer, self.status())
             case EncodeJob():
-                self.jobs.send_to(peer, self.encode(msg))
-                self.jobs.send_to(peer, self.status())
+                self.queued.append((peer, msg))
             case StatsRequest(call_id=c):
                 self.jobs.send_to(peer, StatsResult(c, self.name, self.incarnation, dict(self.counters)))
             case _:
                 log.warning("unexpected %s", msg.TAG)
 
+    def step(self) -> bool:
+        """Encode one batch of the queued jobs; True while more are queued."""
+        if not self.queued:
+            return False
+        batch = self.take_batch()
+        for (peer, _), result in zip(batch, self.encode_batch([job for _, job in batch]), strict=True):
+            self.jobs.send_to(peer, result)
+        for peer in {peer for peer, _ in batch}:
+            self.jobs.send_to(peer, self.status())
+        return bool(self.queued)
+
+    def take_batch(self) -> list[tuple[bytes, EncodeJob]]:
+        """Oldest first, while the patches fit the budget (the first job always goes, whatever its size)."""
+        batch, patches = [], 0
+        while self.queued:
+            size = job_patches(self.queued[0][1])
+            if batch and patches + size > self.max_batch_patches:
+                break
+            batch.append(self.queued.popleft())
+            patches += size
+        return batch
+
+    def encode_batch(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
+        if len(jobs) > 1:
+            try:
+                pixels = [read_tensor(job.pixels) for job in jobs]
+                embeds = encode_images(self.tower, pixels, [job.grid_thw for job in jobs])
+            except Exception:  # a bad job (or a failure the batch caused): find out which, one by one
+                log.exception("a batch of %d images failed; encoding them one by one", len(jobs))
+            else:
+                self.counters["batches"] += 1
+                return [self.finish(job, e, p.shape[0]) for job, e, p in zip(jobs, embeds, pixels, strict=True)]
+        return [self.encode(job) for job in jobs]
+
     def encode(self, job: EncodeJob) -> EncodeResult:
         try:
-            pixels = read_tensor(job.pixels).to(self.device, self.dtype)
-            grid = torch.tensor([job.grid_thw], dtype=torch.int64, device=self.device)
-            with torch.inference_mode():
-                embeds = self.tower(pixels, grid)
+            pixels = read_tensor(job.pixels)
+            (embeds,) = encode_images(self.tower, [pixels], [job.grid_thw])
+        except Exception as exc:  # one bad job must not take the encoder down
+            return self.fail(job, exc)
+        self.counters["batches"] += 1
+        return self.finish(job, embeds, pixels.shape[0])
+
+    def finish(self, job: EncodeJob, embeds: torch.Tensor, patches: int) -> EncodeResult:
+        """Write one job's rows into its slot and tell the cache."""
+        try:
             if job.slot.shm_name not in self.pools.pools:
                 self.pools.forget_except("")  # a restarted cache daemon made a new pool; drop the old map
             slot = self.pools.view(job.slot)
             if tuple(slot.shape) != tuple(embeds.shape):
                 raise ValueError(f"slot shape {list(slot.shape)} != embedding shape {list(embeds.shape)}")
             slot.copy_(embeds.to(torch_dtype(job.slot.dtype)).cpu())
-        except Exception as exc:  # one bad job must not take the encoder down
-            log.exception("encode job %s failed", job.job_id)
-            self.counters["failures"] += 1
-            self.cache.send(CacheCommit(job.content_hash, error=str(exc) or type(exc).__name__))
-            return EncodeResult(job.job_id, job.content_hash, status=500, message=f"vision encoder failed: {exc}")
+        except Exception as exc:
+            return self.fail(job, exc)
         self.counters["images_encoded"] += 1
-        self.counters["patches_encoded"] += pixels.shape[0]
+        self.counters["patches_encoded"] += patches
         self.cache.send(CacheCommit(job.content_hash))
         return EncodeResult(job.job_id, job.content_hash)
+
+    def fail(self, job: EncodeJob, exc: Exception) -> EncodeResult:
+        log.error("encode job %s failed: %r", job.job_id, exc)
+        self.counters["failures"] += 1
+        self.cache.send(CacheCommit(job.content_hash, error=str(exc) or type(exc).__name__))
+        return EncodeResult(job.job_id, job.content_hash, status=500, message=f"vision encoder failed: {exc}")
+
+
+def job_patches(job: EncodeJob) -> int:
+    t, h, w = job.grid_thw
+    return t * h * w
+
+
+def encode_images(tower: VisionTower, pixels: list[torch.Tensor], grids: list[list[int]]) -> list[torch.Tensor]:
+    """Embeddings of several images (or videos) in one forward, one tensor each: [t*h*w / merge², hidden].
+
+    Attention never crosses an image (the tower's segments are per frame), so each image's rows equal
+    what encoding it alone gives, up to the float rounding of batched matrix products."""
+    merge = tower.spec.spatial_merge_size
+    flat = torch.cat(pixels).to(tower.device, tower.dtype)
+    grid = torch.tensor(grids, dtype=torch.int64, device=tower.device)
+    with torch.inference_mode():
+        embeds = tower(flat, grid)
+    return list(embeds.split([t * h * w // merge**2 for t, h, w in grids]))
