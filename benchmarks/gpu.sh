@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command on the GPU machine: the 2b synthetic checkpoint, the stack under supervisord, the
 # seed's workloads against it, then the transformers baseline on the same prompts.
-# Usage: benchmarks/gpu.sh OUT_DIR      (env: GIT_REV, QUICK=1 for a short smoke run)
+# Usage: benchmarks/gpu.sh OUT_DIR      (env: GIT_REV, QUICK=1 for a short smoke run,
+#        ONLY="seed3img-c32 mixed" to run just those workloads and no transformers baseline)
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/gpu.sh OUT_DIR}")
 mkdir -p "$out"
@@ -48,6 +49,7 @@ quick() { [ "${QUICK:-0}" = 1 ]; }
 n() { if quick; then echo "$2"; else echo "$1"; fi; }
 bench() {  # name, time limit in seconds, args...
   local name=$1 limit=$2; shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
   if quick; then limit=25; fi
   log "workload $name: $*"
   timeout $((limit + 30)) $py -m benchmarks.serve --url "$url" --seed 0 --time-limit "$limit" --out "$out/$name.json" "$@" \
@@ -66,6 +68,7 @@ log "stopping the stack"
 kill -TERM $supervisor; wait $supervisor
 cp $logs/*.log "$out/" 2>/dev/null
 
+[ -n "${ONLY:-}" ] && { log "ONLY: no transformers baseline"; exit 0; }
 log "transformers baseline"
 timeout 120 $py -m benchmarks.baseline_hf --model "$model" --workload seed3img --batch-sizes 1,8 \
   --num-requests "$(n 8 2)" --seed 0 --device cuda --dtype bfloat16 --out "$out/hf-seed3img.json" >> "$out/gpu.log" 2>&1 \
