@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         row: dict[str, Any] = {"grid": grid, "patches": pixels.shape[0], "preprocess_ms": host_ms, "tower": []}
         print(f"{name}: grid {grid}, {pixels.shape[0]} patches, host preprocessing {host_ms:.1f} ms", flush=True)
         for batch in BATCHES:
-            ms = cuda_time_ms(lambda b=batch: encode_images(tower, [pixels] * b, [grid] * b), 5)
+            ms = cuda_time_ms(lambda b=batch, p=pixels, g=grid: encode_images(tower, [p] * b, [g] * b), 5)
             roof = tower_flops(tower, pixels.shape[0], grid) * batch / BF16_FLOPS * 1e3
             row["tower"].append({"batch": batch, "ms": ms, "images_per_s": 1e3 * batch / ms, "roofline_ms": roof})
             print(
@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> None:
         if not args.skip_hf:
             grid_t = torch.tensor([grid])
             hf_ms = bench_hf_tower(args.model, pixels, grid_t, BATCHES)
-            row["hf"] = [{"batch": b, "ms": ms, "images_per_s": 1e3 * b / ms} for b, ms in zip(BATCHES, hf_ms)]
-            print("  transformers: " + ", ".join(f"b{b} {1e3 * b / ms:.1f} img/s" for b, ms in zip(BATCHES, hf_ms)))
+            pairs = list(zip(BATCHES, hf_ms, strict=True))
+            row["hf"] = [{"batch": b, "ms": ms, "images_per_s": 1e3 * b / ms} for b, ms in pairs]
+            print("  transformers: " + ", ".join(f"b{b} {1e3 * b / ms:.1f} img/s" for b, ms in pairs), flush=True)
         results["sizes"][name] = row
     args.out.write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")
