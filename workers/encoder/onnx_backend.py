@@ -1,0 +1,191 @@
+"""ONNX backend of the vision tower: export `VisionTower` to ONNX, run it with onnxruntime.
+
+An exported graph cannot loop over ``grid_thw``'s Python values, so everything that depends on them is
+computed on the host, in torch, with the tower's own functions, and fed to the graph as inputs:
+
+* ``cos``, ``sin`` [N, head_dim]: the 2-D rotary tables (`vision_rotary_positions`, `vision_rotary_cos_sin`);
+* ``segment_ids`` [N] int64: which attention segment (frame of an item, from `cu_seqlens_from_grid`) each
+  patch row belongs to. The graph turns it into the block-diagonal mask ``ids[:, None] == ids[None, :]``,
+  which is exact (masked scores get probability 0) and ships N integers instead of an [N, N] float mask.
+
+N (the patch count) is the one dynamic axis, so any number of images, videos and grids go through one
+session call. The graph is fp32 (onnxruntime's CPU kernels have no bf16 for most ops); the output is a CPU
+fp32 tensor [N / merge**2, out_hidden], the same contract as `VisionTower.forward` otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import json
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.models.spec import VisionSpec
+from workers.models.vision import (
+    VisionAttention,
+    VisionTower,
+    apply_vision_rotary,
+    cu_seqlens_from_grid,
+    vision_rotary_cos_sin,
+    vision_rotary_positions,
+)
+
+# Opset 18 is what torch's ONNX function library targets, and onnxruntime >= 1.18 runs it everywhere.
+OPSET = 18
+INPUT_NAMES = ("pixel_values", "cos", "sin", "segment_ids")
+OUTPUT_NAME = "embeddings"
+# The spec travels inside the .onnx file, so the encoder can validate inputs without the checkpoint.
+SPEC_METADATA_KEY = "vlm_serve.vision_spec"
+# Two items, one of them video-like (t=2), so the traced graph has several segments and N = 64.
+DEFAULT_EXAMPLE_GRID: tuple[tuple[int, int, int], ...] = ((1, 4, 4), (2, 4, 6))
+
+
+def _require(module: str, install: str) -> ModuleType:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise RuntimeError(f"the ONNX vision backend needs {module!r}: pip install {install}") from exc
+
+
+# --- export -----------------------------------------------------------------------------------------
+
+
+def _masked_attention(
+    attn: VisionAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor
+) -> torch.Tensor:
+    """`VisionAttention.forward` with a block-diagonal mask in place of its loop over grid_thw.
+
+    The tower's loop runs one SDPA call per item, which export would unroll for the example grid only;
+    one masked SDPA over all N rows is the same attention with N dynamic (masked scores get weight 0).
+    """
+    n = x.shape[0]
+    q, k, v = attn.qkv(x).view(n, 3, attn.num_heads, -1).unbind(1)
+    q, k = apply_vision_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin)
+    # [1, heads, N, head_dim]: the exporter translates only 4-D SDPA.
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=q.shape[-1] ** -0.5)
+    return attn.proj(out[0].transpose(0, 1).reshape(n, -1))
+
+
+class HostInputsVisionTower(nn.Module):
+    """The tower's own modules and weights, taking the host-computed inputs instead of grid_thw."""
+
+    def __init__(self, tower: VisionTower) -> None:
+        super().__init__()
+        self.tower = tower
+
+    def forward(
+        self, pixel_values: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segment_ids: torch.Tensor
+    ) -> torch.Tensor:
+        allowed = segment_ids[:, None] == segment_ids[None, :]
+        x = self.tower.patch_embed(pixel_values)
+        # Same residual structure as `VisionBlock.forward`, only the attention call differs.
+        for block in self.tower.blocks:
+            x = x + _masked_attention(block.attn, block.norm1(x), cos, sin, allowed)
+            x = x + block.mlp(block.norm2(x))
+        return self.tower.merger(x)
+
+
+def host_inputs(spec: VisionSpec, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cos, sin, segment_ids) for a validated CPU int64 grid: everything that depends on its values."""
+    positions = vision_rotary_positions(grid_thw, spec.spatial_merge_size)
+    cos, sin = vision_rotary_cos_sin(positions, spec.head_dim, spec.rope_theta)
+    lengths = cu_seqlens_from_grid(grid_thw).diff()
+    segment_ids = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    return cos, sin, segment_ids
+
+
+def _fp32_cpu(tower: VisionTower) -> VisionTower:
+    # Copy only when a conversion is needed: Module.to() works in place and would change the caller's tower.
+    if tower.dtype == torch.float32 and tower.device.type == "cpu":
+        return tower
+    return copy.deepcopy(tower).to(device="cpu", dtype=torch.float32)
+
+
+def export_vision_onnx(
+    tower: VisionTower, path: Path, *, example_grid: Sequence[tuple[int, int, int]] = DEFAULT_EXAMPLE_GRID
+) -> Path:
+    """Write ``tower`` as an fp32 ONNX graph (opset 18) with a dynamic patch count; returns ``path``.
+
+    Inputs: pixel_values [N, patch_dim] fp32, cos/sin [N, head_dim] fp32, segment_ids [N] int64;
+    output: embeddings [N / merge**2, out_hidden] fp32. ``example_grid`` only shapes the traced example;
+    h and w of each row must be multiples of the merge size. Towers over 2 GB get their weights written to
+    ``<path>.data`` next to it (onnxruntime finds it there; keep the two files together).
+    """
+    _require("onnxscript", "onnxscript")  # torch's default (dynamo) exporter translates through it
+    _require("onnx", "onnx")
+    tower = _fp32_cpu(tower)
+    grid = torch.tensor(example_grid, dtype=torch.int64)
+    pixel_values = torch.randn(int(grid.prod(dim=1).sum()), tower.spec.patch_dim)
+    patches = torch.export.Dim("patches")
+    dynamic = {name: {0: patches} for name in INPUT_NAMES}
+    # All four inputs share one Dim on purpose; torch warns that it will not rename the shared axis twice.
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*axis name: patches will not be used", category=UserWarning)
+        program = torch.onnx.export(
+            HostInputsVisionTower(tower).eval(),
+            (pixel_values, *host_inputs(tower.spec, grid)),
+            input_names=list(INPUT_NAMES),
+            output_names=[OUTPUT_NAME],
+            opset_version=OPSET,
+            dynamo=True,
+            dynamic_shapes=dynamic,
+            verbose=False,
+        )
+    program.model.metadata_props[SPEC_METADATA_KEY] = json.dumps(dataclasses.asdict(tower.spec))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    program.save(path)
+    return path
+
+
+# --- inference --------------------------------------------------------------------------------------
+
+
+def default_providers(ort: Any) -> list[str]:
+    """CUDA when this onnxruntime build has it (onnxruntime-gpu on a GPU host), always CPU as the fallback."""
+    available = ort.get_available_providers()
+    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+
+
+class OnnxVisionEncoder:
+    """Runs an exported vision tower with onnxruntime; called like `VisionTower.forward`.
+
+    ``spec`` defaults to the one stored in the file at export; when given, it must match that one.
+    """
+
+    def __init__(self, onnx_path: Path, spec: VisionSpec | None = None, providers: list[str] | None = None) -> None:
+        ort = _require("onnxruntime", "onnxruntime (or onnxruntime-gpu for CUDA)")
+        self.session = ort.InferenceSession(str(onnx_path), providers=providers or default_providers(ort))
+        stored = self.session.get_modelmeta().custom_metadata_map.get(SPEC_METADATA_KEY)
+        if stored is None:
+            raise ValueError(f"{onnx_path} has no {SPEC_METADATA_KEY!r} metadata: export it with export_vision_onnx")
+        embedded = VisionSpec(**json.loads(stored))
+        if spec is not None and spec != embedded:
+            raise ValueError(f"{onnx_path} was exported for {embedded}, not {spec}")
+        self.spec = embedded
+
+    @property
+    def providers(self) -> list[str]:
+        return self.session.get_providers()
+
+    def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """pixel_values [num_patches, patch_dim], grid_thw [num_items, 3] -> CPU fp32 [num_patches // merge**2, out]."""
+        grid = self._validate(pixel_values, grid_thw)
+        cos, sin, segment_ids = host_inputs(self.spec, grid)
+        pixels = pixel_values.detach().to(device="cpu", dtype=torch.float32)
+        feeds = dict(zip(INPUT_NAMES, (pixels, cos, sin, segment_ids), strict=True))
+        (out,) = self.session.run([OUTPUT_NAME], {name: t.contiguous().numpy() for name, t in feeds.items()})
+        return torch.from_numpy(out)
+
+    def _validate(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        # The tower's checks take only `spec` from it, so they are reused on this encoder as is.
+        return VisionTower._validate(self, pixel_values, grid_thw)  # type: ignore[arg-type]
