@@ -60,7 +60,7 @@ class FetcherConfig:
 class EncoderConfig:
     count: int = 0  # 0: one per visible GPU, or one on a CPU host
     credits: int = 16  # jobs an encoder holds at once: what it can pack into one forward
-    max_batch_patches: int = 32768  # patches (before merging) per forward; a larger single image goes alone
+    max_batch_patches: int = 16384  # patches (before merging) per forward; a larger single image goes alone
 
 
 @dataclass

@@ -203,11 +203,18 @@ class Abort(Message):
 
 @message
 class EncodeJob(Message):
+    """Fetcher -> encoder. ``pixels`` are the model's float pixel values, or uint8 patches that the
+    encoder turns into them on its device with ``rescale_factor`` (0: no rescale) and the per-channel
+    ``image_mean``/``image_std`` (empty: no normalisation) — the processor's own arithmetic, exact."""
+
     job_id: str
     content_hash: str
     pixels: TensorRef
     grid_thw: list[int]
     slot: TensorRef
+    rescale_factor: float = 0.0
+    image_mean: list[float] = dataclasses.field(default_factory=list)
+    image_std: list[float] = dataclasses.field(default_factory=list)
 
 
 @message

@@ -105,3 +105,26 @@ def test_the_worker_batches_queued_jobs_over_its_socket(worker: EncoderWorker) -
         client.close()
         pool.close()
         pool.unlink()
+
+
+def test_uint8_jobs_are_normalised_on_the_encoder_and_bad_stats_refused() -> None:
+    """A uint8 job carries the processor's rescale and per-channel stats; the encoder's pixel values are
+    the host's float32 ones bit for bit, and stats that do not fit the channels are an error, not a guess."""
+    from workers.encoder.worker import model_pixels
+    from workers.fetcher.image import ImageProcessorSpec, image_patches, preprocess_image
+
+    spec = ImageProcessorSpec(min_pixels=56 * 56, max_pixels=112 * 112)
+    generator = torch.Generator().manual_seed(3)
+    picture = torch.randint(0, 256, (90, 120, 3), dtype=torch.uint8, generator=generator).numpy()
+    from PIL import Image
+
+    image = Image.fromarray(picture)
+    patches, grid = image_patches(image, spec)
+    expected, _ = preprocess_image(image, spec)
+    slot = TensorRef("shm", "float32", [1, 1], shm_name="unused")
+    mean, std = list(spec.image_mean), list(spec.image_std)
+    job = EncodeJob("j", "h", inline_ref(torch.from_numpy(patches)), list(grid), slot, spec.rescale_factor, mean, std)
+    assert torch.equal(model_pixels(job, torch.device("cpu"), 3), torch.from_numpy(expected))
+    bad = EncodeJob("j", "h", job.pixels, list(grid), slot, spec.rescale_factor, mean[:2], std[:2])
+    with pytest.raises(ValueError, match="one mean and std per channel"):
+        model_pixels(bad, torch.device("cpu"), 3)

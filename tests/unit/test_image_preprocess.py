@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image, ImageFile
 from transformers.image_utils import load_image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -27,7 +28,10 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from workers.fetcher.errors import MediaError
 from workers.fetcher.image import (
     ImageProcessorSpec,
+    Normalization,
     decode_image,
+    image_patches,
+    normalize_patches,
     num_image_tokens,
     preprocess_image,
     smart_resize,
@@ -423,6 +427,22 @@ def test_non_default_processing_flags_match_transformers() -> None:
         ours = preprocess_image(decode_image(data, MAX_IMAGE_PIXELS), ImageProcessorSpec.from_dict({**config, **flags}))
         expected = reference_outputs(reference_processor({**config, **flags}), Image.open(io.BytesIO(data)))
         assert_identical(ours, expected)
+
+
+@pytest.mark.parametrize("name", ["rgb_odd_333x517_jpeg", "grey_L_png", "palette_alpha_table_png", "cmyk_jpeg"])
+def test_uint8_patches_normalized_later_equal_pixel_values_bit_for_bit(name: str) -> None:
+    """What the fetcher ships (uint8 patches, a quarter of the bytes) and the encoder normalises on its
+    device is exactly `preprocess_image`'s float32 output, for every combination of processing flags."""
+    data = case_bytes(name)
+    base = {**SMALL_CONFIG, "image_mean": [0.5, 0.4, 0.3], "rescale_factor": 1 / 255}
+    for flags in ({}, {"do_rescale": False}, {"do_normalize": False}, {"do_rescale": False, "do_normalize": False}):
+        spec = ImageProcessorSpec.from_dict({**base, **flags})
+        expected, grid = preprocess_image(decode_image(data, MAX_IMAGE_PIXELS), spec)
+        patches, patch_grid = image_patches(decode_image(data, MAX_IMAGE_PIXELS), spec)
+        assert patches.dtype == np.uint8 and patch_grid == grid and patches.shape == expected.shape
+        values = normalize_patches(torch.from_numpy(patches), Normalization.of(spec, channels=3))
+        assert values.dtype == torch.float32
+        assert np.array_equal(values.numpy(), expected), (name, flags)
 
 
 def test_without_resize_sides_must_be_multiples_of_28() -> None:

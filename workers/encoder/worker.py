@@ -19,6 +19,7 @@ from common.config import Config
 from common.protocol import CacheCommit, EncodeJob, EncodeResult, Message, Ping, StatsRequest, StatsResult, WorkerStatus
 from common.tensor_ref import ShmAttachments, read_tensor, torch_dtype
 from common.transport import Channel, EventLoop, worker_identity
+from workers.fetcher.image import Normalization, normalize_patches
 from workers.models.runtime import resolve_device, resolve_dtype
 from workers.models.vision import VisionTower
 
@@ -98,7 +99,7 @@ class EncoderWorker:
     def encode_batch(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
         if len(jobs) > 1:
             try:
-                pixels = [read_tensor(job.pixels) for job in jobs]
+                pixels = [model_pixels(job, self.device, self.tower.spec.in_chans) for job in jobs]
                 embeds = encode_images(self.tower, pixels, [job.grid_thw for job in jobs])
             except Exception:  # a bad job (or a failure the batch caused): find out which, one by one
                 log.exception("a batch of %d images failed; encoding them one by one", len(jobs))
@@ -109,7 +110,7 @@ class EncoderWorker:
 
     def encode(self, job: EncodeJob) -> EncodeResult:
         try:
-            pixels = read_tensor(job.pixels)
+            pixels = model_pixels(job, self.device, self.tower.spec.in_chans)
             (embeds,) = encode_images(self.tower, [pixels], [job.grid_thw])
         except Exception as exc:  # one bad job must not take the encoder down
             return self.fail(job, exc)
@@ -139,6 +140,20 @@ class EncoderWorker:
         return EncodeResult(job.job_id, job.content_hash, status=500, message=f"vision encoder failed: {exc}")
 
 
+def model_pixels(job: EncodeJob, device: torch.device, channels: int) -> torch.Tensor:
+    """The job's pixel values on ``device``: float pixels as sent, uint8 patches moved first (a quarter of
+    the bytes) and then rescaled and normalised there, bit-identical to the processor's host arithmetic."""
+    pixels = read_tensor(job.pixels)
+    if pixels.dtype != torch.uint8:
+        return pixels
+    if job.image_mean and not len(job.image_mean) == len(job.image_std) == channels:
+        raise ValueError(
+            f"uint8 pixels need one mean and std per channel ({channels}), got {job.image_mean} and {job.image_std}"
+        )
+    norm = Normalization(job.rescale_factor or None, tuple(job.image_mean) or None, tuple(job.image_std) or None)
+    return normalize_patches(pixels.to(device), norm)
+
+
 def job_patches(job: EncodeJob) -> int:
     t, h, w = job.grid_thw
     return t * h * w
@@ -150,7 +165,7 @@ def encode_images(tower: VisionTower, pixels: list[torch.Tensor], grids: list[li
     Attention never crosses an image (the tower's segments are per frame), so each image's rows equal
     what encoding it alone gives, up to the float rounding of batched matrix products."""
     merge = tower.spec.spatial_merge_size
-    flat = torch.cat(pixels).to(tower.device, tower.dtype)
+    flat = torch.cat([p.to(tower.device, tower.dtype) for p in pixels])
     grid = torch.tensor(grids, dtype=torch.int64, device=tower.device)
     with torch.inference_mode():
         embeds = tower(flat, grid)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from workers.fetcher.errors import MediaError
@@ -351,6 +352,23 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 def preprocess_image(image: Image.Image, spec: ImageProcessorSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
     """``pixel_values`` (float32, one row per patch) and ``grid_thw`` as the transformers processor gives them."""
+    pixels = _resized(image, spec)
+    grid = (1, pixels.shape[0] // spec.patch_size, pixels.shape[1] // spec.patch_size)
+    return _patchify(pixels, spec), grid
+
+
+def image_patches(image: Image.Image, spec: ImageProcessorSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """The same patches before rescaling and normalising: the resized uint8 values, a quarter of the bytes
+    of ``pixel_values``. ``normalize_patches(patches, Normalization.of(spec, channels))`` (numpy or torch, on
+    any device) gives exactly `preprocess_image`'s float32 values: the encoder does that step on the GPU."""
+    pixels = _resized(image, spec)
+    if pixels.dtype != np.uint8:
+        raise MediaError(400, f"image pixel mode {image.mode} has no 8-bit form: send an RGB image")
+    grid = (1, pixels.shape[0] // spec.patch_size, pixels.shape[1] // spec.patch_size)
+    return _patchify(pixels, spec, normalize=False), grid
+
+
+def _resized(image: Image.Image, spec: ImageProcessorSpec) -> np.ndarray:
     if spec.do_convert_rgb:
         image = _convert_to_rgb(image)
     pixels = _as_hwc(np.asarray(image))
@@ -358,8 +376,43 @@ def preprocess_image(image: Image.Image, spec: ImageProcessorSpec) -> tuple[np.n
         height, width = smart_resize(pixels.shape[0], pixels.shape[1], spec.factor, spec.min_pixels, spec.max_pixels)
         pixels = _resize(pixels, height, width, spec.resample, image.mode)
     _check_patchable(pixels.shape, spec)
-    grid = (1, pixels.shape[0] // spec.patch_size, pixels.shape[1] // spec.patch_size)
-    return _patchify(pixels, spec), grid
+    return pixels
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """transformers' ``rescale`` then ``normalize`` as parameters (None: that step is off)."""
+
+    rescale_factor: float | None
+    mean: tuple[float, ...] | None  # per channel
+    std: tuple[float, ...] | None
+
+    @classmethod
+    def of(cls, spec: ImageProcessorSpec, channels: int) -> Normalization:
+        if not spec.do_normalize:
+            return cls(spec.rescale_factor if spec.do_rescale else None, None, None)
+        mean, std = _per_channel(spec.image_mean, channels), _per_channel(spec.image_std, channels)
+        return cls(spec.rescale_factor if spec.do_rescale else None, tuple(mean), tuple(std))
+
+
+def normalize_patches(patches: torch.Tensor, norm: Normalization) -> torch.Tensor:
+    """float32 pixel values from uint8 patches [N, channels * temporal * patch * patch], on their device.
+
+    The operations and dtypes of `_rescale_and_normalize` (a float64 product rounded once to float32, then
+    float32 subtraction and division): IEEE arithmetic on CPU and CUDA alike, so the result is bit-identical
+    to the host's. A patch row's columns are laid out channel-major, so column c belongs to channel
+    ``c // (columns / channels)``.
+    """
+    values = patches
+    if norm.rescale_factor is not None:
+        values = (values.to(torch.float64) * norm.rescale_factor).to(torch.float32)
+    values = values.to(torch.float32)
+    if norm.mean is not None and norm.std is not None:
+        per_channel = values.shape[1] // len(norm.mean)
+        mean = torch.tensor(norm.mean, dtype=torch.float32).repeat_interleave(per_channel).to(values.device)
+        std = torch.tensor(norm.std, dtype=torch.float32).repeat_interleave(per_channel).to(values.device)
+        values = (values - mean) / std
+    return values
 
 
 def num_image_tokens(grid_thw: tuple[int, int, int], merge_size: int) -> int:
@@ -405,8 +458,9 @@ def _check_patchable(shape: tuple[int, ...], spec: ImageProcessorSpec) -> None:
             )
 
 
-def _patchify(pixels: np.ndarray, spec: ImageProcessorSpec) -> np.ndarray:
-    """Normalize and lay out patches in transformers' order, one band of merge blocks at a time.
+def _patchify(pixels: np.ndarray, spec: ImageProcessorSpec, normalize: bool = True) -> np.ndarray:
+    """Normalize (or not: uint8 out) and lay out patches in transformers' order, one band of merge blocks
+    at a time.
 
     Rows are ordered (block row, block col, row in block, col in block) and each row holds
     (channel, temporal copy, patch row, patch col). Working per band keeps the float temporaries small;
@@ -415,9 +469,11 @@ def _patchify(pixels: np.ndarray, spec: ImageProcessorSpec) -> np.ndarray:
     p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
     height, width, channels = pixels.shape
     band_rows, blocks_h, blocks_w = m * p, height // (m * p), width // (m * p)
-    out = np.empty((blocks_h, blocks_w, m, m, channels, t, p, p), dtype=np.float32)
+    out = np.empty((blocks_h, blocks_w, m, m, channels, t, p, p), dtype=np.float32 if normalize else pixels.dtype)
     for i in range(blocks_h):
-        band = _rescale_and_normalize(pixels[i * band_rows : (i + 1) * band_rows], spec)
+        band = pixels[i * band_rows : (i + 1) * band_rows]
+        if normalize:
+            band = _rescale_and_normalize(band, spec)
         # (row-in-block, patch row, block col, col-in-block, patch col, C) -> (block col, rib, cib, C, pr, pc)
         band = band.reshape(m, p, blocks_w, m, p, channels).transpose(2, 0, 3, 5, 1, 4)
         # The reference repeats a still image temporal_patch_size times along the time axis.

@@ -220,7 +220,17 @@ class FetcherWorker:
         item = call.item
         if msg.state == "reserved" and msg.slot is not None:
             pixels = inline_ref(torch.from_numpy(item.pixel_values))
-            job = EncodeJob(uuid.uuid4().hex, item.content_hash, pixels, list(item.grid_thw), msg.slot)
+            norm = item.normalization
+            job = EncodeJob(
+                uuid.uuid4().hex,
+                item.content_hash,
+                pixels,
+                list(item.grid_thw),
+                msg.slot,
+                rescale_factor=(norm.rescale_factor or 0.0) if norm else 0.0,
+                image_mean=list(norm.mean or ()) if norm else [],
+                image_std=list(norm.std or ()) if norm else [],
+            )
             self.encode.submit(job.job_id, job, self.cfg.fetcher.encode_timeout_s)
         state = self.inflight.get(call.request_id)
         if state is None or call.index in state.prepared:
