@@ -35,7 +35,7 @@ url=http://127.0.0.1:8000
 log "starting the stack"
 logs=run/8000/logs
 mkdir -p $logs
-sed -e "s#%(here)s/../run/#$PWD/run/8000/#g" -e "s#%(here)s/..#$PWD#g" ops/vlm.conf > run/8000/supervisord.conf
+$py -m common.deploy run/8000/supervisord.conf  # the run directory of benchmarks/gpu.toml (port 8000)
 $py -m supervisor.supervisord -c run/8000/supervisord.conf > "$out/supervisord.out" 2>&1 &
 supervisor=$!
 for _ in $(seq 1 240); do

@@ -62,6 +62,11 @@ class EncoderConfig:
     credits: int = 16  # jobs an encoder holds at once: what it can pack into one forward
     max_batch_patches: int = 16384  # patches (before merging) per forward; a larger single image goes alone
 
+    def validate(self, where: str) -> None:
+        for name, low in (("count", 0), ("credits", 1), ("max_batch_patches", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{where}.{name}: expected >= {low}, got {getattr(self, name)}")
+
 
 @dataclass
 class CacheConfig:

@@ -18,6 +18,7 @@ import torch
 import zmq
 
 from common.config import Config
+from common.deploy import encoder_count
 from common.dispatch import Dispatcher, Job
 from common.protocol import (
     Abort,
@@ -45,10 +46,6 @@ from workers.models.runtime import resolve_device, resolve_dtype
 from workers.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
-
-
-def encoder_count(cfg: Config) -> int:
-    return cfg.encoder.count or max(1, torch.cuda.device_count())
 
 
 @dataclass

@@ -14,7 +14,8 @@ def resolve_device(cfg: Config, gpu: int = 0) -> torch.device:
     if choice == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("[model] device = 'cuda' but no CUDA device is visible")
-        return torch.device("cuda", gpu)
+        # More encoders than GPUs ([encoder] count) share them round robin (e.g. under MPS).
+        return torch.device("cuda", gpu % torch.cuda.device_count())
     return torch.device(choice)
 
 

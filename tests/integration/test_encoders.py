@@ -1,0 +1,94 @@
+"""Two encoders behind one fetcher (``[encoder] count = 2``, both on this CPU): the images of requests
+are spread over both, and killing one mid-flight hands its jobs to the other — every request answers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import zmq
+from openai import OpenAI
+
+from common.config import load_config
+from common.protocol import StatsRequest, StatsResult
+from common.transport import Channel
+from tests.integration.conftest import REPO, Stack, free_port
+from tests.integration.test_faults import cache_gauges_settle
+from tests.media import data_url, make_image
+
+
+@pytest.fixture(scope="module")
+def two_encoders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    port = free_port()
+    config = tmp_path_factory.mktemp("two-encoders") / "vlm.toml"
+    config.write_text(
+        f"[server]\nport = {port}\nrequest_timeout_s = 120.0\n"
+        "[fetcher]\nallow_private_addresses = true\nencode_timeout_s = 30.0\n"
+        "[encoder]\ncount = 2\ncredits = 2\n"  # few credits: a request's three images need both encoders
+    )
+    env = {**os.environ, "VLM_CONFIG": str(config)}
+    with open(REPO / "run" / "serve-two-encoders.log", "wb") as log:
+        process = subprocess.Popen([str(REPO / "ops/serve")], env=env, stdout=log, stderr=subprocess.STDOUT)
+    stack = Stack(f"http://127.0.0.1:{port}", config, process)
+    try:
+        stack.wait_healthy()
+        yield stack
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def images_encoded(stack: Stack, index: int) -> float:
+    """Ask encoder ``index`` itself over its socket (the gateway's /metrics does not see encoders)."""
+    cfg = load_config(stack.config_path)
+    ctx = zmq.Context.instance()
+    channel = Channel(ctx, zmq.DEALER, cfg.endpoint(f"encoder.{index}"), bind=False)
+    try:
+        channel.send(StatsRequest(f"test-{index}"))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if channel.sock.poll(500):
+                _, msg = channel.recv()
+                if isinstance(msg, StatsResult):
+                    return msg.counters["images_encoded"]
+        raise TimeoutError(f"encoder {index} did not answer a stats request")
+    finally:
+        channel.close()
+
+
+def ask(client: OpenAI, seed: int) -> str:
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(make_image(200, 160, seed=seed + k))}} for k in range(3)
+    ]
+    response = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        max_tokens=4,
+        temperature=0,
+        messages=[{"role": "user", "content": [*content, {"type": "text", "text": "Compare them."}]}],
+    )
+    return response.choices[0].finish_reason or ""
+
+
+def test_images_spread_over_both_encoders_and_survive_losing_one(two_encoders: Stack) -> None:
+    client = OpenAI(base_url=two_encoders.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with ThreadPoolExecutor(6) as pool:
+        assert all(list(pool.map(lambda i: ask(client, 100 * i), range(6))))
+    first, second = images_encoded(two_encoders, 0), images_encoded(two_encoders, 1)
+    assert first > 0 and second > 0 and first + second == 18, (first, second)
+
+    victim = two_encoders.pid("encoder-1")
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(ask, client, 1000 + 100 * i) for i in range(6)]
+        time.sleep(0.3)
+        os.kill(victim, signal.SIGKILL)
+        assert all(f.result(timeout=150) for f in futures)  # answered, not failed: re-issued jobs ran
+    settled = cache_gauges_settle(two_encoders)
+    assert settled["vlm_cache_leased_requests"] == 0 and settled["vlm_cache_pending_entries"] == 0, settled

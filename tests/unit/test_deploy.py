@@ -1,0 +1,42 @@
+"""The supervisord configuration a deployment runs: its own paths, one encoder per GPU."""
+
+from __future__ import annotations
+
+import configparser
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.config import Config
+from common.deploy import REPO, encoder_count, render
+
+
+def rendered(encoders: int, run: Path) -> configparser.RawConfigParser:
+    text = render((REPO / "ops/vlm.conf").read_text(), REPO, run, encoders)
+    assert "%(here)s" not in text
+    parser = configparser.RawConfigParser()
+    parser.read_string(text)
+    return parser
+
+
+def test_encoder_processes_follow_the_count_and_nothing_else_changes(tmp_path: Path) -> None:
+    one, three = rendered(1, tmp_path / "run"), rendered(3, tmp_path / "run")
+    assert one["program:encoder"]["numprocs"] == "1" and three["program:encoder"]["numprocs"] == "3"
+    for section in one.sections():
+        for key, value in one[section].items():
+            if (section, key) != ("program:encoder", "numprocs"):
+                assert three[section][key] == value, (section, key)
+    assert three["program:fetcher"]["numprocs"] == "1"
+    assert three["program:encoder"]["stdout_logfile"] == f"{tmp_path}/run/logs/encoder-%(process_num)d.log"
+    assert three["program:encoder"]["command"].startswith(f"{REPO}/.venv/bin/python -m workers.encoder --gpu")
+
+
+def test_encoder_count_and_bad_counts(tmp_path: Path) -> None:
+    cfg = Config()
+    cfg.encoder.count = 2
+    assert encoder_count(cfg) == 2
+    cfg.encoder.count = 0
+    assert encoder_count(cfg) == max(1, torch.cuda.device_count())  # one per GPU, one on a CPU host
+    with pytest.raises(ValueError, match="at least one encoder"):
+        render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 0)
