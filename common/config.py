@@ -61,11 +61,15 @@ class EncoderConfig:
     count: int = 0  # 0: one per visible GPU, or one on a CPU host
     credits: int = 16  # jobs an encoder holds at once: what it can pack into one forward
     max_batch_patches: int = 16384  # patches (before merging) per forward; a larger single image goes alone
+    backend: str = "torch"  # "torch", "onnxruntime" or "tensorrt" (workers/encoder/backends.py)
+    engine_dir: str = ""  # where exported ONNX files and TensorRT engines are cached; empty: <run dir>/engines
 
     def validate(self, where: str) -> None:
         for name, low in (("count", 0), ("credits", 1), ("max_batch_patches", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{where}.{name}: expected >= {low}, got {getattr(self, name)}")
+        if self.backend not in ("torch", "onnxruntime", "tensorrt"):
+            raise ValueError(f"{where}.backend: expected 'torch', 'onnxruntime' or 'tensorrt', got {self.backend!r}")
 
 
 @dataclass

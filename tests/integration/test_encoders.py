@@ -1,5 +1,6 @@
-"""Two encoders behind one fetcher (``[encoder] count = 2``, both on this CPU): the images of requests
-are spread over both, and killing one mid-flight hands its jobs to the other — every request answers."""
+"""Encoder deployments other than the default: two encoders behind one fetcher (``[encoder] count = 2``,
+both on this CPU) — the images of requests are spread over both, and killing one mid-flight hands its
+jobs to the other; and the onnxruntime backend, whose answers must still equal transformers'."""
 
 from __future__ import annotations
 
@@ -22,17 +23,16 @@ from tests.integration.test_faults import cache_gauges_settle
 from tests.media import data_url, make_image
 
 
-@pytest.fixture(scope="module")
-def two_encoders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def serve(tmp_path_factory: pytest.TempPathFactory, name: str, encoder_section: str) -> Iterator[Stack]:
     port = free_port()
-    config = tmp_path_factory.mktemp("two-encoders") / "vlm.toml"
+    config = tmp_path_factory.mktemp(name) / "vlm.toml"
     config.write_text(
         f"[server]\nport = {port}\nrequest_timeout_s = 120.0\n"
         "[fetcher]\nallow_private_addresses = true\nencode_timeout_s = 30.0\n"
-        "[encoder]\ncount = 2\ncredits = 2\n"  # few credits: a request's three images need both encoders
+        f"[encoder]\n{encoder_section}"
     )
     env = {**os.environ, "VLM_CONFIG": str(config)}
-    with open(REPO / "run" / "serve-two-encoders.log", "wb") as log:
+    with open(REPO / "run" / f"serve-{name}.log", "wb") as log:
         process = subprocess.Popen([str(REPO / "ops/serve")], env=env, stdout=log, stderr=subprocess.STDOUT)
     stack = Stack(f"http://127.0.0.1:{port}", config, process)
     try:
@@ -44,6 +44,17 @@ def two_encoders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@pytest.fixture(scope="module")
+def two_encoders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # Few credits: a request's three images need both encoders.
+    yield from serve(tmp_path_factory, "two-encoders", "count = 2\ncredits = 2\n")
+
+
+@pytest.fixture(scope="module")
+def onnx_encoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from serve(tmp_path_factory, "onnx-encoder", 'backend = "onnxruntime"\n')
 
 
 def images_encoded(stack: Stack, index: int) -> float:
@@ -92,3 +103,25 @@ def test_images_spread_over_both_encoders_and_survive_losing_one(two_encoders: S
         assert all(f.result(timeout=150) for f in futures)  # answered, not failed: re-issued jobs ran
     settled = cache_gauges_settle(two_encoders)
     assert settled["vlm_cache_leased_requests"] == 0 and settled["vlm_cache_pending_entries"] == 0, settled
+
+
+def test_onnxruntime_backend_answers_like_transformers(onnx_encoder: Stack) -> None:
+    from tests.integration.hf_chat import HfChat
+    from tests.integration.test_chat_parity import check_parity, image_part
+
+    client = OpenAI(base_url=onnx_encoder.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    hf = HfChat(load_config(onnx_encoder.config_path).model_path())
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                image_part(data_url(make_image(200, 60, seed=12))),
+                {"type": "text", "text": "Compare this one"},
+                image_part(data_url(make_image(64, 256, seed=13))),
+                {"type": "text", "text": "with that one."},
+            ],
+        }
+    ]
+    check_parity(client, hf, messages)
+    exports = list((load_config(onnx_encoder.config_path).run_path / "engines").glob("vision-*/model.onnx"))
+    assert len(exports) == 1, exports  # the encoder ran the exported graph, not the torch tower

@@ -177,6 +177,15 @@ class OnnxVisionEncoder:
     def providers(self) -> list[str]:
         return self.session.get_providers()
 
+    @property
+    def device(self) -> torch.device:
+        """Where inputs are read from: onnxruntime is fed host arrays, whatever provider runs them."""
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
     def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [num_patches, patch_dim], grid_thw [num_items, 3] -> CPU fp32 [num_patches // merge**2, out]."""
         grid = self._validate(pixel_values, grid_thw)

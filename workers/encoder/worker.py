@@ -19,9 +19,9 @@ from common.config import Config
 from common.protocol import CacheCommit, EncodeJob, EncodeResult, Message, Ping, StatsRequest, StatsResult, WorkerStatus
 from common.tensor_ref import ShmAttachments, read_tensor, torch_dtype
 from common.transport import Channel, EventLoop, worker_identity
+from workers.encoder.backends import VisionBackend, load_vision_backend
 from workers.fetcher.image import Normalization, normalize_patches
 from workers.models.runtime import resolve_device, resolve_dtype
-from workers.models.vision import VisionTower
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class EncoderWorker:
         self.device = resolve_device(cfg, gpu)
         self.dtype = resolve_dtype(cfg, self.device)
         started = time.monotonic()
-        self.tower = VisionTower.from_checkpoint(cfg.model_path(), device=self.device, dtype=self.dtype)
+        self.tower = load_vision_backend(cfg, self.device, self.dtype)
         self.ctx = zmq.Context()
         self.jobs = Channel(self.ctx, zmq.ROUTER, cfg.endpoint(self.name), bind=True)
         self.cache = Channel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
@@ -45,10 +45,11 @@ class EncoderWorker:
         self.loop = EventLoop()
         self.loop.on_message(self.jobs, self.handle)
         log.info(
-            "%s ready on %s (%s) in %.1fs at %s",
+            "%s ready on %s (%s, %s backend) in %.1fs at %s",
             self.name,
             self.device,
             self.dtype,
+            cfg.encoder.backend,
             time.monotonic() - started,
             self.jobs.address,
         )
@@ -159,7 +160,7 @@ def job_patches(job: EncodeJob) -> int:
     return t * h * w
 
 
-def encode_images(tower: VisionTower, pixels: list[torch.Tensor], grids: list[list[int]]) -> list[torch.Tensor]:
+def encode_images(tower: VisionBackend, pixels: list[torch.Tensor], grids: list[list[int]]) -> list[torch.Tensor]:
     """Embeddings of several images (or videos) in one forward, one tensor each: [t*h*w / merge², hidden].
 
     Attention never crosses an image (the tower's segments are per frame), so each image's rows equal

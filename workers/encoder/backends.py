@@ -1,0 +1,98 @@
+"""Which engine runs the vision tower in an encoder: ``[encoder] backend``.
+
+- ``torch`` (default): `VisionTower` on the encoder's device, in the model dtype.
+- ``onnxruntime``: the tower exported to ONNX once (`onnx_backend`), cached under ``engine_dir``, run by
+  onnxruntime (CUDA execution provider where the installed build has it, else CPU).
+- ``tensorrt``: a TensorRT engine built from that ONNX export, cached on disk (`tensorrt_backend`).
+
+Every backend is called like `VisionTower.forward` and exposes ``spec``, ``device`` and ``dtype``.
+Exports are keyed by what changes them (the checkpoint's files, torch, the opset), written to a
+temporary directory and renamed into place, so encoders of one host starting together never read a
+half-written file: whichever finishes first wins, the others use its copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from common.config import Config
+from workers.models.spec import VisionSpec
+from workers.models.vision import VisionTower
+
+BACKENDS = ("torch", "onnxruntime", "tensorrt")
+
+
+class VisionBackend(Protocol):
+    spec: VisionSpec
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor: ...
+
+
+def load_vision_backend(cfg: Config, device: torch.device, dtype: torch.dtype) -> VisionBackend:
+    tower = VisionTower.from_checkpoint(cfg.model_path(), device=device, dtype=dtype)
+    backend = cfg.encoder.backend
+    if backend == "torch":
+        return tower
+    onnx_path = exported_onnx(tower, cfg.model_path(), engine_dir(cfg))
+    if backend == "onnxruntime":
+        from workers.encoder.onnx_backend import OnnxVisionEncoder
+
+        return OnnxVisionEncoder(onnx_path, tower.spec)
+    from workers.encoder.tensorrt_backend import TensorRTVisionEncoder
+
+    return TensorRTVisionEncoder(
+        onnx_path, engine_dir(cfg), tower.spec, device, max_patches=cfg.encoder.max_batch_patches
+    )
+
+
+def engine_dir(cfg: Config) -> Path:
+    return Path(cfg.encoder.engine_dir).expanduser() if cfg.encoder.engine_dir else cfg.run_path / "engines"
+
+
+def checkpoint_fingerprint(model_dir: Path) -> str:
+    """What identifies a checkpoint's weights without reading them: each file's name, size and mtime."""
+    files = sorted(p for p in model_dir.iterdir() if p.is_file())
+    listing = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return hashlib.sha256(json.dumps([str(model_dir.resolve()), listing]).encode()).hexdigest()
+
+
+def exported_onnx(tower: VisionTower, model_dir: Path, cache_dir: Path) -> Path:
+    """The tower's ONNX export for this checkpoint and toolchain, exporting it first if missing."""
+    from workers.encoder.onnx_backend import OPSET, export_vision_onnx
+
+    key = hashlib.sha256(
+        json.dumps([checkpoint_fingerprint(model_dir), torch.__version__, OPSET]).encode()
+    ).hexdigest()[:16]
+    final = cache_dir / f"vision-{key}"
+    if not (final / "model.onnx").exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".vision-{key}-", dir=cache_dir))
+        try:
+            export_vision_onnx(tower, staging / "model.onnx")
+            publish(staging, final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return final / "model.onnx"
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Rename a finished directory into place; if another process got there first, keep theirs."""
+    try:
+        os.rename(staging, final)
+    except OSError:
+        if not (final / "model.onnx").exists():
+            raise
