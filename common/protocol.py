@@ -215,6 +215,9 @@ class EncodeJob(Message):
     rescale_factor: float = 0.0
     image_mean: list[float] = dataclasses.field(default_factory=list)
     image_std: list[float] = dataclasses.field(default_factory=list)
+    # False for one part of a video encoded in chunks of frames: the fetcher commits the cache entry once
+    # every part is in its place in the slot (or fails it if one part fails).
+    commit: bool = True
 
 
 @message

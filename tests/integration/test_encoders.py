@@ -53,6 +53,12 @@ def two_encoders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="module")
+def small_batches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # 192 patches: the test video's 4 temporal patches of 12x8 go as 2 jobs of 2 (two encoders).
+    yield from serve(tmp_path_factory, "small-batches", "count = 2\nmax_batch_patches = 192\n")
+
+
+@pytest.fixture(scope="module")
 def onnx_encoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from serve(tmp_path_factory, "onnx-encoder", 'backend = "onnxruntime"\n')
 
@@ -125,3 +131,19 @@ def test_onnxruntime_backend_answers_like_transformers(onnx_encoder: Stack) -> N
     check_parity(client, hf, messages)
     exports = list((load_config(onnx_encoder.config_path).run_path / "engines").glob("vision-*/model.onnx"))
     assert len(exports) == 1, exports  # the encoder ran the exported graph, not the torch tower
+
+
+def test_a_long_video_encoded_in_chunks_answers_like_transformers(small_batches: Stack) -> None:
+    from benchmarks.media import data_url as media_url
+    from benchmarks.media import jpeg_bytes, mjpeg_avi, video_frames
+    from tests.integration.hf_chat import HfChat
+    from tests.integration.test_video import check_parity, video_part
+    from workers.fetcher.video import VideoProcessorSpec
+
+    client = OpenAI(base_url=small_batches.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model_path = load_config(small_batches.config_path).model_path()
+    clip = mjpeg_avi([jpeg_bytes(f) for f in video_frames(160, 112, 16, seed=7)], 160, 112, 8)
+    video = video_part(media_url(clip, "video/x-msvideo"), 4)
+    messages = [{"role": "user", "content": [video, {"type": "text", "text": "?"}]}]
+    check_parity(client, HfChat(model_path), VideoProcessorSpec.from_dir(model_path), messages)
+    assert images_encoded(small_batches, 0) + images_encoded(small_batches, 1) == 2  # two parts, one video

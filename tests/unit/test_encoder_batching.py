@@ -128,3 +128,21 @@ def test_uint8_jobs_are_normalised_on_the_encoder_and_bad_stats_refused() -> Non
     bad = EncodeJob("j", "h", job.pixels, list(grid), slot, spec.rescale_factor, mean[:2], std[:2])
     with pytest.raises(ValueError, match="one mean and std per channel"):
         model_pixels(bad, torch.device("cpu"), 3)
+
+
+def test_a_video_in_chunks_of_frames_gives_the_whole_videos_rows(checkpoint: Path) -> None:
+    """The fetcher's split of a long video (`frame_chunks`): frames [a, b) encoded alone give exactly
+    the rows those frames get in the whole video, so the parts can land in one slot side by side."""
+    from workers.fetcher.worker import frame_chunks
+
+    assert frame_chunks([5, 4, 6], 48) == [(0, 2), (2, 4), (4, 5)]
+    assert frame_chunks([3, 8, 8], 10) == [(0, 1), (1, 2), (2, 3)]  # a frame over the budget still goes
+    assert frame_chunks([2, 4, 4], 10_000) == [(0, 2)]
+    tower = VisionTower.from_checkpoint(checkpoint, dtype=torch.float32)
+    grid = [5, 4, 6]
+    video = pixels_for(tower, grid, seed=21)
+    (whole,) = encode_images(tower, [video], [grid])
+    frame = grid[1] * grid[2]
+    parts = [video[a * frame : b * frame] for a, b in frame_chunks(grid, 48)]
+    chunked = encode_images(tower, parts, [[len(p) // frame, 4, 6] for p in parts])
+    torch.testing.assert_close(torch.cat(chunked), whole, rtol=1e-5, atol=1e-5)

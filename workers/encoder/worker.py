@@ -131,13 +131,15 @@ class EncoderWorker:
             return self.fail(job, exc)
         self.counters["images_encoded"] += 1
         self.counters["patches_encoded"] += patches
-        self.cache.send(CacheCommit(job.content_hash))
+        if job.commit:
+            self.cache.send(CacheCommit(job.content_hash))
         return EncodeResult(job.job_id, job.content_hash)
 
     def fail(self, job: EncodeJob, exc: Exception) -> EncodeResult:
         log.error("encode job %s failed: %r", job.job_id, exc)
         self.counters["failures"] += 1
-        self.cache.send(CacheCommit(job.content_hash, error=str(exc) or type(exc).__name__))
+        if job.commit:
+            self.cache.send(CacheCommit(job.content_hash, error=str(exc) or type(exc).__name__))
         return EncodeResult(job.job_id, job.content_hash, status=500, message=f"vision encoder failed: {exc}")
 
 

@@ -8,9 +8,11 @@ the embeddings through the cache, so encoding overlaps with the hand-off.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -34,6 +36,7 @@ from common.protocol import (
     PreparedMedia,
     PreparedRequest,
     RequestError,
+    TensorRef,
     WorkerStatus,
 )
 from common.tensor_ref import dtype_name, inline_ref, nbytes_of
@@ -54,6 +57,25 @@ class InFlight:
     deadline: float
     loaded: list[LoadedImage] = field(default_factory=list)
     prepared: dict[int, PreparedMedia] = field(default_factory=dict)
+
+
+@dataclass
+class ChunkedEncode:
+    """One video encoded as several jobs of whole frames, each writing its rows into the same slot."""
+
+    content_hash: str
+    pending: set[str]  # job ids not yet done
+    failed: bool = False
+
+
+def frame_chunks(grid_thw: Sequence[int], max_patches: int) -> list[tuple[int, int]]:
+    """[start, end) temporal-patch ranges of at most ``max_patches`` patches each (at least one frame).
+
+    Exact: the vision tower attends within a frame and merges rows within a frame, so the rows of frames
+    [a, b) encoded alone are the rows those frames get in the whole video."""
+    t, h, w = grid_thw
+    per_chunk = max(1, max_patches // (h * w))
+    return [(a, min(a + per_chunk, t)) for a in range(0, t, per_chunk)]
 
 
 @dataclass
@@ -96,6 +118,7 @@ class FetcherWorker:
         self.threads = ThreadPoolExecutor(cfg.fetcher.threads, thread_name_prefix="fetch")
         self.inflight: dict[str, InFlight] = {}
         self.calls: dict[str, CacheCall] = {}
+        self.chunked: dict[str, ChunkedEncode] = {}  # job id -> its video's parts
         self.loop = EventLoop()
         self.loaded = Wakeup(self.loop, self.on_loaded)
         self.loop.on_message(self.gateway, self.on_gateway)
@@ -216,19 +239,12 @@ class FetcherWorker:
             return
         item = call.item
         if msg.state == "reserved" and msg.slot is not None:
-            pixels = inline_ref(torch.from_numpy(item.pixel_values))
-            norm = item.normalization
-            job = EncodeJob(
-                uuid.uuid4().hex,
-                item.content_hash,
-                pixels,
-                list(item.grid_thw),
-                msg.slot,
-                rescale_factor=(norm.rescale_factor or 0.0) if norm else 0.0,
-                image_mean=list(norm.mean or ()) if norm else [],
-                image_std=list(norm.std or ()) if norm else [],
-            )
-            self.encode.submit(job.job_id, job, self.cfg.fetcher.encode_timeout_s)
+            jobs = self.encode_jobs(item, msg.slot)
+            if len(jobs) > 1:
+                group = ChunkedEncode(item.content_hash, {job.job_id for job in jobs})
+                self.chunked.update((job.job_id, group) for job in jobs)
+            for job in jobs:
+                self.encode.submit(job.job_id, job, self.cfg.fetcher.encode_timeout_s)
         state = self.inflight.get(call.request_id)
         if state is None or call.index in state.prepared:
             return
@@ -246,6 +262,46 @@ class FetcherWorker:
         self.done(request.request_id)
 
     # ------------------------------------------------------------------ encoder side
+    def encode_jobs(self, item: LoadedImage, slot: TensorRef) -> list[EncodeJob]:
+        """One job per image; a video larger than an encoder's batch budget goes in chunks of frames, so
+        that it neither monopolises one encoder nor exceeds its batch, and spreads over several."""
+        t, h, w = item.grid_thw
+        chunks = frame_chunks(item.grid_thw, self.cfg.encoder.max_batch_patches) if item.kind == "video" else [(0, t)]
+        merge = self.spec.vision.spatial_merge_size**2
+        row_bytes = nbytes_of(slot.dtype, slot.shape[1:])
+        norm = item.normalization
+        jobs = []
+        for start, end in chunks:
+            first_row, rows = start * h * w // merge, (end - start) * h * w // merge
+            part = dataclasses.replace(slot, offset=slot.offset + first_row * row_bytes, shape=[rows, *slot.shape[1:]])
+            pixels = item.pixel_values[start * h * w : end * h * w]
+            job = EncodeJob(
+                uuid.uuid4().hex,
+                item.content_hash,
+                inline_ref(torch.from_numpy(pixels)),
+                [end - start, h, w],
+                part,
+                rescale_factor=(norm.rescale_factor or 0.0) if norm else 0.0,
+                image_mean=list(norm.mean or ()) if norm else [],
+                image_std=list(norm.std or ()) if norm else [],
+                commit=len(chunks) == 1,
+            )
+            jobs.append(job)
+        return jobs
+
+    def part_done(self, job_id: str, ok: bool, why: str) -> bool:
+        """Account for one part of a chunked video; False if ``job_id`` is not one."""
+        group = self.chunked.pop(job_id, None)
+        if group is None:
+            return False
+        group.pending.discard(job_id)
+        if not ok and not group.failed:
+            group.failed = True
+            self.cache.send(CacheCommit(group.content_hash, error=f"a part of the video failed: {why}"))
+        elif ok and not group.pending and not group.failed:
+            self.cache.send(CacheCommit(group.content_hash))
+        return True
+
     def send_encode(self, key: bytes, job: Message) -> bool:
         self.encoders[int(key)].send(job)
         return True
@@ -255,7 +311,8 @@ class FetcherWorker:
             case WorkerStatus():
                 self.encode.peer_status(str(k).encode(), msg)
             case EncodeResult(job_id=job_id):
-                self.encode.complete(job_id)
+                if self.encode.complete(job_id) is not None:
+                    self.part_done(job_id, msg.status == 200, msg.message)
             case _:
                 pass
 
@@ -263,7 +320,8 @@ class FetcherWorker:
         assert isinstance(job.payload, EncodeJob)
         log.error("encode job %s failed: %s", job.job_id, why)
         # The decoder waits on the cache entry: failing it there answers every waiting request.
-        self.cache.send(CacheCommit(job.payload.content_hash, error=f"vision encoder unavailable: {why}"))
+        if not self.part_done(job.job_id, False, f"vision encoder unavailable: {why}"):
+            self.cache.send(CacheCommit(job.payload.content_hash, error=f"vision encoder unavailable: {why}"))
 
     # ------------------------------------------------------------------ endings
     def finish_error(self, request_id: str, status: int, message: str) -> None:
