@@ -120,6 +120,7 @@ def one_of_each() -> list[Message]:
             rescale_factor=1 / 255,
             image_mean=[0.48, 0.45, 0.4],
             image_std=[0.26, 0.26, 0.27],
+            commit=False,
         ),
         EncodeResult(job_id="job-1", content_hash="cd" * 32, status=500, message="encoder exploded"),
         CacheLookup(call_id="c1", content_hash="ef" * 32, nbytes=1 << 20, dtype="bfloat16", shape=[64, 8192]),
