@@ -1,6 +1,7 @@
 """``python -m gateway``: the OpenAI-compatible HTTP server (aiohttp)."""
 
 import logging
+import resource
 
 from aiohttp import web
 
@@ -8,11 +9,26 @@ from common.lifecycle import parse_args, start_process
 from gateway.app import Gateway
 
 
+def raise_open_file_limit() -> int:
+    """Every client connection is a file descriptor: take the hard limit, not a 1,024 default, so that
+    thousands of idle or streaming connections do not turn new clients away."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass  # keep what we have; the log line says how many
+    return soft
+
+
 def main() -> None:
     cfg = start_process("gateway", parse_args("gateway"))
+    files = raise_open_file_limit()
     gateway = Gateway(cfg)
     logging.getLogger("gateway").info(
-        "serving %s on http://%s:%d", gateway.model_name, cfg.server.host, cfg.server.port
+        "serving %s on http://%s:%d (up to %d open files)", gateway.model_name, cfg.server.host, cfg.server.port, files
     )
     # handler_cancellation: a client that hangs up cancels its handler, whose cleanup aborts the
     # request in every stage (non-streaming requests included).
