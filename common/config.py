@@ -93,10 +93,14 @@ class DecoderConfig:
     cuda_graphs: bool = True  # steps replayed from CUDA graphs (needs kernels = "triton" on CUDA)
     graph_tokens: int = 2048  # mixed prefill/decode steps up to this many tokens replay graphs too (0: none)
     overlap: bool = True  # with graphs: stage decode step N+1 while the GPU runs step N
+    tensor_parallel: int = 1  # decoder ranks (one process, and one GPU, each); > 1 runs the plain-torch layers
+    tp_timeout_s: float = 120.0  # how long the ranks wait for each other at start and in a collective
 
     def validate(self, where: str) -> None:
         if self.kernels not in ("triton", "torch"):
             raise ValueError(f"{where}.kernels: expected 'triton' or 'torch', got {self.kernels!r}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"{where}.tensor_parallel: expected >= 1, got {self.tensor_parallel}")
         if self.graph_tokens < 0:
             raise ValueError(f"{where}.graph_tokens: expected >= 0 (0: no mixed graphs), got {self.graph_tokens}")
 

@@ -2,8 +2,9 @@
 
 ``python -m common.deploy OUT`` (what ``./ops/serve`` runs) writes it for the configuration that
 ``VLM_CONFIG`` names: paths point at this checkout and at the deployment's own run directory (so two
-deployments never share a socket, pid file or log), and the encoder program runs one process per
-encoder the fetcher will dispatch to (``[encoder] count``, 0: one per visible GPU).
+deployments never share a socket, pid file or log), the encoder program runs one process per
+encoder the fetcher will dispatch to (``[encoder] count``, 0: one per visible GPU), and a
+tensor-parallel decoder (``[decoder] tensor_parallel`` = N) gets its ranks 1..N-1 as ``decoder-rank``.
 """
 
 from __future__ import annotations
@@ -26,15 +27,43 @@ def encoder_count(cfg: Config) -> int:
     return max(1, torch.cuda.device_count())
 
 
-def render(template: str, repo: Path, run: Path, encoders: int) -> str:
-    if encoders < 1:
-        raise ValueError(f"a deployment needs at least one encoder, got {encoders}")
+def render(template: str, repo: Path, run: Path, encoders: int, decoder_ranks: int = 1) -> str:
+    if encoders < 1 or decoder_ranks < 1:
+        raise ValueError(
+            f"a deployment needs at least one encoder and one decoder rank, got {encoders}, {decoder_ranks}"
+        )
     text = template.replace("%(here)s/../run/", f"{run}/").replace("%(here)s/..", str(repo))
-    section = re.search(r"^\[program:encoder\]\n(?:(?!\[).*\n?)*", text, flags=re.MULTILINE)
-    if section is None or "numprocs = 1" not in section.group(0):
+    encoder = _section(text, "encoder")
+    if "numprocs = 1" not in encoder.group(0):
         raise ValueError("the template's [program:encoder] section has no 'numprocs = 1' to set")
-    body = section.group(0).replace("numprocs = 1", f"numprocs = {encoders}", 1)
-    return text[: section.start()] + body + text[section.end() :]
+    body = encoder.group(0).replace("numprocs = 1", f"numprocs = {encoders}", 1)
+    text = text[: encoder.start()] + body + text[encoder.end() :]
+    if decoder_ranks > 1:
+        text = _add_decoder_ranks(text, decoder_ranks)
+    return text
+
+
+def _section(text: str, program: str) -> re.Match[str]:
+    section = re.search(rf"^\[program:{program}\]\n(?:(?!\[).*\n?)*", text, flags=re.MULTILINE)
+    if section is None:
+        raise ValueError(f"the template has no [program:{program}] section")
+    return section
+
+
+def _add_decoder_ranks(text: str, ranks: int) -> str:
+    """Ranks 1..ranks-1 of the tensor-parallel decoder: the decoder's program with ``--rank K``. Only in
+    rendered configurations: started without a rank 0 that waits for them, they would only time out."""
+    decoder = _section(text, "decoder").group(0)
+    program = (
+        decoder.replace("[program:decoder]", "[program:decoder-rank]")
+        .replace("-m workers.decoder", "-m workers.decoder --rank %(process_num)d")
+        .replace("logs/decoder.log", "logs/decoder-rank-%(process_num)d.log")
+    )
+    program = program.rstrip("\n") + (
+        f"\nprocess_name = %(program_name)s-%(process_num)d\nnumprocs = {ranks - 1}\nnumprocs_start = 1\n\n"
+    )
+    text = re.sub(r"^(programs = .*)$", r"\1,decoder-rank", text, count=1, flags=re.MULTILINE)
+    return text.rstrip("\n") + "\n\n" + program
 
 
 def main(argv: list[str]) -> None:
@@ -43,7 +72,8 @@ def main(argv: list[str]) -> None:
     cfg = load_config()
     out = Path(argv[0])
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render((REPO / "ops/vlm.conf").read_text(), REPO, cfg.run_path, encoder_count(cfg)))
+    template = (REPO / "ops/vlm.conf").read_text()
+    out.write_text(render(template, REPO, cfg.run_path, encoder_count(cfg), cfg.decoder.tensor_parallel))
 
 
 if __name__ == "__main__":

@@ -287,6 +287,28 @@ class CacheRelease(Message):
     request_id: str
 
 
+# --------------------------------------------------------------------------- tensor-parallel decoder ranks
+
+
+@message
+class TPJoin(Message):
+    """Decoder rank K (K >= 1) -> rank 0 at start: ready to join the process group."""
+
+    rank: int
+    incarnation: str
+
+
+@message
+class TPSetup(Message):
+    """Rank 0 -> each joining rank: where to rendezvous (a file store of this rank 0's incarnation)
+    and the KV cache size every rank allocates."""
+
+    store_path: str
+    world: int
+    num_blocks: int
+    leader: str
+
+
 @message
 class StatsRequest(Message):
     call_id: str

@@ -23,13 +23,16 @@ from tests.integration.test_faults import cache_gauges_settle
 from tests.media import data_url, make_image
 
 
-def serve(tmp_path_factory: pytest.TempPathFactory, name: str, encoder_section: str) -> Iterator[Stack]:
+def serve(
+    tmp_path_factory: pytest.TempPathFactory, name: str, encoder_section: str, decoder_section: str = ""
+) -> Iterator[Stack]:
+    """``./ops/serve`` with these [encoder] and [decoder] settings, on a free port."""
     port = free_port()
     config = tmp_path_factory.mktemp(name) / "vlm.toml"
     config.write_text(
         f"[server]\nport = {port}\nrequest_timeout_s = 120.0\n"
         "[fetcher]\nallow_private_addresses = true\nencode_timeout_s = 30.0\n"
-        f"[encoder]\n{encoder_section}"
+        f"[encoder]\n{encoder_section}[decoder]\n{decoder_section}"
     )
     env = {**os.environ, "VLM_CONFIG": str(config)}
     with open(REPO / "run" / f"serve-{name}.log", "wb") as log:

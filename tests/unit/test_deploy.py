@@ -40,3 +40,16 @@ def test_encoder_count_and_bad_counts(tmp_path: Path) -> None:
     assert encoder_count(cfg) == max(1, torch.cuda.device_count())  # one per GPU, one on a CPU host
     with pytest.raises(ValueError, match="at least one encoder"):
         render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 0)
+
+
+def test_a_tensor_parallel_decoder_gets_its_other_ranks(tmp_path: Path) -> None:
+    assert not rendered(1, tmp_path).has_section("program:decoder-rank")  # size 1: no rank waits for nobody
+    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, decoder_ranks=4)
+    parser = configparser.RawConfigParser()
+    parser.read_string(text)
+    ranks = parser["program:decoder-rank"]
+    assert (ranks["numprocs"], ranks["numprocs_start"]) == ("3", "1")  # ranks 1, 2, 3 beside rank 0
+    assert ranks["command"].endswith("-m workers.decoder --rank %(process_num)d")
+    assert ranks["stdout_logfile"] == f"{tmp_path}/logs/decoder-rank-%(process_num)d.log"
+    assert parser["group:vlm"]["programs"].split(",")[-1] == "decoder-rank"
+    assert parser["program:decoder"]["command"].endswith("-m workers.decoder")  # rank 0 unchanged

@@ -1,11 +1,20 @@
-"""``python -m workers.decoder``: the LLM decoder (one per model replica)."""
+"""``python -m workers.decoder [--rank K]``: the LLM decoder (rank 0, one per model replica), or rank K of
+its tensor-parallel group."""
 
 from common.lifecycle import on_terminate, parse_args, start_process
-from workers.decoder.worker import DecoderWorker
 
 
 def main() -> None:
-    worker = DecoderWorker(start_process("decoder", parse_args("workers.decoder")))
+    args = parse_args("workers.decoder", lambda p: p.add_argument("--rank", type=int, default=0))
+    cfg = start_process("decoder" if args.rank == 0 else f"decoder.{args.rank}", args)
+    if args.rank:
+        from workers.decoder.tp import DecoderRank
+
+        DecoderRank(cfg, args.rank).run()  # SIGTERM ends it where it waits: it holds no state to save
+        return
+    from workers.decoder.worker import DecoderWorker
+
+    worker = DecoderWorker(cfg)
     on_terminate(worker.loop.stop)
     worker.run()
 

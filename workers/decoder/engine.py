@@ -20,6 +20,7 @@ from common.protocol import PreparedRequest, SamplingParams, TokenDelta
 from workers.decoder.blocks import BlockManager, BlockTable, media_token_keys
 from workers.decoder.graphs import StepGraphs, StepInputs
 from workers.decoder.sampling import Sampled, SampleFuture, SamplingRow, sample_async, sample_batch
+from workers.decoder.tp import StepBroadcast, StepPayload, run_step
 from workers.kernels import paged_attention
 from workers.models.language import LanguageModel
 from workers.models.mrope import expand_media_placeholders, rope_positions
@@ -131,6 +132,7 @@ class Engine:
         graphs: str = "off",
         graph_tokens: int = 0,
         overlap: bool = False,
+        tp_steps: StepBroadcast | None = None,
     ) -> None:
         """``fuse``: concatenated projections and the fused norm/activation/rotary/cache kernels (Triton on
         CUDA). ``graphs``: "cuda" replays steps from CUDA graphs (decode steps up to ``max_running``
@@ -142,6 +144,9 @@ class Engine:
             raise ValueError(f"graphs must be 'off', 'static' or 'cuda', got {graphs!r}")
         if graph_tokens < 0:
             raise ValueError(f"graph_tokens must be >= 0, got {graph_tokens}")
+        if tp_steps is not None and (fuse or graphs != "off"):
+            raise ValueError("tensor parallelism runs the plain layers eagerly: fuse=False, graphs='off'")
+        self.tp_steps = tp_steps  # rank 0 of a tensor-parallel group: each step is broadcast, then run
         self.model = model
         self.attention = attention  # paged_attention: Triton on CUDA tensors, the torch reference elsewhere
         self.spec = spec
@@ -328,9 +333,13 @@ class Engine:
         if self._decode_graphable(batch):
             self.counters["graph_steps"] += 1
             return self._run_decode_graph(batch), True
-        embeds = torch.cat([self._embeddings(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch])
         ends = np.cumsum([b.num_new for b in batch]) - 1
         logits_for = [int(ends[i]) for i, b in enumerate(batch) if b.samples]
+        if self.tp_steps is not None:
+            payload = self._payload(batch, logits_for)
+            self.tp_steps.send(payload)
+            return run_step(self.model, self.kv, self.attention, self.tp_steps.tp, payload), False
+        embeds = torch.cat([self._embeddings(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch])
         contexts = [b.seq.num_computed + b.num_new for b in batch]
         graphs = self.graphs
         if graphs is not None and graphs.fits_mixed(int(ends[-1]) + 1, len(batch), max(contexts)):
@@ -464,16 +473,48 @@ class Engine:
 
     def _embeddings(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         embeds = self.model.embed(seq.token_ids(start, end))
+        mask, rows = self._media_rows(seq, start, end)
+        if rows is None:
+            return embeds
+        embeds = embeds.clone()
+        embeds[mask.to(embeds.device)] = rows.to(embeds.device, embeds.dtype)
+        return embeds
+
+    def _media_rows(self, seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Which of tokens [start, end) are media placeholders (bool [end - start]) and their embeddings."""
+        mask = torch.zeros(end - start, dtype=torch.bool)
         prompt_end = min(end, len(seq.prompt_ids))
         if seq.media_embeds is None or start >= prompt_end:
-            return embeds
-        mask = seq.media_mask[start:prompt_end]
-        if mask.any():
-            first = int(seq.media_mask[:start].sum())
-            rows = seq.media_embeds[first : first + int(mask.sum())]
-            embeds = embeds.clone()
-            embeds[: prompt_end - start][mask.to(embeds.device)] = rows.to(embeds.device, embeds.dtype)
-        return embeds
+            return mask, None
+        part = seq.media_mask[start:prompt_end]
+        if not part.any():
+            return mask, None
+        mask[: prompt_end - start] = part
+        first = int(seq.media_mask[:start].sum())
+        return mask, seq.media_embeds[first : first + int(part.sum())]
+
+    def _payload(self, batch: list[Scheduled], rows: list[int]) -> StepPayload:
+        """A step as every tensor-parallel rank needs it (each embeds the ids of its vocabulary shard)."""
+        ids, masks, media, positions = [], [], [], []
+        for item in batch:
+            seq, start, end = item.seq, item.seq.num_computed, item.seq.num_computed + item.num_new
+            ids.extend(seq.token_ids(start, end))
+            mask, media_rows = self._media_rows(seq, start, end)
+            masks.append(mask)
+            if media_rows is not None:
+                media.append(media_rows)
+            positions.append(self._positions(seq, start, end))
+        hidden = self.spec.hidden_size
+        return StepPayload(
+            ids=torch.tensor(ids, dtype=torch.int64),
+            media_mask=torch.cat(masks),
+            media_rows=torch.cat(media) if media else torch.empty((0, hidden), dtype=self.model.dtype),
+            positions=torch.cat(positions, dim=1),
+            query_lens=[b.num_new for b in batch],
+            context_lens=[b.seq.num_computed + b.num_new for b in batch],
+            block_tables=[list(b.seq.table.blocks) for b in batch],
+            rows=rows,
+        )
 
     def _positions(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         prompt_len = len(seq.prompt_ids)

@@ -8,6 +8,7 @@ fails them at once with a retryable 503 instead of leaving them hanging.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import zmq
 
 from common.config import Config
@@ -36,11 +38,13 @@ from common.protocol import (
 from common.tensor_ref import ShmAttachments, read_tensor
 from common.transport import Channel, EventLoop, worker_identity
 from workers.decoder.engine import Engine, PromptError, Sequence
+from workers.decoder.tp import StepBroadcast, leader_rendezvous
 from workers.kernels import paged_attention, paged_attention_reference
 from workers.models.language import LanguageModel
 from workers.models.paged import PagedKVCache
 from workers.models.runtime import resolve_device, resolve_dtype
 from workers.models.spec import ModelSpec
+from workers.models.tensor_parallel import TensorParallel, load_shard
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,7 @@ log = logging.getLogger(__name__)
 def kv_cache_blocks(cfg: Config, spec: ModelSpec, model: LanguageModel) -> int:
     """KV blocks from ``[decoder] kv_cache_bytes``, or by default a share of what the GPU has free
     after the weights (the encoder and the embedding pool take the rest), or 256 MiB on a CPU."""
-    per_block = PagedKVCache.bytes_per_block(spec, cfg.decoder.block_size, model.dtype)
+    per_block = PagedKVCache.bytes_per_block(model.spec, cfg.decoder.block_size, model.dtype)  # (a rank's heads)
     budget = cfg.decoder.kv_cache_bytes
     if budget <= 0 and model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)
@@ -65,10 +69,10 @@ def runner_options(cfg: Config, device: torch.device) -> dict[str, Any]:
     decode steps on a GPU unless the config turns them off; the plain-torch paths elsewhere (and always
     with kernels = "torch")."""
     triton = cfg.decoder.kernels == "triton" and device.type == "cuda"
-    graphs = triton and cfg.decoder.cuda_graphs
+    graphs = triton and cfg.decoder.cuda_graphs and cfg.decoder.tensor_parallel == 1
     return {
         "attention": paged_attention if triton else paged_attention_reference,
-        "fuse": triton,
+        "fuse": triton and cfg.decoder.tensor_parallel == 1,  # tensor parallelism: the plain layers (for now)
         "graphs": "cuda" if graphs else "off",
         "graph_tokens": cfg.decoder.graph_tokens,
         "overlap": graphs and cfg.decoder.overlap,
@@ -90,7 +94,18 @@ class DecoderWorker:
         self.spec = ModelSpec.from_dir(path)
         device = resolve_device(cfg)
         started = time.monotonic()
-        model = LanguageModel.from_checkpoint(path, device=device, dtype=resolve_dtype(cfg, device))
+        dtype = resolve_dtype(cfg, device)
+        world = cfg.decoder.tensor_parallel
+        tp_steps = None
+        if world > 1:  # rank 0 of a tensor-parallel group: its shard, then the other ranks join
+            tp = TensorParallel(0, world, self.spec.vocab_size)
+            model = load_shard(path, self.spec, tp, device, dtype)
+            num_blocks = kv_cache_blocks(cfg, self.spec, model)
+            leader_rendezvous(cfg, self.incarnation, num_blocks, device)
+            tp_steps = StepBroadcast(tp, self.spec.hidden_size, model.dtype, device)
+        else:
+            model = LanguageModel.from_checkpoint(path, device=device, dtype=dtype)
+            num_blocks = kv_cache_blocks(cfg, self.spec, model)
         max_len = cfg.decoder.max_model_len or self.spec.max_position_embeddings
         self.engine = Engine(
             model,
@@ -98,9 +113,10 @@ class DecoderWorker:
             max_model_len=max_len,
             max_running=cfg.decoder.max_running,
             prefill_budget=cfg.decoder.prefill_tokens_per_step,
-            num_blocks=kv_cache_blocks(cfg, self.spec, model),
+            num_blocks=num_blocks,
             block_size=cfg.decoder.block_size,
             prefix_cache=cfg.decoder.prefix_cache,
+            tp_steps=tp_steps,
             **runner_options(cfg, device),
         )
         self.ctx = zmq.Context()
@@ -137,6 +153,10 @@ class DecoderWorker:
         finally:
             for channel in (self.inbox, self.results, self.cache):
                 channel.close()
+            if self.engine.tp_steps is not None:
+                with contextlib.suppress(Exception):  # the group may be broken already
+                    self.engine.tp_steps.send_stop()
+                    dist.destroy_process_group()
 
     def step(self) -> bool:
         if not self.engine.has_work():
@@ -148,6 +168,8 @@ class DecoderWorker:
             for request_id in [*self.engine.running, *(s.request_id for s in self.engine.waiting)]:
                 self.engine.abort(request_id)
                 self.fail(request_id, 500, "internal_error", f"decoder failed: {exc}")
+            if self.engine.tp_steps is not None:
+                raise  # the ranks' group is in an unknown state: restart (supervisord) and form a new one
             return False
         if deltas:
             self.results.send(TokenBatch(deltas))

@@ -29,6 +29,7 @@ from workers.kernels.norm import fused_add_rms_norm, rms_norm
 from workers.kernels.rotary import apply_mrope
 from workers.models.language import DecoderLayer, LanguageModel, _causal_mask, apply_rotary, mrope_cos_sin
 from workers.models.spec import ModelSpec
+from workers.models.tensor_parallel import TensorParallel
 
 # q [T, heads, D], layer keys and values [slots, kv_heads, D], layout (or the kernels' device-side form of
 # it), scale -> [T, heads, D].
@@ -397,6 +398,7 @@ def paged_forward(
     logits_for: Sequence[int] | None = None,
     attention: PagedAttention = paged_attention_reference,
     fused: Sequence[FusedLayer] | None = None,
+    tp: TensorParallel | None = None,
 ) -> torch.Tensor:
     """Run a batch of sequences' new tokens through the decoder, writing their k/v into ``kv``.
 
@@ -406,6 +408,8 @@ def paged_forward(
     layers run the fused projections and the fused norm / activation / rotary / cache-write kernels.
     """
     _validate(model, inputs_embeds, position_ids, layout, kv)
+    if tp is not None and fused is not None:
+        raise ValueError("tensor parallelism runs the plain layers: pass fused=None")
     device = model.device
     layout = layout.to(device)
     # The model's own cached frequencies (computed on the CPU), so cos/sin match its forward bit for bit.
@@ -416,7 +420,7 @@ def paged_forward(
     if any(not 0 <= i < x.shape[0] for i in rows):
         raise ValueError(f"logits_for indices must lie in [0, {x.shape[0]}), got {rows}")
     picked = None if rows == list(range(x.shape[0])) else torch.tensor(rows, dtype=torch.int64).to(device)
-    step = StepContext(cos, sin, layout.slot_mapping, layout, kv, attention)
+    step = StepContext(cos, sin, layout.slot_mapping, layout, kv, attention, tp)
     return forward_logits(model, x, step, picked, fused)
 
 
@@ -431,6 +435,10 @@ class StepContext:
     attn_layout: BatchLayout | AttentionMetadata
     kv: PagedKVCache
     attention: PagedAttention
+    tp: TensorParallel | None = None  # a rank's share of the heads and MLP; its partial sums are all-reduced
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
 
 def forward_logits(
@@ -448,7 +456,8 @@ def forward_logits(
         for index, layer in enumerate(model.layers):
             x = _decoder_layer(layer, index, x, step)
         x = x if rows is None else x.index_select(0, rows)
-        return model.lm_head(model.norm(x))
+        logits = model.lm_head(model.norm(x))
+        return logits if step.tp is None else step.tp.gather_logits(logits)
     h, residual = _fused_layers(model, x, step, fused)
     if rows is not None:
         h, residual = h.index_select(0, rows), residual.index_select(0, rows)
@@ -458,8 +467,8 @@ def forward_logits(
 
 def _decoder_layer(layer: DecoderLayer, index: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:
     # DecoderLayer.forward without its per-sequence cache: same modules, same op order.
-    x = x + _self_attention(layer, index, layer.input_layernorm(x), step)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    x = x + step.reduce(_self_attention(layer, index, layer.input_layernorm(x), step))
+    return x + step.reduce(layer.mlp(layer.post_attention_layernorm(x)))
 
 
 def _self_attention(layer: DecoderLayer, index: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:

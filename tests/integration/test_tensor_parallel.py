@@ -1,0 +1,64 @@
+"""Tensor parallel size 2 with gloo on this CPU, through the whole stack: rank 0 (the decoder worker)
+and rank 1 (``decoder-rank-1``) each hold half of the heads, the MLP and the vocabulary, and the answers
+are transformers' own — the same greedy tokens as size 1 gives (tests/integration/test_chat_parity.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from openai import OpenAI
+
+from common.config import load_config
+from tests.integration.conftest import Stack
+from tests.integration.hf_chat import HfChat
+from tests.integration.test_chat_parity import check_parity, image_part
+from tests.integration.test_encoders import serve
+from tests.integration.test_faults import ANSWER_BOUND_S, one_request, wait_restarted
+from tests.media import data_url, make_image
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from serve(tmp_path_factory, "tp2", "", decoder_section="tensor_parallel = 2\ntp_timeout_s = 30.0\n")
+
+
+def test_tensor_parallel_2_answers_like_transformers(tp2: Stack) -> None:
+    assert tp2.pid("decoder-rank-1") > 0
+    client = OpenAI(base_url=tp2.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    hf = HfChat(load_config(tp2.config_path).model_path())
+    check_parity(client, hf, [{"role": "user", "content": "Write a haiku about the sea."}])
+    pictures = [
+        image_part(data_url(make_image(200, 60, seed=22))),
+        {"type": "text", "text": "Compare this one"},
+        image_part(data_url(make_image(64, 256, seed=23))),
+        {"type": "text", "text": "with that one."},
+    ]
+    system = {"role": "system", "content": "You compare pictures."}
+    check_parity(client, hf, [system, {"role": "user", "content": pictures}])
+
+
+def test_losing_a_rank_fails_requests_cleanly_and_the_group_forms_again(tp2: Stack) -> None:
+    """kill -9 of rank 1: rank 0's next collective fails, its requests end with an explained 5xx, it
+    exits, supervisord restarts both, they meet in a new group and serve again."""
+    client = OpenAI(base_url=tp2.base_url + "/v1", api_key="unused", max_retries=0, timeout=150)
+    model = client.models.list().data[0].id
+    victim = tp2.pid("decoder-rank-1")
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(one_request, client, model, 300 + i) for i in range(6)]
+        time.sleep(0.3)
+        os.kill(victim, signal.SIGKILL)
+        outcomes = [f.result(timeout=200) for f in futures]
+    assert all(elapsed < ANSWER_BOUND_S for _, elapsed, _ in outcomes), outcomes
+    wait_restarted(tp2, "decoder-rank-1", victim, timeout_s=120)
+    deadline = time.monotonic() + 120
+    while True:  # rank 0 restarts too; until the new group is up, requests get an explained 503
+        outcome, _, _ = one_request(client, model, seed=999)
+        if outcome.startswith("ok:") or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert outcome.startswith("ok:"), outcome

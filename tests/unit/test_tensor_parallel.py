@@ -1,0 +1,87 @@
+"""Tensor parallelism's math, two gloo ranks on this CPU: every rank's sharded forward (prefill, then a
+decode step over its half of the KV cache) gives the unsharded model's logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from workers.decoder.tp import StepPayload, run_step
+from workers.models.language import LanguageModel
+from workers.models.paged import BatchLayout, PagedKVCache, paged_attention_reference, paged_forward
+from workers.models.spec import ModelSpec
+from workers.models.synth import generate_checkpoint
+from workers.models.tensor_parallel import TensorParallel, check_shardable, load_shard
+
+PROMPT = [(13 * i) % 700 + 5 for i in range(11)]
+NEXT = 42
+
+
+def steps() -> list[StepPayload]:
+    t = len(PROMPT)
+    prefill = StepPayload(
+        ids=torch.tensor(PROMPT),
+        media_mask=torch.zeros(t, dtype=torch.bool),
+        media_rows=torch.empty(0, 0),
+        positions=torch.arange(t).expand(3, -1),
+        query_lens=[t],
+        context_lens=[t],
+        block_tables=[[0, 1, 2]],
+        rows=list(range(t)),
+    )
+    decode = StepPayload(
+        ids=torch.tensor([NEXT]),
+        media_mask=torch.zeros(1, dtype=torch.bool),
+        media_rows=torch.empty(0, 0),
+        positions=torch.full((3, 1), t),
+        query_lens=[1],
+        context_lens=[t + 1],
+        block_tables=[[0, 1, 2]],
+        rows=[0],
+    )
+    return [prefill, decode]
+
+
+def run_rank(rank: int, world: int, path: str, store: str, out: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    spec = ModelSpec.from_dir(path)
+    tp = TensorParallel(rank, world, spec.vocab_size)
+    model = load_shard(Path(path), spec, tp, torch.device("cpu"), torch.float32)
+    kv = PagedKVCache.for_model(model, 4, 4)
+    logits = [run_step(model, kv, paged_attention_reference, tp, payload) for payload in steps()]
+    np.save(f"{out}-{rank}.npy", torch.cat(logits).numpy())
+    dist.destroy_process_group()
+
+
+def unsharded(path: Path) -> torch.Tensor:
+    model = LanguageModel.from_checkpoint(path, dtype=torch.float32)
+    kv = PagedKVCache.for_model(model, 4, 4)
+    out = []
+    for payload in steps():
+        layout = BatchLayout.build(payload.query_lens, payload.context_lens, payload.block_tables, 4)
+        embeds = model.embed(payload.ids)
+        out.append(paged_forward(model, embeds, payload.positions, layout, kv, payload.rows))
+    return torch.cat(out)
+
+
+def test_two_ranks_give_the_unsharded_logits(tmp_path: Path) -> None:
+    path = generate_checkpoint(tmp_path / "tiny", "tiny", seed=4)
+    mp.start_processes(
+        run_rank, args=(2, str(path), str(tmp_path / "store"), str(tmp_path / "logits")), nprocs=2, start_method="spawn"
+    )
+    expected = unsharded(path)
+    for rank in range(2):
+        got = torch.from_numpy(np.load(tmp_path / f"logits-{rank}.npy"))
+        assert got.shape == expected.shape  # the full vocabulary on every rank
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # fp32: only the sum order differs
+
+
+def test_unshardable_models_are_refused(tmp_path: Path) -> None:
+    spec = ModelSpec.from_dir(generate_checkpoint(tmp_path / "tiny", "tiny", seed=4))
+    with pytest.raises(ValueError, match="does not divide the model's"):
+        check_shardable(spec, 3)
