@@ -90,16 +90,21 @@ class Stack:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The whole stack as ``./ops/serve`` starts it, on a free port, allowing loopback media URLs."""
+    yield from serve(tmp_path_factory, "test", "[cache]\npending_ttl_s = 30.0\n")
+
+
+def serve(tmp_path_factory: pytest.TempPathFactory, name: str, extra_toml: str = "") -> Iterator[Stack]:
+    """``./ops/serve`` on a free port with loopback media allowed, plus ``extra_toml`` (whole sections);
+    stopped with SIGTERM afterwards. Its output goes to ``run/serve-<name>.log``."""
     port = free_port()
-    config = tmp_path_factory.mktemp("stack") / "vlm.toml"
+    config = tmp_path_factory.mktemp(name) / "vlm.toml"
     config.write_text(
         f"[server]\nport = {port}\nrequest_timeout_s = 120.0\n"
-        "[fetcher]\nallow_private_addresses = true\nhttp_timeout_s = 5.0\nencode_timeout_s = 30.0\n"
-        "[cache]\npending_ttl_s = 30.0\n"
+        "[fetcher]\nallow_private_addresses = true\nhttp_timeout_s = 5.0\nencode_timeout_s = 30.0\n" + extra_toml
     )
     env = {**os.environ, "VLM_CONFIG": str(config)}
     (REPO / "run").mkdir(exist_ok=True)
-    with open(REPO / "run" / "serve-test.log", "wb") as log:
+    with open(REPO / "run" / f"serve-{name}.log", "wb") as log:
         process = subprocess.Popen([str(REPO / "ops/serve")], env=env, stdout=log, stderr=subprocess.STDOUT)
     stack = Stack(f"http://127.0.0.1:{port}", config, process)
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,52 +17,26 @@ from openai import OpenAI
 from common.config import load_config
 from common.protocol import StatsRequest, StatsResult
 from common.transport import Channel
-from tests.integration.conftest import REPO, Stack, free_port
+from tests.integration.conftest import Stack, serve
 from tests.integration.test_faults import cache_gauges_settle
 from tests.media import data_url, make_image
-
-
-def serve(
-    tmp_path_factory: pytest.TempPathFactory, name: str, encoder_section: str, decoder_section: str = ""
-) -> Iterator[Stack]:
-    """``./ops/serve`` with these [encoder] and [decoder] settings, on a free port."""
-    port = free_port()
-    config = tmp_path_factory.mktemp(name) / "vlm.toml"
-    config.write_text(
-        f"[server]\nport = {port}\nrequest_timeout_s = 120.0\n"
-        "[fetcher]\nallow_private_addresses = true\nencode_timeout_s = 30.0\n"
-        f"[encoder]\n{encoder_section}[decoder]\n{decoder_section}"
-    )
-    env = {**os.environ, "VLM_CONFIG": str(config)}
-    with open(REPO / "run" / f"serve-{name}.log", "wb") as log:
-        process = subprocess.Popen([str(REPO / "ops/serve")], env=env, stdout=log, stderr=subprocess.STDOUT)
-    stack = Stack(f"http://127.0.0.1:{port}", config, process)
-    try:
-        stack.wait_healthy()
-        yield stack
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @pytest.fixture(scope="module")
 def two_encoders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # Few credits: a request's three images need both encoders.
-    yield from serve(tmp_path_factory, "two-encoders", "count = 2\ncredits = 2\n")
+    yield from serve(tmp_path_factory, "two-encoders", "[encoder]\ncount = 2\ncredits = 2\n")
 
 
 @pytest.fixture(scope="module")
 def small_batches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # 192 patches: the test video's 4 temporal patches of 12x8 go as 2 jobs of 2 (two encoders).
-    yield from serve(tmp_path_factory, "small-batches", "count = 2\nmax_batch_patches = 192\n")
+    yield from serve(tmp_path_factory, "small-batches", "[encoder]\ncount = 2\nmax_batch_patches = 192\n")
 
 
 @pytest.fixture(scope="module")
 def onnx_encoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from serve(tmp_path_factory, "onnx-encoder", 'backend = "onnxruntime"\n')
+    yield from serve(tmp_path_factory, "onnx-encoder", '[encoder]\nbackend = "onnxruntime"\n')
 
 
 def images_encoded(stack: Stack, index: int) -> float:

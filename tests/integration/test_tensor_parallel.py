@@ -14,17 +14,16 @@ import pytest
 from openai import OpenAI
 
 from common.config import load_config
-from tests.integration.conftest import Stack
+from tests.integration.conftest import Stack, serve
 from tests.integration.hf_chat import HfChat
 from tests.integration.test_chat_parity import check_parity, image_part
-from tests.integration.test_encoders import serve
 from tests.integration.test_faults import ANSWER_BOUND_S, one_request, wait_restarted
 from tests.media import data_url, make_image
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from serve(tmp_path_factory, "tp2", "", decoder_section="tensor_parallel = 2\ntp_timeout_s = 30.0\n")
+    yield from serve(tmp_path_factory, "tp2", "[decoder]\ntensor_parallel = 2\ntp_timeout_s = 30.0\n")
 
 
 def test_tensor_parallel_2_answers_like_transformers(tp2: Stack) -> None:
