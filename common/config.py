@@ -62,12 +62,18 @@ class EncoderConfig:
     credits: int = 16  # jobs an encoder holds at once: what it can pack into one forward
     max_batch_patches: int = 16384  # patches (before merging) per forward; a larger single image goes alone
     backend: str = "torch"  # "torch", "onnxruntime" or "tensorrt" (workers/encoder/backends.py)
+    # CUDA MPS on GPU hosts: encoders and the decoder share each GPU's SMs concurrently instead of
+    # time-slicing; the encoders may use at most this share of the SMs (100: no cap).
+    mps: bool = False
+    mps_encoder_sm_percent: int = 100
     engine_dir: str = ""  # where exported ONNX files and TensorRT engines are cached; empty: <run dir>/engines
 
     def validate(self, where: str) -> None:
         for name, low in (("count", 0), ("credits", 1), ("max_batch_patches", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{where}.{name}: expected >= {low}, got {getattr(self, name)}")
+        if not 1 <= self.mps_encoder_sm_percent <= 100:
+            raise ValueError(f"{where}.mps_encoder_sm_percent: expected 1..100, got {self.mps_encoder_sm_percent}")
         if self.backend not in ("torch", "onnxruntime", "tensorrt"):
             raise ValueError(f"{where}.backend: expected 'torch', 'onnxruntime' or 'tensorrt', got {self.backend!r}")
 

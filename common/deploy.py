@@ -4,7 +4,8 @@
 ``VLM_CONFIG`` names: paths point at this checkout and at the deployment's own run directory (so two
 deployments never share a socket, pid file or log), the encoder program runs one process per
 encoder the fetcher will dispatch to (``[encoder] count``, 0: one per visible GPU), and a
-tensor-parallel decoder (``[decoder] tensor_parallel`` = N) gets its ranks 1..N-1 as ``decoder-rank``.
+tensor-parallel decoder (``[decoder] tensor_parallel`` = N) gets its ranks 1..N-1 as ``decoder-rank``;
+with ``[encoder] mps`` on a GPU host, the CUDA MPS control daemon runs first and every GPU process uses it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ def encoder_count(cfg: Config) -> int:
     return max(1, torch.cuda.device_count())
 
 
-def render(template: str, repo: Path, run: Path, encoders: int, decoder_ranks: int = 1) -> str:
+def render(
+    template: str, repo: Path, run: Path, encoders: int, decoder_ranks: int = 1, mps_encoder_sm: int | None = None
+) -> str:
+    """The configuration to run; ``mps_encoder_sm`` (a percentage) adds the CUDA MPS control daemon."""
     if encoders < 1 or decoder_ranks < 1:
         raise ValueError(
             f"a deployment needs at least one encoder and one decoder rank, got {encoders}, {decoder_ranks}"
@@ -40,7 +44,33 @@ def render(template: str, repo: Path, run: Path, encoders: int, decoder_ranks: i
     text = text[: encoder.start()] + body + text[encoder.end() :]
     if decoder_ranks > 1:
         text = _add_decoder_ranks(text, decoder_ranks)
+    if mps_encoder_sm is not None:
+        text = _add_mps(text, run, mps_encoder_sm)
     return text
+
+
+def _add_mps(text: str, run: Path, encoder_sm: int) -> str:
+    """The MPS control daemon of this deployment (its pipe and log directories in the run directory, so
+    two deployments never share one), started first; every GPU process talks to it through the same
+    pipe directory, and the encoders are capped at ``encoder_sm`` percent of each GPU's SMs."""
+    pipes, logs = run / "mps" / "pipe", run / "mps" / "log"
+    mps_env = f'CUDA_MPS_PIPE_DIRECTORY="{pipes}",CUDA_MPS_LOG_DIRECTORY="{logs}"'
+    program = (
+        "[program:mps]\n"
+        f"command = /bin/sh -c 'mkdir -p {pipes} {logs} && exec nvidia-cuda-mps-control -f'\n"
+        f"environment = {mps_env}\n"
+        "priority = 5\nautorestart = true\nstartsecs = 1\nstopsignal = TERM\nredirect_stderr = true\n"
+        f"stdout_logfile = {run}/logs/mps.log\n"
+    )
+    for name in ("encoder", "decoder", "decoder-rank"):
+        if f"[program:{name}]" not in text:
+            continue
+        extra = f',CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="{encoder_sm}"' if name == "encoder" else ""
+        section = _section(text, name)
+        body = section.group(0).rstrip("\n") + f"\nenvironment = {mps_env}{extra}\n\n"
+        text = text[: section.start()] + body + text[section.end() :]
+    text = re.sub(r"^(programs = )", r"\1mps,", text, count=1, flags=re.MULTILINE)
+    return text.rstrip("\n") + "\n\n" + program
 
 
 def _section(text: str, program: str) -> re.Match[str]:
@@ -73,7 +103,14 @@ def main(argv: list[str]) -> None:
     out = Path(argv[0])
     out.parent.mkdir(parents=True, exist_ok=True)
     template = (REPO / "ops/vlm.conf").read_text()
-    out.write_text(render(template, REPO, cfg.run_path, encoder_count(cfg), cfg.decoder.tensor_parallel))
+    mps = cfg.encoder.mps_encoder_sm_percent if cfg.encoder.mps and _has_gpu() else None
+    out.write_text(render(template, REPO, cfg.run_path, encoder_count(cfg), cfg.decoder.tensor_parallel, mps))
+
+
+def _has_gpu() -> bool:
+    import torch  # only when MPS is asked for
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

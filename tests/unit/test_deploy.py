@@ -53,3 +53,20 @@ def test_a_tensor_parallel_decoder_gets_its_other_ranks(tmp_path: Path) -> None:
     assert ranks["stdout_logfile"] == f"{tmp_path}/logs/decoder-rank-%(process_num)d.log"
     assert parser["group:vlm"]["programs"].split(",")[-1] == "decoder-rank"
     assert parser["program:decoder"]["command"].endswith("-m workers.decoder")  # rank 0 unchanged
+
+
+def test_mps_daemon_runs_first_per_deployment_and_caps_the_encoders(tmp_path: Path) -> None:
+    assert not rendered(1, tmp_path).has_section("program:mps")  # off unless asked for
+    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, mps_encoder_sm=30)
+    parser = configparser.RawConfigParser()
+    parser.read_string(text)
+    mps = parser["program:mps"]
+    assert int(mps["priority"]) < min(
+        int(parser[s]["priority"]) for s in parser.sections() if s != "program:mps" and s.startswith("program:")
+    )
+    assert f"{tmp_path}/mps/pipe" in mps["command"] and "nvidia-cuda-mps-control -f" in mps["command"]
+    pipe = f'CUDA_MPS_PIPE_DIRECTORY="{tmp_path}/mps/pipe"'
+    assert pipe in parser["program:encoder"]["environment"] and pipe in parser["program:decoder"]["environment"]
+    assert 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="30"' in parser["program:encoder"]["environment"]
+    assert "ACTIVE_THREAD" not in parser["program:decoder"]["environment"]
+    assert parser["group:vlm"]["programs"].startswith("mps,")
