@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from workers.decoder.tp import StepPayload, run_step
 from workers.models.language import LanguageModel
-from workers.models.paged import BatchLayout, PagedKVCache, paged_attention_reference, paged_forward
+from workers.models.paged import BatchLayout, PagedKVCache, fuse_layers, paged_attention_reference, paged_forward
 from workers.models.spec import ModelSpec
 from workers.models.synth import generate_checkpoint
 from workers.models.tensor_parallel import TensorParallel, check_shardable, load_shard
@@ -47,13 +47,14 @@ def steps() -> list[StepPayload]:
     return [prefill, decode]
 
 
-def run_rank(rank: int, world: int, path: str, store: str, out: str) -> None:
+def run_rank(rank: int, world: int, path: str, store: str, out: str, fuse: bool) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     spec = ModelSpec.from_dir(path)
     tp = TensorParallel(rank, world, spec.vocab_size)
     model = load_shard(Path(path), spec, tp, torch.device("cpu"), torch.float32)
     kv = PagedKVCache.for_model(model, 4, 4)
-    logits = [run_step(model, kv, paged_attention_reference, tp, payload) for payload in steps()]
+    fused = fuse_layers(model) if fuse else None
+    logits = [run_step(model, kv, paged_attention_reference, tp, payload, fused) for payload in steps()]
     np.save(f"{out}-{rank}.npy", torch.cat(logits).numpy())
     dist.destroy_process_group()
 
@@ -69,11 +70,13 @@ def unsharded(path: Path) -> torch.Tensor:
     return torch.cat(out)
 
 
-def test_two_ranks_give_the_unsharded_logits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused"])
+def test_two_ranks_give_the_unsharded_logits(tmp_path: Path, fuse: bool) -> None:
+    """Plain layers, and the fused ones (concatenated projections of the rank's shard, the fused norm and
+    activation paths) with the all-reduces between them."""
     path = generate_checkpoint(tmp_path / "tiny", "tiny", seed=4)
-    mp.start_processes(
-        run_rank, args=(2, str(path), str(tmp_path / "store"), str(tmp_path / "logits")), nprocs=2, start_method="spawn"
-    )
+    args = (2, str(path), str(tmp_path / "store"), str(tmp_path / "logits"), fuse)
+    mp.start_processes(run_rank, args=args, nprocs=2, start_method="spawn")
     expected = unsharded(path)
     for rank in range(2):
         got = torch.from_numpy(np.load(tmp_path / f"logits-{rank}.npy"))

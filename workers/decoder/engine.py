@@ -144,8 +144,8 @@ class Engine:
             raise ValueError(f"graphs must be 'off', 'static' or 'cuda', got {graphs!r}")
         if graph_tokens < 0:
             raise ValueError(f"graph_tokens must be >= 0, got {graph_tokens}")
-        if tp_steps is not None and (fuse or graphs != "off"):
-            raise ValueError("tensor parallelism runs the plain layers eagerly: fuse=False, graphs='off'")
+        if tp_steps is not None and graphs != "off":
+            raise ValueError("tensor-parallel steps run eagerly (no CUDA graphs yet): graphs='off'")
         self.tp_steps = tp_steps  # rank 0 of a tensor-parallel group: each step is broadcast, then run
         self.model = model
         self.attention = attention  # paged_attention: Triton on CUDA tensors, the torch reference elsewhere
@@ -338,7 +338,7 @@ class Engine:
         if self.tp_steps is not None:
             payload = self._payload(batch, logits_for)
             self.tp_steps.send(payload)
-            return run_step(self.model, self.kv, self.attention, self.tp_steps.tp, payload), False
+            return run_step(self.model, self.kv, self.attention, self.tp_steps.tp, payload, self.fused), False
         embeds = torch.cat([self._embeddings(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch])
         contexts = [b.seq.num_computed + b.num_new for b in batch]
         graphs = self.graphs

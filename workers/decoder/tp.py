@@ -18,6 +18,7 @@ import datetime
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from common.config import Config
 from common.protocol import TPJoin, TPSetup
 from common.transport import Channel
 from workers.models.language import LanguageModel
-from workers.models.paged import BatchLayout, PagedAttention, PagedKVCache, paged_forward
+from workers.models.paged import BatchLayout, FusedLayer, PagedAttention, PagedKVCache, fuse_layers, paged_forward
 from workers.models.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,12 @@ class StepPayload:
 
 
 def run_step(
-    model: LanguageModel, kv: PagedKVCache, attention: PagedAttention, tp: TensorParallel, payload: StepPayload
+    model: LanguageModel,
+    kv: PagedKVCache,
+    attention: PagedAttention,
+    tp: TensorParallel,
+    payload: StepPayload,
+    fused: Sequence[FusedLayer] | None = None,
 ) -> torch.Tensor:
     """The forward of one step on this rank; every rank gets the full logits of ``payload.rows``."""
     device = model.device
@@ -62,7 +68,7 @@ def run_step(
     layout = BatchLayout.build(
         payload.query_lens, payload.context_lens, payload.block_tables, kv.block_size, device, kv.num_blocks
     )
-    return paged_forward(model, embeds, payload.positions, layout, kv, payload.rows, attention, None, tp)
+    return paged_forward(model, embeds, payload.positions, layout, kv, payload.rows, attention, fused, tp)
 
 
 class StepBroadcast:
@@ -212,7 +218,8 @@ class DecoderRank:
 
         triton = self.cfg.decoder.kernels == "triton" and self.device.type == "cuda"
         attention = paged_attention if triton else paged_attention_reference  # as rank 0's `runner_options`
+        fused = fuse_layers(self.model) if triton else None
         while (payload := self.steps.receive()) is not None:
-            run_step(self.model, self.kv, attention, self.tp, payload)
+            run_step(self.model, self.kv, attention, self.tp, payload, fused)
         log.info("rank 0 said stop")
         dist.destroy_process_group()

@@ -72,8 +72,8 @@ def runner_options(cfg: Config, device: torch.device) -> dict[str, Any]:
     graphs = triton and cfg.decoder.cuda_graphs and cfg.decoder.tensor_parallel == 1
     return {
         "attention": paged_attention if triton else paged_attention_reference,
-        "fuse": triton and cfg.decoder.tensor_parallel == 1,  # tensor parallelism: the plain layers (for now)
-        "graphs": "cuda" if graphs else "off",
+        "fuse": triton,
+        "graphs": "cuda" if graphs else "off",  # (not with tensor parallelism yet)
         "graph_tokens": cfg.decoder.graph_tokens,
         "overlap": graphs and cfg.decoder.overlap,
     }

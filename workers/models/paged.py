@@ -408,8 +408,6 @@ def paged_forward(
     layers run the fused projections and the fused norm / activation / rotary / cache-write kernels.
     """
     _validate(model, inputs_embeds, position_ids, layout, kv)
-    if tp is not None and fused is not None:
-        raise ValueError("tensor parallelism runs the plain layers: pass fused=None")
     device = model.device
     layout = layout.to(device)
     # The model's own cached frequencies (computed on the CPU), so cos/sin match its forward bit for bit.
@@ -462,7 +460,8 @@ def forward_logits(
     if rows is not None:
         h, residual = h.index_select(0, rows), residual.index_select(0, rows)
     normed, _ = fused_add_rms_norm(h, residual, model.norm.weight, model.norm.eps)
-    return model.lm_head(normed)
+    logits = model.lm_head(normed)
+    return logits if step.tp is None else step.tp.gather_logits(logits)
 
 
 def _decoder_layer(layer: DecoderLayer, index: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:
@@ -489,12 +488,12 @@ def _fused_layers(
     residual = x
     h = rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
     for index, (layer, weights) in enumerate(zip(layers, fused, strict=True)):
-        h = _fused_attention(layer, weights, index, h, step)
+        h = step.reduce(_fused_attention(layer, weights, index, h, step))
         norm = layer.post_attention_layernorm
         h, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
         intermediate = weights.gate_up_weight.shape[0] // 2
         gate_up = F.linear(h, weights.gate_up_weight)
-        h = layer.mlp.down_proj(silu_and_mul(gate_up[:, :intermediate], gate_up[:, intermediate:]))
+        h = step.reduce(layer.mlp.down_proj(silu_and_mul(gate_up[:, :intermediate], gate_up[:, intermediate:])))
         if index + 1 < len(layers):
             norm = layers[index + 1].input_layernorm
             h, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
