@@ -3,6 +3,7 @@ decode step over its half of the KV cache) gives the unsharded model's logits.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workers.decoder.tp import StepPayload, run_step
+from common.protocol import PreparedRequest, SamplingParams
+from workers.decoder.engine import Engine
+from workers.decoder.graphs import StepGraphs
+from workers.decoder.tp import EAGER, RankForward, StepBroadcast, StepPayload
 from workers.models.language import LanguageModel
 from workers.models.paged import BatchLayout, PagedKVCache, fuse_layers, paged_attention_reference, paged_forward
 from workers.models.spec import ModelSpec
@@ -25,6 +29,8 @@ NEXT = 42
 def steps() -> list[StepPayload]:
     t = len(PROMPT)
     prefill = StepPayload(
+        mode=EAGER,
+        slots=torch.arange(t),
         ids=torch.tensor(PROMPT),
         media_mask=torch.zeros(t, dtype=torch.bool),
         media_rows=torch.empty(0, 0),
@@ -35,6 +41,8 @@ def steps() -> list[StepPayload]:
         rows=list(range(t)),
     )
     decode = StepPayload(
+        mode=EAGER,
+        slots=torch.tensor([t]),
         ids=torch.tensor([NEXT]),
         media_mask=torch.zeros(1, dtype=torch.bool),
         media_rows=torch.empty(0, 0),
@@ -53,8 +61,8 @@ def run_rank(rank: int, world: int, path: str, store: str, out: str, fuse: bool)
     tp = TensorParallel(rank, world, spec.vocab_size)
     model = load_shard(Path(path), spec, tp, torch.device("cpu"), torch.float32)
     kv = PagedKVCache.for_model(model, 4, 4)
-    fused = fuse_layers(model) if fuse else None
-    logits = [run_step(model, kv, paged_attention_reference, tp, payload, fused) for payload in steps()]
+    forward = RankForward(model, kv, paged_attention_reference, tp, fuse_layers(model) if fuse else None)
+    logits = [forward(payload) for payload in steps()]
     np.save(f"{out}-{rank}.npy", torch.cat(logits).numpy())
     dist.destroy_process_group()
 
@@ -88,3 +96,71 @@ def test_unshardable_models_are_refused(tmp_path: Path) -> None:
     spec = ModelSpec.from_dir(generate_checkpoint(tmp_path / "tiny", "tiny", seed=4))
     with pytest.raises(ValueError, match="does not divide the model's"):
         check_shardable(spec, 3)
+
+
+ENGINE = {"max_model_len": 256, "max_running": 4, "prefill_budget": 24, "num_blocks": 64, "block_size": 4}
+GRAPH_TOKENS = 32
+
+
+def requests() -> list[PreparedRequest]:
+    params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    return [PreparedRequest(f"r{i}", [(11 * j + i) % 600 + 7 for j in range(5 + 9 * i)], [], params) for i in range(5)]
+
+
+def generate(engine: Engine) -> dict[str, list[int]]:
+    for request in requests():
+        engine.add(engine.prepare(request))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_work():
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+    return tokens
+
+
+def engine_rank(rank: int, world: int, path: str, store: str, out: str) -> None:
+    """Rank 0 runs the engine (static graphs: the padded, staged path CUDA graphs replay, uncaptured);
+    rank 1 runs rank 0's steps through its own graphs, as `DecoderRank` does."""
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    spec = ModelSpec.from_dir(path)
+    tp = TensorParallel(rank, world, spec.vocab_size)
+    model = load_shard(Path(path), spec, tp, torch.device("cpu"), torch.float32)
+    steps = StepBroadcast(tp, spec.hidden_size, model.dtype, torch.device("cpu"))
+    if rank == 0:
+        options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS, "tp_steps": steps}
+        engine = Engine(model, spec, **ENGINE, **options)  # type: ignore[arg-type]
+        tokens = generate(engine)
+        steps.send_stop()
+        assert engine.counters["graph_steps"] > 0
+        Path(out).write_text(json.dumps(tokens))
+    else:
+        kv = PagedKVCache.for_model(model, ENGINE["num_blocks"] + 1, ENGINE["block_size"])
+        fused = fuse_layers(model)
+        graphs = StepGraphs(
+            model,
+            kv,
+            max_seqs=ENGINE["max_running"],
+            max_tokens=min(GRAPH_TOKENS, ENGINE["prefill_budget"] + ENGINE["max_running"]),
+            max_context=ENGINE["max_model_len"],
+            scratch_block=ENGINE["num_blocks"],
+            attention=paged_attention_reference,
+            fused=fused,
+            capture=False,
+            tp=tp,
+        )
+        forward = RankForward(model, kv, paged_attention_reference, tp, fused, graphs)
+        while (payload := steps.receive()) is not None:
+            forward(payload)
+    dist.destroy_process_group()
+
+
+def test_an_engine_over_two_ranks_with_graph_steps_generates_what_one_rank_does(tmp_path: Path) -> None:
+    """Decode and mixed graph steps (static mode), fused layers, broadcast to a second rank: the same greedy
+    tokens as the unsharded engine."""
+    path = generate_checkpoint(tmp_path / "tiny", "tiny", seed=4)
+    out = tmp_path / "tokens.json"
+    mp.start_processes(
+        engine_rank, args=(2, str(path), str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn"
+    )
+    model, spec = LanguageModel.from_checkpoint(path, dtype=torch.float32), ModelSpec.from_dir(path)
+    alone = generate(Engine(model, spec, **ENGINE, fuse=True, graphs="static", graph_tokens=GRAPH_TOKENS))  # type: ignore[arg-type]
+    assert json.loads(out.read_text()) == alone

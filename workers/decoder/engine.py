@@ -20,7 +20,7 @@ from common.protocol import PreparedRequest, SamplingParams, TokenDelta
 from workers.decoder.blocks import BlockManager, BlockTable, media_token_keys
 from workers.decoder.graphs import StepGraphs, StepInputs
 from workers.decoder.sampling import Sampled, SampleFuture, SamplingRow, sample_async, sample_batch
-from workers.decoder.tp import StepBroadcast, StepPayload, run_step
+from workers.decoder.tp import DECODE_GRAPH, EAGER, MIXED_GRAPH, RankForward, StepBroadcast, StepPayload
 from workers.kernels import paged_attention
 from workers.models.language import LanguageModel
 from workers.models.mrope import expand_media_placeholders, rope_positions
@@ -144,8 +144,6 @@ class Engine:
             raise ValueError(f"graphs must be 'off', 'static' or 'cuda', got {graphs!r}")
         if graph_tokens < 0:
             raise ValueError(f"graph_tokens must be >= 0, got {graph_tokens}")
-        if tp_steps is not None and graphs != "off":
-            raise ValueError("tensor-parallel steps run eagerly (no CUDA graphs yet): graphs='off'")
         self.tp_steps = tp_steps  # rank 0 of a tensor-parallel group: each step is broadcast, then run
         self.model = model
         self.attention = attention  # paged_attention: Triton on CUDA tensors, the torch reference elsewhere
@@ -169,8 +167,13 @@ class Engine:
                 attention=attention,
                 fused=self.fused,
                 capture=graphs == "cuda",
+                tp=tp_steps.tp if tp_steps is not None else None,
             )
-        self.overlap = overlap and self.graphs is not None
+        # Overlap feeds sampled ids on this device only: not (yet) to the other ranks of a group.
+        self.overlap = overlap and self.graphs is not None and tp_steps is None
+        self.rank_forward = None
+        if tp_steps is not None:
+            self.rank_forward = RankForward(model, self.kv, attention, tp_steps.tp, self.fused, self.graphs)
         self.pending: Pending | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # insertion order = admission order
@@ -330,15 +333,13 @@ class Engine:
     def run(self, batch: list[Scheduled]) -> tuple[torch.Tensor, bool]:
         """Logits of the sampling sequences, and whether the step ran as a decode graph."""
         self.counters["steps"] += 1
+        if self.rank_forward is not None:
+            return self._run_tensor_parallel(batch)
         if self._decode_graphable(batch):
             self.counters["graph_steps"] += 1
             return self._run_decode_graph(batch), True
         ends = np.cumsum([b.num_new for b in batch]) - 1
         logits_for = [int(ends[i]) for i, b in enumerate(batch) if b.samples]
-        if self.tp_steps is not None:
-            payload = self._payload(batch, logits_for)
-            self.tp_steps.send(payload)
-            return run_step(self.model, self.kv, self.attention, self.tp_steps.tp, payload, self.fused), False
         embeds = torch.cat([self._embeddings(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch])
         contexts = [b.seq.num_computed + b.num_new for b in batch]
         graphs = self.graphs
@@ -364,6 +365,22 @@ class Engine:
             self.fused,
         )
         return logits, False
+
+    def _run_tensor_parallel(self, batch: list[Scheduled]) -> tuple[torch.Tensor, bool]:
+        """Pick the path (every rank takes the same), broadcast the step, run this rank's share."""
+        assert self.rank_forward is not None and self.tp_steps is not None
+        ends = np.cumsum([b.num_new for b in batch]) - 1
+        mode = EAGER
+        if self._decode_graphable(batch):
+            mode = DECODE_GRAPH
+        elif self.graphs is not None:
+            contexts = [b.seq.num_computed + b.num_new for b in batch]
+            mode = MIXED_GRAPH if self.graphs.fits_mixed(int(ends[-1]) + 1, len(batch), max(contexts)) else EAGER
+        self.counters["graph_steps"] += mode != EAGER
+        rows = [] if mode == DECODE_GRAPH else [int(ends[i]) for i, b in enumerate(batch) if b.samples]
+        payload = self._payload(batch, rows, mode)
+        self.tp_steps.send(payload)
+        return self.rank_forward(payload), mode == DECODE_GRAPH
 
     def _decode_graphable(self, batch: list[Scheduled]) -> bool:
         """A decode step the graphs take: one sampled token per sequence, none of them a media placeholder
@@ -400,14 +417,17 @@ class Engine:
         )
         return self.graphs.decode(inputs, None if device_token_ids is not None else ids, device_token_ids)
 
+    def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        """Where the k/v of tokens [start, end) of ``seq`` go."""
+        size, at = self.blocks.block_size, np.arange(start, end)
+        return np.asarray(seq.table.blocks, dtype=np.int64)[at // size] * size + at % size
+
     def _step_inputs(self, batch: list[Scheduled], rows: list[int]) -> StepInputs:
-        size = self.blocks.block_size
         positions, slots = [], []
         for item in batch:
             start, end = item.seq.num_computed, item.seq.num_computed + item.num_new
             positions.append(self._positions(item.seq, start, end).numpy())
-            at = np.arange(start, end)
-            slots.append(np.asarray(item.seq.table.blocks, dtype=np.int64)[at // size] * size + at % size)
+            slots.append(self._slots(item.seq, start, end))
         return StepInputs(
             positions=np.concatenate(positions, axis=1),
             slots=np.concatenate(slots),
@@ -493,9 +513,9 @@ class Engine:
         first = int(seq.media_mask[:start].sum())
         return mask, seq.media_embeds[first : first + int(part.sum())]
 
-    def _payload(self, batch: list[Scheduled], rows: list[int]) -> StepPayload:
+    def _payload(self, batch: list[Scheduled], rows: list[int], mode: int) -> StepPayload:
         """A step as every tensor-parallel rank needs it (each embeds the ids of its vocabulary shard)."""
-        ids, masks, media, positions = [], [], [], []
+        ids, masks, media, positions, slots = [], [], [], [], []
         for item in batch:
             seq, start, end = item.seq, item.seq.num_computed, item.seq.num_computed + item.num_new
             ids.extend(seq.token_ids(start, end))
@@ -504,8 +524,11 @@ class Engine:
             if media_rows is not None:
                 media.append(media_rows)
             positions.append(self._positions(seq, start, end))
+            slots.append(self._slots(seq, start, end))
         hidden = self.spec.hidden_size
         return StepPayload(
+            mode=mode,
+            slots=torch.from_numpy(np.concatenate(slots)),
             ids=torch.tensor(ids, dtype=torch.int64),
             media_mask=torch.cat(masks),
             media_rows=torch.cat(media) if media else torch.empty((0, hidden), dtype=self.model.dtype),

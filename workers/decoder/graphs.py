@@ -36,6 +36,7 @@ import torch
 from workers.kernels.attention import AttentionMetadata
 from workers.models.language import LanguageModel, mrope_axis, mrope_cos_sin
 from workers.models.paged import FusedLayer, PagedAttention, PagedKVCache, StepContext, forward_logits
+from workers.models.tensor_parallel import TensorParallel
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -108,11 +109,14 @@ class StepGraphs:
         attention: PagedAttention,
         fused: Sequence[FusedLayer] | None,
         capture: bool,
+        tp: TensorParallel | None = None,
     ) -> None:
-        """``max_tokens``: the largest mixed graph (0: decode graphs only)."""
+        """``max_tokens``: the largest mixed graph (0: decode graphs only). ``tp``: this rank's share of a
+        tensor-parallel model (its collectives are captured too; every rank captures the same shapes in
+        the same order and replays them in lockstep)."""
         if not 0 <= scratch_block < kv.num_blocks:
             raise ValueError(f"scratch block {scratch_block} is not in the cache's [0, {kv.num_blocks})")
-        self.model, self.kv, self.attention, self.fused = model, kv, attention, fused
+        self.model, self.kv, self.attention, self.fused, self.tp = model, kv, attention, fused, tp
         self.decode_sizes = graph_batch_sizes(max_seqs)
         self.token_sizes = graph_token_sizes(max_tokens)
         self.max_seqs = max_seqs
@@ -234,11 +238,15 @@ class StepGraphs:
             block_size=self.kv.block_size,
         )
         with torch.inference_mode():
-            x = model.embed_tokens(dev.token_ids[:t]) if key.decode else self.embeds[:t]
+            x = self._embed(dev.token_ids[:t]) if key.decode else self.embeds[:t]
             positions = dev.positions[:, :t]
             cos, sin = mrope_cos_sin(positions, self.inv_freq, model.spec.mrope_section, model.dtype, self.axis)
-            step = StepContext(cos, sin, dev.slots[:t], metadata, self.kv, self.attention)
+            step = StepContext(cos, sin, dev.slots[:t], metadata, self.kv, self.attention, self.tp)
             return forward_logits(model, x, step, None if key.decode else dev.rows[:s], self.fused)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight
+        return torch.nn.functional.embedding(ids, weight) if self.tp is None else self.tp.embed(weight, ids)
 
     def _capture(self) -> None:
         pool = None

@@ -28,47 +28,72 @@ import zmq
 from common.config import Config
 from common.protocol import TPJoin, TPSetup
 from common.transport import Channel
+from workers.decoder.graphs import StepGraphs, StepInputs
 from workers.models.language import LanguageModel
 from workers.models.paged import BatchLayout, FusedLayer, PagedAttention, PagedKVCache, fuse_layers, paged_forward
+from workers.models.spec import ModelSpec
 from workers.models.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
 STEP, STOP = 1, 2
-HEADER = 6  # kind, tokens, sequences, logits rows, media rows, block-table width
+HEADER = 7  # kind, mode, tokens, sequences, logits rows, media rows, block-table width
+
+
+EAGER, DECODE_GRAPH, MIXED_GRAPH = 0, 1, 2  # how a step runs: every rank takes the same path
 
 
 @dataclass
 class StepPayload:
     """One forward's inputs, as every rank needs them (sequence after sequence, like `BatchLayout`)."""
 
+    mode: int  # EAGER, DECODE_GRAPH or MIXED_GRAPH
     ids: torch.Tensor  # int64 [T]; media placeholder ids where media_mask is set
     media_mask: torch.Tensor  # bool [T]
     media_rows: torch.Tensor  # [M, hidden], M = media_mask.sum()
     positions: torch.Tensor  # int64 [3, T]
+    slots: torch.Tensor  # int64 [T]: where each token's k/v goes
     query_lens: list[int]
     context_lens: list[int]
     block_tables: list[list[int]]
-    rows: list[int]  # flat token indices whose logits are wanted
+    rows: list[int]  # flat token indices whose logits are wanted (a decode graph gives every row)
+
+    def step_inputs(self) -> StepInputs:
+        return StepInputs(
+            self.positions.numpy(), self.slots.numpy(), self.query_lens, self.context_lens, self.block_tables, self.rows
+        )
 
 
-def run_step(
-    model: LanguageModel,
-    kv: PagedKVCache,
-    attention: PagedAttention,
-    tp: TensorParallel,
-    payload: StepPayload,
-    fused: Sequence[FusedLayer] | None = None,
-) -> torch.Tensor:
-    """The forward of one step on this rank; every rank gets the full logits of ``payload.rows``."""
-    device = model.device
-    embeds = tp.embed(model.embed_tokens.weight, payload.ids.to(device))
-    if payload.media_rows.shape[0]:
-        embeds[payload.media_mask.to(device)] = payload.media_rows.to(device, embeds.dtype)
-    layout = BatchLayout.build(
-        payload.query_lens, payload.context_lens, payload.block_tables, kv.block_size, device, kv.num_blocks
-    )
-    return paged_forward(model, embeds, payload.positions, layout, kv, payload.rows, attention, fused, tp)
+@dataclass
+class RankForward:
+    """What one rank runs for a step: its shard of the model and cache, and its graphs if any."""
+
+    model: LanguageModel
+    kv: PagedKVCache
+    attention: PagedAttention
+    tp: TensorParallel
+    fused: Sequence[FusedLayer] | None = None
+    graphs: StepGraphs | None = None
+
+    def __call__(self, payload: StepPayload) -> torch.Tensor:
+        """The logits of ``payload.rows`` (of every row for a decode graph), the same on every rank."""
+        if payload.mode == DECODE_GRAPH:
+            assert self.graphs is not None  # rank 0 picks a graph mode only when it has graphs, as we do
+            return self.graphs.decode(payload.step_inputs(), payload.ids.tolist())
+        device = self.model.device
+        embeds = self.tp.embed(self.model.embed_tokens.weight, payload.ids.to(device))
+        if payload.media_rows.shape[0]:
+            embeds[payload.media_mask.to(device)] = payload.media_rows.to(device, embeds.dtype)
+        if payload.mode == MIXED_GRAPH:
+            assert self.graphs is not None
+            return self.graphs.mixed(payload.step_inputs(), embeds)
+        kv = self.kv
+        layout = BatchLayout.build(
+            payload.query_lens, payload.context_lens, payload.block_tables, kv.block_size, device, kv.num_blocks
+        )
+        return paged_forward(
+            self.model, embeds, payload.positions, layout, kv, payload.rows, self.attention, self.fused, self.tp
+        )
 
 
 class StepBroadcast:
@@ -81,13 +106,14 @@ class StepBroadcast:
     def send(self, payload: StepPayload) -> None:
         t, s, r, m = payload.ids.shape[0], len(payload.query_lens), len(payload.rows), payload.media_rows.shape[0]
         width = max(len(table) for table in payload.block_tables)
-        self._broadcast(torch.tensor([STEP, t, s, r, m, width], dtype=torch.int64))
+        self._broadcast(torch.tensor([STEP, payload.mode, t, s, r, m, width], dtype=torch.int64))
         tables = [table + [-1] * (width - len(table)) for table in payload.block_tables]
         ints = torch.cat(
             [
                 payload.ids.to(torch.int64),
                 payload.media_mask.to(torch.int64),
                 payload.positions.reshape(-1).to(torch.int64),
+                payload.slots.to(torch.int64),
                 torch.tensor([*payload.query_lens, *payload.context_lens], dtype=torch.int64),
                 torch.tensor(tables, dtype=torch.int64).reshape(-1),
                 torch.tensor(payload.rows, dtype=torch.int64),
@@ -98,24 +124,26 @@ class StepBroadcast:
             self._broadcast(payload.media_rows.to(self.dtype))
 
     def send_stop(self) -> None:
-        self._broadcast(torch.tensor([STOP, 0, 0, 0, 0, 0], dtype=torch.int64))
+        self._broadcast(torch.tensor([STOP, 0, 0, 0, 0, 0, 0], dtype=torch.int64))
 
     def receive(self) -> StepPayload | None:
         header = self._broadcast(torch.empty(HEADER, dtype=torch.int64)).tolist()
-        kind, t, s, r, m, width = header
+        kind, mode, t, s, r, m, width = header
         if kind == STOP:
             return None
-        ints = self._broadcast(torch.empty(5 * t + 2 * s + s * width + r, dtype=torch.int64)).cpu()
-        ids, mask, positions, lens, tables, rows = ints.split([t, t, 3 * t, 2 * s, s * width, r])
+        ints = self._broadcast(torch.empty(6 * t + 2 * s + s * width + r, dtype=torch.int64)).cpu()
+        ids, mask, positions, slots, lens, tables, rows = ints.split([t, t, 3 * t, t, 2 * s, s * width, r])
         media = torch.empty((m, self.hidden), dtype=self.dtype)
         if m:
             media = self._broadcast(media)
         table_rows = tables.view(s, width).tolist()
         return StepPayload(
+            mode=mode,
             ids=ids,
             media_mask=mask.bool(),
             media_rows=media,
             positions=positions.view(3, t),
+            slots=slots,
             query_lens=lens[:s].tolist(),
             context_lens=lens[s:].tolist(),
             block_tables=[[b for b in row if b >= 0] for row in table_rows],
@@ -195,31 +223,63 @@ def follower_rendezvous(cfg: Config, rank: int, incarnation: str, device: torch.
 
 
 class DecoderRank:
-    """A decoder rank K >= 1: its shard of the model and KV cache, running rank 0's steps until told to stop."""
+    """A decoder rank K >= 1: its shard of the model and KV cache (and graphs, as rank 0 has them),
+    running rank 0's steps until told to stop."""
 
     def __init__(self, cfg: Config, rank: int) -> None:
+        from workers.kernels import paged_attention, paged_attention_reference
         from workers.models.runtime import resolve_device, resolve_dtype
         from workers.models.spec import ModelSpec
         from workers.models.tensor_parallel import load_shard
 
         incarnation = f"{os.getpid()}-{time.time_ns() % 10**9}"
-        self.cfg = cfg
-        self.device = resolve_device(cfg, rank)
+        device = resolve_device(cfg, rank)
         spec = ModelSpec.from_dir(cfg.model_path())
-        self.tp = TensorParallel(rank, cfg.decoder.tensor_parallel, spec.vocab_size)
-        self.model = load_shard(cfg.model_path(), spec, self.tp, self.device, resolve_dtype(cfg, self.device))
-        setup = follower_rendezvous(cfg, rank, incarnation, self.device)
-        self.kv = PagedKVCache.for_model(self.model, setup.num_blocks, cfg.decoder.block_size)
-        self.steps = StepBroadcast(self.tp, spec.hidden_size, self.model.dtype, self.device)
-        log.info("decoder rank %d of %d ready on %s (rank 0: %s)", rank, setup.world, self.device, setup.leader)
+        tp = TensorParallel(rank, cfg.decoder.tensor_parallel, spec.vocab_size)
+        model = load_shard(cfg.model_path(), spec, tp, device, resolve_dtype(cfg, device))
+        setup = follower_rendezvous(cfg, rank, incarnation, device)
+        # As rank 0's `runner_options`: the same kernels, and graphs exactly when it has them.
+        triton = cfg.decoder.kernels == "triton" and device.type == "cuda"
+        graphs = triton and cfg.decoder.cuda_graphs
+        kv = PagedKVCache.for_model(model, setup.num_blocks + graphs, cfg.decoder.block_size)
+        fused = fuse_layers(model) if triton else None
+        attention = paged_attention if triton else paged_attention_reference
+        step_graphs = None
+        if graphs:
+            step_graphs = rank_graphs(cfg, spec, model, kv, setup.num_blocks, attention, fused, tp, capture=True)
+        self.forward = RankForward(model, kv, attention, tp, fused, step_graphs)
+        self.steps = StepBroadcast(tp, spec.hidden_size, model.dtype, device)
+        log.info("decoder rank %d of %d ready on %s (rank 0: %s)", rank, setup.world, device, setup.leader)
 
     def run(self) -> None:
-        from workers.kernels import paged_attention, paged_attention_reference
-
-        triton = self.cfg.decoder.kernels == "triton" and self.device.type == "cuda"
-        attention = paged_attention if triton else paged_attention_reference  # as rank 0's `runner_options`
-        fused = fuse_layers(self.model) if triton else None
         while (payload := self.steps.receive()) is not None:
-            run_step(self.model, self.kv, attention, self.tp, payload, fused)
+            self.forward(payload)
         log.info("rank 0 said stop")
         dist.destroy_process_group()
+
+
+def rank_graphs(
+    cfg: Config,
+    spec: ModelSpec,
+    model: LanguageModel,
+    kv: PagedKVCache,
+    num_blocks: int,
+    attention: PagedAttention,
+    fused: Sequence[FusedLayer] | None,
+    tp: TensorParallel,
+    capture: bool,
+) -> StepGraphs:
+    """A follower's graphs, shaped as rank 0's engine makes its own (so captures and replays pair up)."""
+    budget = cfg.decoder.prefill_tokens_per_step + cfg.decoder.max_running
+    return StepGraphs(
+        model,
+        kv,
+        max_seqs=cfg.decoder.max_running,
+        max_tokens=min(cfg.decoder.graph_tokens, budget),
+        max_context=cfg.decoder.max_model_len or spec.max_position_embeddings,
+        scratch_block=num_blocks,
+        attention=attention,
+        fused=fused,
+        capture=capture,
+        tp=tp,
+    )

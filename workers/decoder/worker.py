@@ -69,11 +69,11 @@ def runner_options(cfg: Config, device: torch.device) -> dict[str, Any]:
     decode steps on a GPU unless the config turns them off; the plain-torch paths elsewhere (and always
     with kernels = "torch")."""
     triton = cfg.decoder.kernels == "triton" and device.type == "cuda"
-    graphs = triton and cfg.decoder.cuda_graphs and cfg.decoder.tensor_parallel == 1
+    graphs = triton and cfg.decoder.cuda_graphs  # (tensor-parallel ranks mirror this: `tp.DecoderRank`)
     return {
         "attention": paged_attention if triton else paged_attention_reference,
         "fuse": triton,
-        "graphs": "cuda" if graphs else "off",  # (not with tensor parallelism yet)
+        "graphs": "cuda" if graphs else "off",
         "graph_tokens": cfg.decoder.graph_tokens,
         "overlap": graphs and cfg.decoder.overlap,
     }
