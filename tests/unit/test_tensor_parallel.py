@@ -164,3 +164,48 @@ def test_an_engine_over_two_ranks_with_graph_steps_generates_what_one_rank_does(
     model, spec = LanguageModel.from_checkpoint(path, dtype=torch.float32), ModelSpec.from_dir(path)
     alone = generate(Engine(model, spec, **ENGINE, fuse=True, graphs="static", graph_tokens=GRAPH_TOKENS))  # type: ignore[arg-type]
     assert json.loads(out.read_text()) == alone
+
+
+def test_a_shard_read_from_the_files_is_the_slice_of_the_whole_model(tmp_path: Path) -> None:
+    """`load_shard` reads only its slices (safetensors slices) and gets exactly what slicing the fully
+    loaded weights gives, the last vocabulary shard zero-padded to the others' size."""
+    from workers.models.tensor_parallel import shard_state
+    from workers.models.weights import load_language_state
+
+    path = generate_checkpoint(tmp_path / "tiny", "tiny", seed=4)
+    spec = ModelSpec.from_dir(path)
+    full = load_language_state(path, spec.tie_word_embeddings, "cpu", torch.float32)
+    world, rows_seen = 2, 0  # the tiny model's 2 kv heads allow 2
+    for rank in range(world):
+        tp = TensorParallel(rank, world, spec.vocab_size)
+        model = load_shard(path, spec, tp, torch.device("cpu"), torch.float32)
+        expected = shard_state(full, spec, tp)
+        got = model.state_dict()
+        assert got.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(got[name], tensor), name
+        first, rows = tp.vocab_shard()
+        rows_seen += min(rows, spec.vocab_size - first)
+    assert rows_seen == spec.vocab_size
+
+
+def test_an_uneven_vocabulary_is_padded_on_the_last_rank(tmp_path: Path) -> None:
+    import dataclasses
+
+    from workers.models.tensor_parallel import shard_state
+    from workers.models.weights import load_language_state
+
+    path = generate_checkpoint(tmp_path / "tiny", "tiny", seed=4)
+    spec = ModelSpec.from_dir(path)
+    full = load_language_state(path, spec.tie_word_embeddings, "cpu", torch.float32)
+    odd = dataclasses.replace(spec, vocab_size=spec.vocab_size - 1)
+    state = {
+        **full,
+        "embed_tokens.weight": full["embed_tokens.weight"][:-1],
+        "lm_head.weight": full["lm_head.weight"][:-1],
+    }
+    last = shard_state(state, odd, TensorParallel(1, 2, odd.vocab_size))
+    rows = -(-odd.vocab_size // 2)
+    assert last["embed_tokens.weight"].shape[0] == rows == last["lm_head.weight"].shape[0]
+    assert torch.equal(last["lm_head.weight"][:-1], state["lm_head.weight"][rows:])
+    assert not last["lm_head.weight"][-1].any()  # the padding row: zero logits, cut off after the gather

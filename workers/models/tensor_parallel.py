@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from workers.models.language import LanguageModel
 from workers.models.spec import ModelSpec
-from workers.models.weights import load_language_state
+from workers.models.weights import LANGUAGE_PREFIX, LM_HEAD_KEY, CheckpointWeights
 
 
 @dataclass(frozen=True)
@@ -66,32 +66,50 @@ def check_shardable(spec: ModelSpec, world: int) -> None:
             raise ValueError(f"tensor_parallel = {world} does not divide the model's {count} {name}")
 
 
+def shard_index(name: str, spec: ModelSpec, tp: TensorParallel) -> tuple[slice, ...] | None:
+    """The part of weight ``name`` (relative to ``model.``, or ``lm_head.weight``) that rank ``tp.rank``
+    keeps, as an index; None for a replicated weight."""
+    d, r = spec.head_dim, tp.rank
+    heads, kv_heads = spec.num_heads // tp.world, spec.num_kv_heads // tp.world
+    inter = spec.intermediate_size // tp.world
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return (slice(r * heads * d, (r + 1) * heads * d),)
+    if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+        return (slice(r * kv_heads * d, (r + 1) * kv_heads * d),)
+    if name.endswith("o_proj.weight"):
+        return (slice(None), slice(r * heads * d, (r + 1) * heads * d))
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):
+        return (slice(r * inter, (r + 1) * inter),)
+    if name.endswith("down_proj.weight"):
+        return (slice(None), slice(r * inter, (r + 1) * inter))
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        first, rows = tp.vocab_shard()
+        return (slice(first, min(first + rows, spec.vocab_size)),)
+    return None  # norms: replicated
+
+
 def shard_state(state: Mapping[str, torch.Tensor], spec: ModelSpec, tp: TensorParallel) -> dict[str, torch.Tensor]:
     """This rank's slice of every language-model weight (keys as `LanguageModel.load_state` takes them)."""
     check_shardable(spec, tp.world)
-    d, r, w = spec.head_dim, tp.rank, tp.world
-    heads, kv_heads, inter = spec.num_heads // w, spec.num_kv_heads // w, spec.intermediate_size // w
-    first, vocab_rows = tp.vocab_shard()
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            piece = tensor[r * heads * d : (r + 1) * heads * d]
-        elif name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
-            piece = tensor[r * kv_heads * d : (r + 1) * kv_heads * d]
-        elif name.endswith("o_proj.weight"):
-            piece = tensor[:, r * heads * d : (r + 1) * heads * d]
-        elif name.endswith(("gate_proj.weight", "up_proj.weight")):
-            piece = tensor[r * inter : (r + 1) * inter]
-        elif name.endswith("down_proj.weight"):
-            piece = tensor[:, r * inter : (r + 1) * inter]
-        elif name in ("embed_tokens.weight", "lm_head.weight"):
-            piece = F.pad(tensor[first : first + vocab_rows], (0, 0, 0, max(0, first + vocab_rows - spec.vocab_size)))
-        else:
-            piece = tensor  # norms: replicated
-        out[name] = piece.contiguous() if piece is not tensor else tensor
-    if state.get("lm_head.weight") is state.get("embed_tokens.weight"):
-        out["lm_head.weight"] = out["embed_tokens.weight"]  # still tied
-    return out
+        index = shard_index(name, spec, tp)
+        out[name] = tensor if index is None else tensor[index].contiguous()
+    return _padded_vocab(out, spec, tp, tied=state.get("lm_head.weight") is state.get("embed_tokens.weight"))
+
+
+def _padded_vocab(
+    state: dict[str, torch.Tensor], spec: ModelSpec, tp: TensorParallel, tied: bool
+) -> dict[str, torch.Tensor]:
+    """The last vocabulary shard padded with zero rows, so that every rank's shard has the same size."""
+    _, rows = tp.vocab_shard()
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        missing = rows - state[name].shape[0]
+        if missing:
+            state[name] = F.pad(state[name], (0, 0, 0, missing))
+    if tied:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    return state
 
 
 def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
@@ -109,13 +127,18 @@ def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
 def load_shard(
     path: Path, spec: ModelSpec, tp: TensorParallel, device: torch.device, dtype: torch.dtype
 ) -> LanguageModel:
-    """This rank's part of the language model. The checkpoint is read on the host (memory-mapped) and
-    only the rank's slices reach ``device``."""
+    """This rank's part of the language model, reading only its slices from the checkpoint files."""
+    check_shardable(spec, tp.world)
+    weights = CheckpointWeights(path)
+    names = weights.keys(LANGUAGE_PREFIX)
+    state = weights.load(names, device, dtype, part=lambda n: shard_index(n[len(LANGUAGE_PREFIX) :], spec, tp))
+    state = {name[len(LANGUAGE_PREFIX) :]: tensor for name, tensor in state.items()}
+    tied = spec.tie_word_embeddings or LM_HEAD_KEY not in weights
+    if tied:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    else:
+        state.update(weights.load([LM_HEAD_KEY], device, dtype, part=lambda n: shard_index(n, spec, tp)))
     with torch.device("meta"):
         model = LanguageModel(local_spec(spec, tp.world))
-    state = shard_state(load_language_state(path, spec.tie_word_embeddings, "cpu", dtype), spec, tp)
-    moved = {name: t.to(device) for name, t in state.items()}
-    if state["lm_head.weight"] is state["embed_tokens.weight"]:
-        moved["lm_head.weight"] = moved["embed_tokens.weight"]
-    model.load_state(moved)
+    model.load_state(_padded_vocab(state, spec, tp, tied))
     return model.eval()

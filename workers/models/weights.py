@@ -14,7 +14,7 @@ the vision process reads just ``visual.*`` and the decoder just the language-mod
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -69,8 +69,10 @@ class CheckpointWeights:
         names: Iterable[str],
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
+        part: Callable[[str], tuple[slice, ...] | None] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Read the named tensors (canonical names), opening each shard once."""
+        """Read the named tensors (canonical names), opening each shard once. ``part(name)``: the index
+        of the part of a tensor to read (None: all of it), read from the file without the rest."""
         by_file: dict[Path, list[str]] = {}
         for name in names:
             if name not in self._locations:
@@ -80,7 +82,9 @@ class CheckpointWeights:
         for file, file_names in by_file.items():
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for name in file_names:
-                    tensor = handle.get_tensor(self._locations[name][1])
+                    raw = self._locations[name][1]
+                    index = part(name) if part is not None else None
+                    tensor = handle.get_tensor(raw) if index is None else handle.get_slice(raw)[index]
                     out[name] = _convert(tensor, device, dtype)
         return out
 
