@@ -117,7 +117,7 @@ def generate(engine: Engine) -> dict[str, list[int]]:
     return tokens
 
 
-def engine_rank(rank: int, world: int, path: str, store: str, out: str) -> None:
+def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlap: bool) -> None:
     """Rank 0 runs the engine (static graphs: the padded, staged path CUDA graphs replay, uncaptured);
     rank 1 runs rank 0's steps through its own graphs, as `DecoderRank` does."""
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
@@ -126,10 +126,11 @@ def engine_rank(rank: int, world: int, path: str, store: str, out: str) -> None:
     model = load_shard(Path(path), spec, tp, torch.device("cpu"), torch.float32)
     steps = StepBroadcast(tp, spec.hidden_size, model.dtype, torch.device("cpu"))
     if rank == 0:
-        options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS, "tp_steps": steps}
-        engine = Engine(model, spec, **ENGINE, **options)  # type: ignore[arg-type]
+        options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS, "overlap": overlap}
+        engine = Engine(model, spec, **ENGINE, **options, tp_steps=steps)  # type: ignore[arg-type]
         tokens = generate(engine)
         steps.send_stop()
+        assert (engine.counters["overlapped_steps"] > 0) == overlap
         assert engine.counters["graph_steps"] > 0
         Path(out).write_text(json.dumps(tokens))
     else:
@@ -153,16 +154,17 @@ def engine_rank(rank: int, world: int, path: str, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_an_engine_over_two_ranks_with_graph_steps_generates_what_one_rank_does(tmp_path: Path) -> None:
-    """Decode and mixed graph steps (static mode), fused layers, broadcast to a second rank: the same greedy
-    tokens as the unsharded engine."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
+def test_an_engine_over_two_ranks_with_graph_steps_generates_what_one_rank_does(tmp_path: Path, overlap: bool) -> None:
+    """Decode and mixed graph steps (static mode), fused layers, broadcast to a second rank — with
+    overlap, decode steps whose input ids follow as a tensor: the same greedy tokens as one rank."""
     path = generate_checkpoint(tmp_path / "tiny", "tiny", seed=4)
     out = tmp_path / "tokens.json"
-    mp.start_processes(
-        engine_rank, args=(2, str(path), str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn"
-    )
+    args = (2, str(path), str(tmp_path / "store"), str(out), overlap)
+    mp.start_processes(engine_rank, args=args, nprocs=2, start_method="spawn")
     model, spec = LanguageModel.from_checkpoint(path, dtype=torch.float32), ModelSpec.from_dir(path)
-    alone = generate(Engine(model, spec, **ENGINE, fuse=True, graphs="static", graph_tokens=GRAPH_TOKENS))  # type: ignore[arg-type]
+    options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS}
+    alone = generate(Engine(model, spec, **ENGINE, **options))  # type: ignore[arg-type]
     assert json.loads(out.read_text()) == alone
 
 

@@ -169,8 +169,7 @@ class Engine:
                 capture=graphs == "cuda",
                 tp=tp_steps.tp if tp_steps is not None else None,
             )
-        # Overlap feeds sampled ids on this device only: not (yet) to the other ranks of a group.
-        self.overlap = overlap and self.graphs is not None and tp_steps is None
+        self.overlap = overlap and self.graphs is not None
         self.rank_forward = None
         if tp_steps is not None:
             self.rank_forward = RankForward(model, self.kv, attention, tp_steps.tp, self.fused, self.graphs)
@@ -462,7 +461,12 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["graph_steps"] += 1
         self.counters["overlapped_steps"] += 1
-        logits = self._run_decode_graph(batch, pending.sampled.tokens)
+        if self.rank_forward is not None and self.tp_steps is not None:  # the other ranks get the ids too
+            payload = self._payload(batch, [], DECODE_GRAPH, pending.sampled.tokens)
+            self.tp_steps.send(payload)
+            logits = self.rank_forward(payload)
+        else:
+            logits = self._run_decode_graph(batch, pending.sampled.tokens)
         deltas = self._flush()  # the GPU runs the new step meanwhile
         live = [i for i, item in enumerate(batch) if item.seq.finish_reason is None]
         if live:
@@ -513,12 +517,15 @@ class Engine:
         first = int(seq.media_mask[:start].sum())
         return mask, seq.media_embeds[first : first + int(part.sum())]
 
-    def _payload(self, batch: list[Scheduled], rows: list[int], mode: int) -> StepPayload:
-        """A step as every tensor-parallel rank needs it (each embeds the ids of its vocabulary shard)."""
+    def _payload(
+        self, batch: list[Scheduled], rows: list[int], mode: int, device_ids: torch.Tensor | None = None
+    ) -> StepPayload:
+        """A step as every tensor-parallel rank needs it (each embeds the ids of its vocabulary shard).
+        With ``device_ids`` (an overlapped decode step) the ids are not on the host yet: zeros stand in."""
         ids, masks, media, positions, slots = [], [], [], [], []
         for item in batch:
             seq, start, end = item.seq, item.seq.num_computed, item.seq.num_computed + item.num_new
-            ids.extend(seq.token_ids(start, end))
+            ids.extend(seq.token_ids(start, end) if device_ids is None else [0] * (end - start))
             mask, media_rows = self._media_rows(seq, start, end)
             masks.append(mask)
             if media_rows is not None:
@@ -537,6 +544,7 @@ class Engine:
             context_lens=[b.seq.num_computed + b.num_new for b in batch],
             block_tables=[list(b.seq.table.blocks) for b in batch],
             rows=rows,
+            device_ids=device_ids,
         )
 
     def _positions(self, seq: Sequence, start: int, end: int) -> torch.Tensor:

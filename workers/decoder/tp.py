@@ -37,7 +37,7 @@ from workers.models.tensor_parallel import TensorParallel
 log = logging.getLogger(__name__)
 
 STEP, STOP = 1, 2
-HEADER = 7  # kind, mode, tokens, sequences, logits rows, media rows, block-table width
+HEADER = 8  # kind, mode, tokens, sequences, logits rows, media rows, block-table width, ids follow
 
 
 EAGER, DECODE_GRAPH, MIXED_GRAPH = 0, 1, 2  # how a step runs: every rank takes the same path
@@ -57,6 +57,8 @@ class StepPayload:
     context_lens: list[int]
     block_tables: list[list[int]]
     rows: list[int]  # flat token indices whose logits are wanted (a decode graph gives every row)
+    # A decode step staged before rank 0 read its input ids (overlap): they follow as a device tensor.
+    device_ids: torch.Tensor | None = None
 
     def step_inputs(self) -> StepInputs:
         return StepInputs(
@@ -79,6 +81,8 @@ class RankForward:
         """The logits of ``payload.rows`` (of every row for a decode graph), the same on every rank."""
         if payload.mode == DECODE_GRAPH:
             assert self.graphs is not None  # rank 0 picks a graph mode only when it has graphs, as we do
+            if payload.device_ids is not None:
+                return self.graphs.decode(payload.step_inputs(), None, payload.device_ids)
             return self.graphs.decode(payload.step_inputs(), payload.ids.tolist())
         device = self.model.device
         embeds = self.tp.embed(self.model.embed_tokens.weight, payload.ids.to(device))
@@ -106,7 +110,8 @@ class StepBroadcast:
     def send(self, payload: StepPayload) -> None:
         t, s, r, m = payload.ids.shape[0], len(payload.query_lens), len(payload.rows), payload.media_rows.shape[0]
         width = max(len(table) for table in payload.block_tables)
-        self._broadcast(torch.tensor([STEP, payload.mode, t, s, r, m, width], dtype=torch.int64))
+        follow = payload.device_ids is not None
+        self._broadcast(torch.tensor([STEP, payload.mode, t, s, r, m, width, follow], dtype=torch.int64))
         tables = [table + [-1] * (width - len(table)) for table in payload.block_tables]
         ints = torch.cat(
             [
@@ -122,13 +127,15 @@ class StepBroadcast:
         self._broadcast(ints)
         if m:
             self._broadcast(payload.media_rows.to(self.dtype))
+        if payload.device_ids is not None:
+            self._broadcast(payload.device_ids)  # in stream order after the sampling that makes them
 
     def send_stop(self) -> None:
-        self._broadcast(torch.tensor([STOP, 0, 0, 0, 0, 0, 0], dtype=torch.int64))
+        self._broadcast(torch.tensor([STOP, 0, 0, 0, 0, 0, 0, 0], dtype=torch.int64))
 
     def receive(self) -> StepPayload | None:
         header = self._broadcast(torch.empty(HEADER, dtype=torch.int64)).tolist()
-        kind, mode, t, s, r, m, width = header
+        kind, mode, t, s, r, m, width, follow = header
         if kind == STOP:
             return None
         ints = self._broadcast(torch.empty(6 * t + 2 * s + s * width + r, dtype=torch.int64)).cpu()
@@ -137,7 +144,9 @@ class StepBroadcast:
         if m:
             media = self._broadcast(media)
         table_rows = tables.view(s, width).tolist()
+        device_ids = self._broadcast(torch.empty(t, dtype=torch.int64)) if follow else None
         return StepPayload(
+            device_ids=device_ids,
             mode=mode,
             ids=ids,
             media_mask=mask.bool(),
