@@ -3,15 +3,20 @@
 # seed's workloads against it, then the transformers baseline on the same prompts.
 # Usage: benchmarks/gpu.sh OUT_DIR      (env: GIT_REV, QUICK=1 for a short smoke run,
 #        ONLY="seed3img-c32 mixed" to run just those workloads and no transformers baseline,
-#        MPS=1 [MPS_SM=50] to run the stack with the CUDA MPS daemon, encoders capped at MPS_SM% of the SMs)
+#        MPS=1 [MPS_SM=50] to run the stack with the CUDA MPS daemon, encoders capped at MPS_SM% of the SMs,
+#        TP=2 for a tensor-parallel decoder over two GPUs)
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/gpu.sh OUT_DIR}")
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLM_CONFIG="$PWD/benchmarks/gpu.toml"
-if [ "${MPS:-0}" = 1 ]; then  # MPS=1 [MPS_SM=percent]: the same run with the CUDA MPS daemon
-  { cat benchmarks/gpu.toml; printf '\n[encoder]\nmps = true\nmps_encoder_sm_percent = %s\n' "${MPS_SM:-100}"; } > /tmp/gpu-mps.toml
-  export VLM_CONFIG=/tmp/gpu-mps.toml
+if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ]; then  # variants of gpu.toml, written beside it in /tmp
+  cp benchmarks/gpu.toml /tmp/gpu-variant.toml
+  # MPS=1 [MPS_SM=percent]: the CUDA MPS daemon, encoders capped at MPS_SM% of the SMs
+  [ "${MPS:-0}" = 1 ] && printf '\n[encoder]\nmps = true\nmps_encoder_sm_percent = %s\n' "${MPS_SM:-100}" >> /tmp/gpu-variant.toml
+  # TP=N: a tensor-parallel decoder over N GPUs (needs N GPUs; one encoder per GPU comes with them)
+  [ "${TP:-1}" != 1 ] && sed -i "/^\[decoder\]/a tensor_parallel = ${TP}" /tmp/gpu-variant.toml
+  export VLM_CONFIG=/tmp/gpu-variant.toml
 fi
 log() { echo "[gpu.sh $(date +%T)] $*" | tee -a "$out/gpu.log"; }
 

@@ -1,0 +1,80 @@
+"""Tensor parallelism on two GPUs: NCCL, fused Triton layers, captured CUDA graphs (decode and mixed, their
+collectives inside) and overlapped decode steps — greedy tokens equal to one GPU's in fp32. Needs two CUDA
+GPUs and triton; skipped otherwise (it has not run yet: no two-GPU machine was lent when it was written)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.gpu.test_kernels_gpu import _SKIP_REASON
+from tests.unit.test_tensor_parallel import ENGINE, GRAPH_TOKENS, generate
+from workers.decoder.engine import Engine
+from workers.decoder.graphs import StepGraphs
+from workers.decoder.tp import RankForward, StepBroadcast
+from workers.kernels import paged_attention
+from workers.models.language import LanguageModel
+from workers.models.paged import PagedKVCache, fuse_layers
+from workers.models.spec import ModelSpec
+from workers.models.synth import generate_checkpoint
+from workers.models.tensor_parallel import TensorParallel, load_shard
+
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or ""),
+    pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA GPUs"),
+]
+
+
+def gpu_rank(rank: int, world: int, path: str, store: str, out: str) -> None:
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    spec = ModelSpec.from_dir(path)
+    tp = TensorParallel(rank, world, spec.vocab_size)
+    model = load_shard(Path(path), spec, tp, device, torch.float32)
+    steps = StepBroadcast(tp, spec.hidden_size, model.dtype, device)
+    if rank == 0:
+        options = {"fuse": True, "graphs": "cuda", "graph_tokens": GRAPH_TOKENS, "overlap": True}
+        engine = Engine(model, spec, **ENGINE, **options, attention=paged_attention, tp_steps=steps)  # type: ignore[arg-type]
+        tokens = generate(engine)
+        steps.send_stop()
+        Path(out).write_text(json.dumps({"tokens": tokens, "counters": engine.counters}))
+    else:
+        kv = PagedKVCache.for_model(model, ENGINE["num_blocks"] + 1, ENGINE["block_size"])
+        fused = fuse_layers(model)
+        graphs = StepGraphs(
+            model,
+            kv,
+            max_seqs=ENGINE["max_running"],
+            max_tokens=min(GRAPH_TOKENS, ENGINE["prefill_budget"] + ENGINE["max_running"]),
+            max_context=ENGINE["max_model_len"],
+            scratch_block=ENGINE["num_blocks"],
+            attention=paged_attention,
+            fused=fused,
+            capture=True,
+            tp=tp,
+        )
+        forward = RankForward(model, kv, paged_attention, tp, fused, graphs)
+        while (payload := steps.receive()) is not None:
+            forward(payload)
+    dist.destroy_process_group()
+
+
+def test_two_gpus_with_captured_graphs_and_overlap_generate_what_one_gpu_does(tmp_path: Path) -> None:
+    path = generate_checkpoint(tmp_path / "tiny", "tiny", seed=4)
+    out = tmp_path / "tp.json"
+    mp.start_processes(gpu_rank, args=(2, str(path), str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
+    result = json.loads(out.read_text())
+    assert result["counters"]["graph_steps"] > 0 and result["counters"]["overlapped_steps"] > 0
+    model = LanguageModel.from_checkpoint(path, device=torch.device("cuda", 0), dtype=torch.float32)
+    spec = ModelSpec.from_dir(path)
+    options = {"fuse": True, "graphs": "cuda", "graph_tokens": GRAPH_TOKENS, "overlap": True}
+    alone = generate(Engine(model, spec, **ENGINE, **options, attention=paged_attention))  # type: ignore[arg-type]
+    assert result["tokens"] == alone
