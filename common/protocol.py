@@ -204,7 +204,7 @@ class Abort(Message):
 @message
 class EncodeJob(Message):
     """Fetcher -> encoder. ``pixels`` are the model's float pixel values, or uint8 patches that the
-    encoder turns into them on its device with ``rescale_factor`` (0: no rescale) and the per-channel
+    encoder turns into them on its device with ``rescale_factor`` (None: no rescale) and the per-channel
     ``image_mean``/``image_std`` (empty: no normalisation) — the processor's own arithmetic, exact."""
 
     job_id: str
@@ -212,7 +212,7 @@ class EncodeJob(Message):
     pixels: TensorRef
     grid_thw: list[int]
     slot: TensorRef
-    rescale_factor: float = 0.0
+    rescale_factor: float | None = None
     image_mean: list[float] = dataclasses.field(default_factory=list)
     image_std: list[float] = dataclasses.field(default_factory=list)
     # False for one part of a video encoded in chunks of frames: the fetcher commits the cache entry once

@@ -153,7 +153,7 @@ def model_pixels(job: EncodeJob, device: torch.device, channels: int) -> torch.T
         raise ValueError(
             f"uint8 pixels need one mean and std per channel ({channels}), got {job.image_mean} and {job.image_std}"
         )
-    norm = Normalization(job.rescale_factor or None, tuple(job.image_mean) or None, tuple(job.image_std) or None)
+    norm = Normalization(job.rescale_factor, tuple(job.image_mean) or None, tuple(job.image_std) or None)
     return normalize_patches(pixels.to(device), norm)
 
 

@@ -281,7 +281,7 @@ class FetcherWorker:
                 inline_ref(torch.from_numpy(pixels)),
                 [end - start, h, w],
                 part,
-                rescale_factor=(norm.rescale_factor or 0.0) if norm else 0.0,
+                rescale_factor=norm.rescale_factor if norm else None,
                 image_mean=list(norm.mean or ()) if norm else [],
                 image_std=list(norm.std or ()) if norm else [],
                 commit=len(chunks) == 1,
