@@ -4,14 +4,16 @@
 # Usage: benchmarks/gpu.sh OUT_DIR      (env: GIT_REV, QUICK=1 for a short smoke run,
 #        ONLY="seed3img-c32 mixed" to run just those workloads and no transformers baseline,
 #        MPS=1 [MPS_SM=50] to run the stack with the CUDA MPS daemon, encoders capped at MPS_SM% of the SMs,
-#        TP=2 for a tensor-parallel decoder over two GPUs)
+#        TP=2 for a tensor-parallel decoder over two GPUs, DEVICE_POOL=1 for the CUDA IPC embedding pool)
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/gpu.sh OUT_DIR}")
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLM_CONFIG="$PWD/benchmarks/gpu.toml"
-if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ]; then  # variants of gpu.toml, written beside it in /tmp
+if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ]; then  # variants of gpu.toml
   cp benchmarks/gpu.toml /tmp/gpu-variant.toml
+  # DEVICE_POOL=1: the embedding pool in GPU memory, handed over by CUDA IPC
+  [ "${DEVICE_POOL:-0}" = 1 ] && sed -i "/^\[cache\]/a device_pool = true" /tmp/gpu-variant.toml
   # MPS=1 [MPS_SM=percent]: the CUDA MPS daemon, encoders capped at MPS_SM% of the SMs
   [ "${MPS:-0}" = 1 ] && printf '\n[encoder]\nmps = true\nmps_encoder_sm_percent = %s\n' "${MPS_SM:-100}" >> /tmp/gpu-variant.toml
   # TP=N: a tensor-parallel decoder over N GPUs (needs N GPUs; one encoder per GPU comes with them)

@@ -81,6 +81,8 @@ class EncoderConfig:
 @dataclass
 class CacheConfig:
     pool_bytes: int = 256 * 1024 * 1024
+    # GPU hosts: the pool in GPU memory (CUDA IPC), so embeddings go encoder -> decoder without the host.
+    device_pool: bool = False
     lease_ttl_s: float = 120.0
     pending_ttl_s: float = 60.0
 

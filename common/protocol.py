@@ -94,11 +94,23 @@ def decode(frame: bytes) -> Message:
 
 
 @message
-class TensorRef(Message):
-    """Where a tensor lives: ``inline`` bytes, or ``shm`` (POSIX shared memory name + offset).
+class CudaIpcHandle(Message):
+    """A CUDA allocation another process can map (what ``UntypedStorage._share_cuda_`` returns)."""
 
-    ``cuda_ipc`` arrives with the GPU vision path.
-    """
+    device: int
+    handle: bytes
+    size: int
+    storage_offset: int
+    ref_counter: bytes
+    ref_counter_offset: int
+    event: bytes | None
+    event_sync: bool
+
+
+@message
+class TensorRef(Message):
+    """Where a tensor lives: ``inline`` bytes, ``shm`` (POSIX shared memory name + offset), or
+    ``cuda_ipc`` (an offset in a GPU pool another process owns, mapped through ``cuda``)."""
 
     kind: str
     dtype: str
@@ -107,6 +119,7 @@ class TensorRef(Message):
     shm_name: str = ""
     offset: int = 0
     pool_incarnation: str = ""
+    cuda: CudaIpcHandle | None = None
 
 
 @message

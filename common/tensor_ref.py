@@ -1,4 +1,5 @@
-"""Tensors across processes: inline bytes or an offset in a POSIX shared-memory pool.
+"""Tensors across processes: inline bytes, an offset in a POSIX shared-memory pool, or an offset in a GPU
+pool another process owns (CUDA IPC: the embeddings then never leave the GPU).
 
 Pools are plain files under /dev/shm mapped with mmap. We avoid
 ``multiprocessing.shared_memory`` because on Python 3.11 every process that merely attaches
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.protocol import TensorRef
+from common.protocol import CudaIpcHandle, TensorRef
 
 SHM_DIR = Path("/dev/shm")
 
@@ -83,16 +84,64 @@ class ShmPool:
         self.buffer = torch.empty(0)
 
 
+class CudaPool:
+    """A byte pool in GPU memory: the owner allocates it and publishes `handle`; other processes map it
+    once (`attach`) and index it by offset, as with `ShmPool`. Through torch's own CUDA IPC (the
+    mechanism `torch.multiprocessing` uses), so the mapping is reference-counted the way torch expects."""
+
+    def __init__(self, buffer: torch.Tensor, name: str) -> None:
+        self.buffer, self.name = buffer, name
+        self.size = buffer.numel()
+
+    @classmethod
+    def create(cls, name: str, size: int, device: torch.device) -> CudaPool:
+        return cls(torch.zeros(size, dtype=torch.uint8, device=device), name)
+
+    def handle(self) -> CudaIpcHandle:
+        return CudaIpcHandle(*self.buffer.untyped_storage()._share_cuda_())
+
+    @classmethod
+    def attach(cls, name: str, handle: CudaIpcHandle) -> CudaPool:
+        torch.cuda._lazy_init()
+        storage = torch.UntypedStorage._new_shared_cuda(
+            handle.device,
+            handle.handle,
+            handle.size,
+            handle.storage_offset,
+            handle.ref_counter,
+            handle.ref_counter_offset,
+            handle.event,
+            handle.event_sync,
+        )
+        buffer = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", handle.device)).set_(storage)
+        return cls(buffer, name)
+
+    def view(self, ref: TensorRef) -> torch.Tensor:
+        nbytes = nbytes_of(ref.dtype, ref.shape)
+        if ref.offset < 0 or ref.offset + nbytes > self.size:
+            raise ValueError(f"tensor ref [{ref.offset}, +{nbytes}) is outside pool {self.name} of {self.size} B")
+        return self.buffer[ref.offset : ref.offset + nbytes].view(torch_dtype(ref.dtype)).view(ref.shape)
+
+    def close(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+
 class ShmAttachments:
     """A consumer's open pools, by name: each pool is attached once and then indexed by offset."""
 
     def __init__(self) -> None:
-        self.pools: dict[str, ShmPool] = {}
+        self.pools: dict[str, ShmPool | CudaPool] = {}
 
     def view(self, ref: TensorRef) -> torch.Tensor:
         pool = self.pools.get(ref.shm_name)
         if pool is None:
-            pool = self.pools[ref.shm_name] = ShmPool(ref.shm_name, 0, create=False)
+            if ref.kind == "cuda_ipc":
+                if ref.cuda is None:
+                    raise ValueError("a cuda_ipc tensor ref without its pool handle")
+                pool = CudaPool.attach(ref.shm_name, ref.cuda)
+            else:
+                pool = ShmPool(ref.shm_name, 0, create=False)
+            self.pools[ref.shm_name] = pool
         return pool.view(ref)
 
     def forget_except(self, keep: str) -> None:
@@ -111,8 +160,8 @@ def read_tensor(ref: TensorRef, attachments: ShmAttachments | None = None) -> to
             raise ValueError(f"inline tensor has {len(ref.data)} B, shape {ref.shape} needs {expected}")
         flat = torch.frombuffer(bytearray(ref.data), dtype=torch.uint8) if expected else torch.empty(0)
         return flat.view(torch_dtype(ref.dtype)).view(ref.shape)
-    if ref.kind == "shm":
+    if ref.kind in ("shm", "cuda_ipc"):
         if attachments is None:
-            raise ValueError("a shm tensor ref needs pool attachments")
+            raise ValueError(f"a {ref.kind} tensor ref needs pool attachments")
         return attachments.view(ref)
     raise ValueError(f"unsupported tensor ref kind {ref.kind!r}")

@@ -7,9 +7,12 @@ import itertools
 import random
 import time
 import types
+from pathlib import Path
 
 import pytest
+import torch
 
+from common.config import Config
 from workers.cache import store as store_mod
 from workers.cache.store import ALIGN, Allocator, EmbeddingStore, PoolFull
 
@@ -400,3 +403,13 @@ def test_store_random_property() -> None:
         for e in s.entries.values():
             for r in e.leases:
                 assert e.content_hash in s.leases[r][0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without a GPU")
+def test_a_gpu_embedding_pool_on_a_cpu_host_is_refused_at_start(tmp_path: Path) -> None:
+    from workers.cache.daemon import CacheDaemon
+
+    cfg = Config()
+    cfg.run_dir, cfg.cache.device_pool = str(tmp_path), True
+    with pytest.raises(ValueError, match=r"device_pool = true needs a CUDA GPU"):
+        CacheDaemon(cfg)

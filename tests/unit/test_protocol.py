@@ -21,6 +21,7 @@ from common.protocol import (
     CacheLookup,
     CacheLookupResult,
     CacheRelease,
+    CudaIpcHandle,
     DecoderStats,
     EncodeJob,
     EncodeResult,
@@ -66,6 +67,9 @@ INLINE_REF = TensorRef(
     offset=3,
     pool_incarnation="p",
 )
+IPC_HANDLE = CudaIpcHandle(0, b"\x01" * 64, 1 << 28, 0, b"/torch_1_2", 5, b"\x02" * 64, True)
+# Every field set, for the round trip (a real ref has no inline data).
+FULL_REF = TensorRef("cuda_ipc", "bfloat16", [64, 1536], b"\x03", "vlm-abc-emb-2", 8192, "2-2", IPC_HANDLE)
 SAMPLING = SamplingParams(
     max_tokens=17,
     temperature=0.25,
@@ -98,7 +102,6 @@ DELTA = TokenDelta(
 def one_of_each() -> list[Message]:
     """One instance of every registered message, every field set away from its default."""
     return [
-        INLINE_REF,
         SAMPLING,
         MEDIA,
         PREPARED,
@@ -131,6 +134,8 @@ def one_of_each() -> list[Message]:
         CacheAcquire(call_id="c2", request_id="req-4", content_hashes=["a" * 64, "b" * 64]),
         CacheAcquireResult(call_id="c2", request_id="req-4", refs=[SHM_REF, INLINE_REF], status=503, message="m"),
         CacheRelease(request_id="req-4"),
+        FULL_REF,
+        IPC_HANDLE,
         TPJoin(rank=1, incarnation="5-5"),
         TPSetup(store_path="/run/8000/tp-1-2.store", world=2, num_blocks=4096, leader="1-2"),
         StatsRequest(call_id="c3"),

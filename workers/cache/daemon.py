@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import zmq
 
 from common.config import Config
@@ -14,12 +15,13 @@ from common.protocol import (
     CacheLookup,
     CacheLookupResult,
     CacheRelease,
+    CudaIpcHandle,
     Message,
     StatsRequest,
     StatsResult,
     TensorRef,
 )
-from common.tensor_ref import SHM_DIR, ShmPool
+from common.tensor_ref import SHM_DIR, CudaPool, ShmPool
 from common.transport import Channel, EventLoop, worker_identity
 from workers.cache.store import EmbeddingStore, Entry, PoolFull
 
@@ -31,7 +33,17 @@ class CacheDaemon:
         self.cfg = cfg
         self.incarnation, _ = worker_identity("cache")
         remove_stale_pools(cfg)  # a predecessor killed with -9 could not unlink its pool
-        self.pool = ShmPool(f"{pool_prefix(cfg)}{self.incarnation}", cfg.cache.pool_bytes, create=True)
+        name = f"{pool_prefix(cfg)}{self.incarnation}"
+        self.pool: ShmPool | CudaPool
+        self.cuda_handle: CudaIpcHandle | None = None
+        if cfg.cache.device_pool:
+            if not torch.cuda.is_available():
+                raise ValueError("[cache] device_pool = true needs a CUDA GPU; set it to false on this host")
+            # On the decoder's GPU (0): encoders on other GPUs write to it over NVLink/PCIe peer access.
+            self.pool = CudaPool.create(name, cfg.cache.pool_bytes, torch.device("cuda", 0))
+            self.cuda_handle = self.pool.handle()
+        else:
+            self.pool = ShmPool(name, cfg.cache.pool_bytes, create=True)
         self.store = EmbeddingStore(cfg.cache.pool_bytes)
         self.ctx = zmq.Context()
         self.channel = Channel(self.ctx, zmq.ROUTER, cfg.endpoint("cache"), bind=True)
@@ -40,14 +52,19 @@ class CacheDaemon:
         self.loop.on_message(self.channel, self.handle)
         self.loop.every(0.5, self.expire)
         log.info(
-            "cache ready: pool %s of %.1f MiB at %s", self.pool.name, cfg.cache.pool_bytes / 2**20, self.channel.address
+            "cache ready: pool %s of %.1f MiB in %s at %s",
+            self.pool.name,
+            cfg.cache.pool_bytes / 2**20,
+            "GPU memory (CUDA IPC)" if self.cuda_handle else "shared memory",
+            self.channel.address,
         )
 
     def run(self) -> None:
         try:
             self.loop.run()
         finally:
-            self.pool.unlink()
+            if isinstance(self.pool, ShmPool):
+                self.pool.unlink()
             self.channel.close()
 
     # ------------------------------------------------------------------ messages
@@ -95,12 +112,13 @@ class CacheDaemon:
 
     def ref(self, entry: Entry) -> TensorRef:
         return TensorRef(
-            kind="shm",
+            kind="shm" if self.cuda_handle is None else "cuda_ipc",
             dtype=entry.dtype,
             shape=entry.shape,
             shm_name=self.pool.name,
             offset=entry.offset,
             pool_incarnation=self.incarnation,
+            cuda=self.cuda_handle,
         )
 
     def answer_waiters(self) -> None:

@@ -231,7 +231,7 @@ class DecoderWorker:
                     return
                 try:
                     waiting.seq.media_embeds = torch.cat([read_tensor(r, self.pools).clone() for r in msg.refs])
-                except (OSError, ValueError) as exc:
+                except (OSError, ValueError, RuntimeError) as exc:  # (RuntimeError: a GPU pool that cannot be mapped)
                     self.fail(rid, 503, "media_unavailable", f"cannot read media embeddings: {exc}")
                     return
                 finally:

@@ -17,7 +17,7 @@ import zmq
 
 from common.config import Config
 from common.protocol import CacheCommit, EncodeJob, EncodeResult, Message, Ping, StatsRequest, StatsResult, WorkerStatus
-from common.tensor_ref import ShmAttachments, read_tensor, torch_dtype
+from common.tensor_ref import ShmAttachments, read_tensor
 from common.transport import Channel, EventLoop, worker_identity
 from workers.encoder.backends import VisionBackend, load_vision_backend
 from workers.fetcher.image import Normalization, normalize_patches
@@ -126,7 +126,9 @@ class EncoderWorker:
             slot = self.pools.view(job.slot)
             if tuple(slot.shape) != tuple(embeds.shape):
                 raise ValueError(f"slot shape {list(slot.shape)} != embedding shape {list(embeds.shape)}")
-            slot.copy_(embeds.to(torch_dtype(job.slot.dtype)).cpu())
+            slot.copy_(embeds.to(slot.device, slot.dtype))
+            if slot.is_cuda:  # a GPU pool: the rows must be there before the cache says they are
+                torch.cuda.synchronize(slot.device)
         except Exception as exc:
             return self.fail(job, exc)
         self.counters["images_encoded"] += 1
