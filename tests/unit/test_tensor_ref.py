@@ -118,7 +118,11 @@ def test_bad_refs_are_rejected() -> None:
     with pytest.raises(ValueError, match="unsupported tensor dtype"):
         read_tensor(TensorRef(kind="inline", dtype="complex64", shape=[1], data=b"\x00" * 8))
     with pytest.raises(ValueError, match="unsupported tensor ref kind"):
-        read_tensor(TensorRef(kind="cuda_ipc", dtype="float32", shape=[1], data=b"\x00" * 4))
+        read_tensor(TensorRef(kind="nvme", dtype="float32", shape=[1], data=b"\x00" * 4))
+    with pytest.raises(ValueError, match="a cuda_ipc tensor ref needs pool attachments"):
+        read_tensor(TensorRef(kind="cuda_ipc", dtype="float32", shape=[1], shm_name="x"))
+    with pytest.raises(ValueError, match="cuda_ipc tensor ref without its pool handle"):
+        ShmAttachments().view(TensorRef(kind="cuda_ipc", dtype="float32", shape=[1], shm_name="x"))
     with pytest.raises(ValueError, match="needs pool attachments"):
         read_tensor(TensorRef(kind="shm", dtype="float32", shape=[1], shm_name="x"))
 

@@ -11,14 +11,23 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from common.protocol import PreparedRequest, SamplingParams, TokenDelta
+from workers.decoder.batch import (
+    Scheduled,
+    Sequence,
+    decode_inputs,
+    embeddings,
+    positions,
+    step_inputs,
+    tp_payload,
+)
 from workers.decoder.blocks import BlockManager, BlockTable, media_token_keys
-from workers.decoder.graphs import StepGraphs, StepInputs
+from workers.decoder.graphs import StepGraphs
 from workers.decoder.sampling import Sampled, SampleFuture, SamplingRow, sample_async, sample_batch
 from workers.decoder.tp import DECODE_GRAPH, EAGER, MIXED_GRAPH, RankForward, StepBroadcast, StepPayload
 from workers.kernels import paged_attention
@@ -51,59 +60,6 @@ def sampling_row(
         prompt_ids=prompt_ids,
         output_ids=output_ids,
     )
-
-
-@dataclass
-class Sequence:
-    request: PreparedRequest
-    prompt_ids: list[int]
-    prompt_keys: list[int]  # prefix-cache keys: token ids, media tokens keyed by content hash + offset
-    positions: torch.Tensor  # [3, prompt_len] M-RoPE positions of the prompt
-    delta: int  # position of token i (past the prompt) is i + delta
-    media_mask: torch.Tensor  # [prompt_len] bool: rows filled from media_embeds, in order
-    media_embeds: torch.Tensor | None = None
-    output_ids: list[int] = field(default_factory=list)
-    table: BlockTable = field(default_factory=BlockTable)
-    num_computed: int = 0  # tokens whose KV is in the table
-    finish_reason: str | None = None
-    all_keys: list[int] = field(default_factory=list)  # prompt_keys + output_ids, kept up to date
-    queued_at: float = 0.0
-    queue_s: float | None = None  # arrival in the engine -> first admission
-
-    def __post_init__(self) -> None:
-        self.all_keys = list(self.prompt_keys)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def keys(self) -> list[int]:
-        return self.all_keys  # not rebuilt per step: prompts can be thousands of tokens
-
-    def add_output(self, token: int) -> None:
-        self.output_ids.append(token)
-        self.all_keys.append(token)
-
-    def token_ids(self, start: int, end: int) -> list[int]:
-        prompt = len(self.prompt_ids)
-        head = self.prompt_ids[start:end] if start < prompt else []
-        tail = self.output_ids[max(start - prompt, 0) : end - prompt] if end > prompt else []
-        return head + tail
-
-
-@dataclass
-class Scheduled:
-    seq: Sequence
-    num_new: int  # tokens computed this step: a prefill chunk, or 1 for a decode
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's last token, so its logits give the next token."""
-        return self.seq.num_computed + self.num_new == self.seq.num_tokens
 
 
 @dataclass
@@ -209,10 +165,10 @@ class Engine:
             raise PromptError(f"the request needs {needed} KV blocks but the cache has {self.blocks.num_blocks}")
         images = [m.grid_thw for m in request.media if m.kind == "image"]
         videos = [m.grid_thw for m in request.media if m.kind == "video"]
-        positions, delta = rope_positions(ids, images, videos, self.spec)
+        rope, delta = rope_positions(ids, images, videos, self.spec)
         placeholders = torch.tensor([self.spec.image_token_id, self.spec.video_token_id])
         mask = torch.isin(torch.tensor(ids), placeholders)
-        return Sequence(request, ids, self._keys(ids, request), positions, delta, mask)
+        return Sequence(request, ids, self._keys(ids, request), rope, delta, mask)
 
     def _keys(self, ids: list[int], request: PreparedRequest) -> list[int]:
         """Token ids, except that each media token is keyed by its media's content hash: the same
@@ -339,13 +295,14 @@ class Engine:
             return self._run_decode_graph(batch), True
         ends = np.cumsum([b.num_new for b in batch]) - 1
         logits_for = [int(ends[i]) for i, b in enumerate(batch) if b.samples]
-        embeds = torch.cat([self._embeddings(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch])
+        spans = [(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch]
+        embeds = torch.cat([embeddings(self.model, seq, start, end) for seq, start, end in spans])
         contexts = [b.seq.num_computed + b.num_new for b in batch]
         graphs = self.graphs
         if graphs is not None and graphs.fits_mixed(int(ends[-1]) + 1, len(batch), max(contexts)):
             self.counters["graph_steps"] += 1
-            return graphs.mixed(self._step_inputs(batch, logits_for), embeds), False
-        positions = [self._positions(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch]
+            return graphs.mixed(step_inputs(batch, logits_for, self.blocks.block_size), embeds), False
+        step_positions = [positions(seq, start, end) for seq, start, end in spans]
         layout = BatchLayout.build(
             [b.num_new for b in batch],
             contexts,
@@ -356,7 +313,7 @@ class Engine:
         logits = paged_forward(
             self.model,
             embeds,
-            torch.cat(positions, dim=1).to(self.model.device),
+            torch.cat(step_positions, dim=1).to(self.model.device),
             layout,
             self.kv,
             logits_for,
@@ -395,48 +352,15 @@ class Engine:
 
     def _run_decode_graph(self, batch: list[Scheduled], device_token_ids: torch.Tensor | None = None) -> torch.Tensor:
         assert self.graphs is not None  # _decode_graphable or _continues checked
-        size = self.blocks.block_size
-        ids, slots, context_lens, tables, positions = [], [], [], [], []
-        for item in batch:  # plain ints: per-sequence tensors would cost more than the step's GPU time
-            seq, at = item.seq, item.seq.num_computed
-            if device_token_ids is None:
-                ids.extend(seq.token_ids(at, at + 1))
-            slots.append(seq.table.blocks[at // size] * size + at % size)
-            context_lens.append(at + 1)
-            tables.append(seq.table.blocks)
-            prompt_len = len(seq.prompt_ids)
-            positions.append(seq.positions[:, at].tolist() if at < prompt_len else [at + seq.delta] * 3)
-        inputs = StepInputs(
-            positions=np.asarray(positions, dtype=np.int64).T,
-            slots=np.asarray(slots, dtype=np.int64),
-            query_lens=[1] * len(batch),
-            context_lens=context_lens,
-            block_tables=tables,
-            rows=[],
-        )
+        inputs, ids = decode_inputs(batch, self.blocks.block_size)
         return self.graphs.decode(inputs, None if device_token_ids is not None else ids, device_token_ids)
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
-        """Where the k/v of tokens [start, end) of ``seq`` go."""
-        size, at = self.blocks.block_size, np.arange(start, end)
-        return np.asarray(seq.table.blocks, dtype=np.int64)[at // size] * size + at % size
+    def _payload(
+        self, batch: list[Scheduled], rows: list[int], mode: int, device_ids: torch.Tensor | None = None
+    ) -> StepPayload:
+        size, hidden = self.blocks.block_size, self.spec.hidden_size
+        return tp_payload(batch, rows, mode, size, self.model.dtype, hidden, device_ids)
 
-    def _step_inputs(self, batch: list[Scheduled], rows: list[int]) -> StepInputs:
-        positions, slots = [], []
-        for item in batch:
-            start, end = item.seq.num_computed, item.seq.num_computed + item.num_new
-            positions.append(self._positions(item.seq, start, end).numpy())
-            slots.append(self._slots(item.seq, start, end))
-        return StepInputs(
-            positions=np.concatenate(positions, axis=1),
-            slots=np.concatenate(slots),
-            query_lens=[b.num_new for b in batch],
-            context_lens=[b.seq.num_computed + b.num_new for b in batch],
-            block_tables=[b.seq.table.blocks for b in batch],
-            rows=rows,
-        )
-
-    # ------------------------------------------------------------------ overlap
     def _continues(self, pending: Pending) -> bool:
         """Whether the next step is exactly the pending sequences decoding once more, with room for it."""
         if self.waiting and len(self.running) < self.max_running:
@@ -494,66 +418,6 @@ class Engine:
             if self.running.get(item.seq.request_id) is item.seq:
                 deltas.append(self._emit(item.seq, sampled, row))
         return deltas
-
-    def _embeddings(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        embeds = self.model.embed(seq.token_ids(start, end))
-        mask, rows = self._media_rows(seq, start, end)
-        if rows is None:
-            return embeds
-        embeds = embeds.clone()
-        embeds[mask.to(embeds.device)] = rows.to(embeds.device, embeds.dtype)
-        return embeds
-
-    def _media_rows(self, seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Which of tokens [start, end) are media placeholders (bool [end - start]) and their embeddings."""
-        mask = torch.zeros(end - start, dtype=torch.bool)
-        prompt_end = min(end, len(seq.prompt_ids))
-        if seq.media_embeds is None or start >= prompt_end:
-            return mask, None
-        part = seq.media_mask[start:prompt_end]
-        if not part.any():
-            return mask, None
-        mask[: prompt_end - start] = part
-        first = int(seq.media_mask[:start].sum())
-        return mask, seq.media_embeds[first : first + int(part.sum())]
-
-    def _payload(
-        self, batch: list[Scheduled], rows: list[int], mode: int, device_ids: torch.Tensor | None = None
-    ) -> StepPayload:
-        """A step as every tensor-parallel rank needs it (each embeds the ids of its vocabulary shard).
-        With ``device_ids`` (an overlapped decode step) the ids are not on the host yet: zeros stand in."""
-        ids, masks, media, positions, slots = [], [], [], [], []
-        for item in batch:
-            seq, start, end = item.seq, item.seq.num_computed, item.seq.num_computed + item.num_new
-            ids.extend(seq.token_ids(start, end) if device_ids is None else [0] * (end - start))
-            mask, media_rows = self._media_rows(seq, start, end)
-            masks.append(mask)
-            if media_rows is not None:
-                media.append(media_rows)
-            positions.append(self._positions(seq, start, end))
-            slots.append(self._slots(seq, start, end))
-        hidden = self.spec.hidden_size
-        return StepPayload(
-            mode=mode,
-            slots=torch.from_numpy(np.concatenate(slots)),
-            ids=torch.tensor(ids, dtype=torch.int64),
-            media_mask=torch.cat(masks),
-            media_rows=torch.cat(media) if media else torch.empty((0, hidden), dtype=self.model.dtype),
-            positions=torch.cat(positions, dim=1),
-            query_lens=[b.num_new for b in batch],
-            context_lens=[b.seq.num_computed + b.num_new for b in batch],
-            block_tables=[list(b.seq.table.blocks) for b in batch],
-            rows=rows,
-            device_ids=device_ids,
-        )
-
-    def _positions(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        prompt_len = len(seq.prompt_ids)
-        parts = [seq.positions[:, start : min(end, prompt_len)]]
-        if end > prompt_len:  # generated tokens (a decode, or a recompute after preemption)
-            tail = torch.arange(max(start, prompt_len), end) + seq.delta
-            parts.append(tail.expand(3, -1))
-        return torch.cat(parts, dim=1)  # on the host
 
     # ------------------------------------------------------------------ postprocess
     def postprocess(self, batch: list[Scheduled], logits: torch.Tensor) -> list[TokenDelta]:

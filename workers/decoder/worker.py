@@ -37,7 +37,8 @@ from common.protocol import (
 )
 from common.tensor_ref import ShmAttachments, read_tensor
 from common.transport import Channel, EventLoop, worker_identity
-from workers.decoder.engine import Engine, PromptError, Sequence
+from workers.decoder.batch import Sequence
+from workers.decoder.engine import Engine, PromptError
 from workers.decoder.tp import StepBroadcast, leader_rendezvous
 from workers.kernels import paged_attention, paged_attention_reference
 from workers.models.language import LanguageModel

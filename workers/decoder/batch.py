@@ -1,0 +1,187 @@
+"""A step's batch and the forward inputs built from it.
+
+`Sequence` is one request's state in the engine; `Scheduled` is a sequence with the tokens it computes
+this step. The functions below turn a batch into what a forward takes — embeddings, M-RoPE positions,
+KV slots, the staged inputs of a CUDA graph, a tensor-parallel step — with the position and slot rules
+written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from common.protocol import PreparedRequest
+from workers.decoder.blocks import BlockTable
+from workers.decoder.graphs import StepInputs
+from workers.decoder.tp import StepPayload
+from workers.models.language import LanguageModel
+
+
+@dataclass
+class Sequence:
+    request: PreparedRequest
+    prompt_ids: list[int]
+    prompt_keys: list[int]  # prefix-cache keys: token ids, media tokens keyed by content hash + offset
+    positions: torch.Tensor  # [3, prompt_len] M-RoPE positions of the prompt
+    delta: int  # position of token i (past the prompt) is i + delta
+    media_mask: torch.Tensor  # [prompt_len] bool: rows filled from media_embeds, in order
+    media_embeds: torch.Tensor | None = None
+    output_ids: list[int] = field(default_factory=list)
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed: int = 0  # tokens whose KV is in the table
+    finish_reason: str | None = None
+    all_keys: list[int] = field(default_factory=list)  # prompt_keys + output_ids, kept up to date
+    queued_at: float = 0.0
+    queue_s: float | None = None  # arrival in the engine -> first admission
+
+    def __post_init__(self) -> None:
+        self.all_keys = list(self.prompt_keys)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def keys(self) -> list[int]:
+        return self.all_keys  # not rebuilt per step: prompts can be thousands of tokens
+
+    def add_output(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.all_keys.append(token)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        prompt = len(self.prompt_ids)
+        head = self.prompt_ids[start:end] if start < prompt else []
+        tail = self.output_ids[max(start - prompt, 0) : end - prompt] if end > prompt else []
+        return head + tail
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    num_new: int  # tokens computed this step: a prefill chunk, or 1 for a decode
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's last token, so its logits give the next token."""
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+
+def positions(seq: Sequence, start: int, end: int) -> torch.Tensor:
+    """M-RoPE positions [3, end - start] of tokens [start, end), on the host."""
+    prompt_len = len(seq.prompt_ids)
+    parts = [seq.positions[:, start : min(end, prompt_len)]]
+    if end > prompt_len:  # generated tokens (a decode, or a recompute after preemption)
+        tail = torch.arange(max(start, prompt_len), end) + seq.delta
+        parts.append(tail.expand(3, -1))
+    return torch.cat(parts, dim=1)
+
+
+def slots(seq: Sequence, start: int, end: int, block_size: int) -> np.ndarray:
+    """Where the k/v of tokens [start, end) of ``seq`` go."""
+    at = np.arange(start, end)
+    return np.asarray(seq.table.blocks, dtype=np.int64)[at // block_size] * block_size + at % block_size
+
+
+def media_rows(seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Which of tokens [start, end) are media placeholders (bool [end - start]) and their embeddings."""
+    mask = torch.zeros(end - start, dtype=torch.bool)
+    prompt_end = min(end, len(seq.prompt_ids))
+    if seq.media_embeds is None or start >= prompt_end:
+        return mask, None
+    part = seq.media_mask[start:prompt_end]
+    if not part.any():
+        return mask, None
+    mask[: prompt_end - start] = part
+    first = int(seq.media_mask[:start].sum())
+    return mask, seq.media_embeds[first : first + int(part.sum())]
+
+
+def embeddings(model: LanguageModel, seq: Sequence, start: int, end: int) -> torch.Tensor:
+    """Input embeddings of tokens [start, end): token embeddings, media rows in the placeholders."""
+    embeds = model.embed(seq.token_ids(start, end))
+    mask, rows = media_rows(seq, start, end)
+    if rows is None:
+        return embeds
+    embeds = embeds.clone()
+    embeds[mask.to(embeds.device)] = rows.to(embeds.device, embeds.dtype)
+    return embeds
+
+
+def step_inputs(batch: list[Scheduled], rows: list[int], block_size: int) -> StepInputs:
+    """The staged inputs of a mixed-graph step."""
+    spans = [(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch]
+    return StepInputs(
+        positions=np.concatenate([positions(seq, a, b).numpy() for seq, a, b in spans], axis=1),
+        slots=np.concatenate([slots(seq, a, b, block_size) for seq, a, b in spans]),
+        query_lens=[b.num_new for b in batch],
+        context_lens=[b.seq.num_computed + b.num_new for b in batch],
+        block_tables=[b.seq.table.blocks for b in batch],
+        rows=rows,
+    )
+
+
+def decode_inputs(batch: list[Scheduled], block_size: int) -> tuple[StepInputs, list[int]]:
+    """The staged inputs and token ids of a decode-graph step (ids: empty past what the host knows).
+
+    Plain ints, not per-sequence tensors: building those would cost more than the step's GPU time."""
+    ids, step_slots, context_lens, tables, step_positions = [], [], [], [], []
+    for item in batch:
+        seq, at = item.seq, item.seq.num_computed
+        ids.extend(seq.token_ids(at, at + 1))
+        step_slots.append(seq.table.blocks[at // block_size] * block_size + at % block_size)
+        context_lens.append(at + 1)
+        tables.append(seq.table.blocks)
+        prompt_len = len(seq.prompt_ids)
+        step_positions.append(seq.positions[:, at].tolist() if at < prompt_len else [at + seq.delta] * 3)
+    inputs = StepInputs(
+        positions=np.asarray(step_positions, dtype=np.int64).T,
+        slots=np.asarray(step_slots, dtype=np.int64),
+        query_lens=[1] * len(batch),
+        context_lens=context_lens,
+        block_tables=tables,
+        rows=[],
+    )
+    return inputs, ids
+
+
+def tp_payload(
+    batch: list[Scheduled],
+    rows: list[int],
+    mode: int,
+    block_size: int,
+    media_dtype: torch.dtype,
+    hidden: int,
+    device_ids: torch.Tensor | None = None,
+) -> StepPayload:
+    """A step as every tensor-parallel rank needs it (each embeds the ids of its vocabulary shard).
+    With ``device_ids`` (an overlapped decode step) the ids are not on the host yet: zeros stand in."""
+    ids, masks, media, step_positions, step_slots = [], [], [], [], []
+    for item in batch:
+        seq, start, end = item.seq, item.seq.num_computed, item.seq.num_computed + item.num_new
+        ids.extend(seq.token_ids(start, end) if device_ids is None else [0] * (end - start))
+        mask, rows_of_media = media_rows(seq, start, end)
+        masks.append(mask)
+        if rows_of_media is not None:
+            media.append(rows_of_media)
+        step_positions.append(positions(seq, start, end))
+        step_slots.append(slots(seq, start, end, block_size))
+    return StepPayload(
+        mode=mode,
+        slots=torch.from_numpy(np.concatenate(step_slots)),
+        ids=torch.tensor(ids, dtype=torch.int64),
+        media_mask=torch.cat(masks),
+        media_rows=torch.cat(media) if media else torch.empty((0, hidden), dtype=media_dtype),
+        positions=torch.cat(step_positions, dim=1),
+        query_lens=[b.num_new for b in batch],
+        context_lens=[b.seq.num_computed + b.num_new for b in batch],
+        block_tables=[list(b.seq.table.blocks) for b in batch],
+        rows=rows,
+        device_ids=device_ids,
+    )
