@@ -13,13 +13,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.gpu.test_kernels_gpu import _SKIP_REASON
-from tests.unit.test_tensor_parallel import ENGINE, GRAPH_TOKENS, generate
+from tests.unit.test_tensor_parallel import ENGINE, GRAPH_TOKENS, follower, generate
 from workers.decoder.engine import Engine
-from workers.decoder.graphs import StepGraphs
-from workers.decoder.tp import RankForward, StepBroadcast
+from workers.decoder.tp import StepBroadcast
 from workers.kernels import paged_attention
 from workers.models.language import LanguageModel
-from workers.models.paged import PagedKVCache, fuse_layers
 from workers.models.spec import ModelSpec
 from workers.models.synth import generate_checkpoint
 from workers.models.tensor_parallel import TensorParallel, load_shard
@@ -47,21 +45,7 @@ def gpu_rank(rank: int, world: int, path: str, store: str, out: str) -> None:
         steps.send_stop()
         Path(out).write_text(json.dumps({"tokens": tokens, "counters": engine.counters}))
     else:
-        kv = PagedKVCache.for_model(model, ENGINE["num_blocks"] + 1, ENGINE["block_size"])
-        fused = fuse_layers(model)
-        graphs = StepGraphs(
-            model,
-            kv,
-            max_seqs=ENGINE["max_running"],
-            max_tokens=min(GRAPH_TOKENS, ENGINE["prefill_budget"] + ENGINE["max_running"]),
-            max_context=ENGINE["max_model_len"],
-            scratch_block=ENGINE["num_blocks"],
-            attention=paged_attention,
-            fused=fused,
-            capture=True,
-            tp=tp,
-        )
-        forward = RankForward(model, kv, paged_attention, tp, fused, graphs)
+        forward = follower(model, tp, paged_attention, capture=True)
         while (payload := steps.receive()) is not None:
             forward(payload)
     dist.destroy_process_group()

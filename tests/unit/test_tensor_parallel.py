@@ -17,7 +17,14 @@ from workers.decoder.engine import Engine
 from workers.decoder.graphs import StepGraphs
 from workers.decoder.tp import EAGER, RankForward, StepBroadcast, StepPayload
 from workers.models.language import LanguageModel
-from workers.models.paged import BatchLayout, PagedKVCache, fuse_layers, paged_attention_reference, paged_forward
+from workers.models.paged import (
+    BatchLayout,
+    PagedAttention,
+    PagedKVCache,
+    fuse_layers,
+    paged_attention_reference,
+    paged_forward,
+)
 from workers.models.spec import ModelSpec
 from workers.models.synth import generate_checkpoint
 from workers.models.tensor_parallel import TensorParallel, check_shardable, load_shard
@@ -117,6 +124,25 @@ def generate(engine: Engine) -> dict[str, list[int]]:
     return tokens
 
 
+def follower(model: LanguageModel, tp: TensorParallel, attention: PagedAttention, capture: bool) -> RankForward:
+    """A rank K >= 1 shaped like rank 0's `ENGINE` (cache, fused layers, graphs), as `DecoderRank` builds it."""
+    kv = PagedKVCache.for_model(model, ENGINE["num_blocks"] + 1, ENGINE["block_size"])
+    fused = fuse_layers(model)
+    graphs = StepGraphs(
+        model,
+        kv,
+        max_seqs=ENGINE["max_running"],
+        max_tokens=min(GRAPH_TOKENS, ENGINE["prefill_budget"] + ENGINE["max_running"]),
+        max_context=ENGINE["max_model_len"],
+        scratch_block=ENGINE["num_blocks"],
+        attention=attention,
+        fused=fused,
+        capture=capture,
+        tp=tp,
+    )
+    return RankForward(model, kv, attention, tp, fused, graphs)
+
+
 def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlap: bool) -> None:
     """Rank 0 runs the engine (static graphs: the padded, staged path CUDA graphs replay, uncaptured);
     rank 1 runs rank 0's steps through its own graphs, as `DecoderRank` does."""
@@ -134,21 +160,7 @@ def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlap:
         assert engine.counters["graph_steps"] > 0
         Path(out).write_text(json.dumps(tokens))
     else:
-        kv = PagedKVCache.for_model(model, ENGINE["num_blocks"] + 1, ENGINE["block_size"])
-        fused = fuse_layers(model)
-        graphs = StepGraphs(
-            model,
-            kv,
-            max_seqs=ENGINE["max_running"],
-            max_tokens=min(GRAPH_TOKENS, ENGINE["prefill_budget"] + ENGINE["max_running"]),
-            max_context=ENGINE["max_model_len"],
-            scratch_block=ENGINE["num_blocks"],
-            attention=paged_attention_reference,
-            fused=fused,
-            capture=False,
-            tp=tp,
-        )
-        forward = RankForward(model, kv, paged_attention_reference, tp, fused, graphs)
+        forward = follower(model, tp, paged_attention_reference, capture=False)
         while (payload := steps.receive()) is not None:
             forward(payload)
     dist.destroy_process_group()
