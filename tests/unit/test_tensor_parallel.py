@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from common.protocol import PreparedRequest, SamplingParams
 from workers.decoder.engine import Engine
-from workers.decoder.graphs import StepGraphs
+from workers.decoder.graphs import engine_graphs
 from workers.decoder.tp import EAGER, RankForward, StepBroadcast, StepPayload
 from workers.models.language import LanguageModel
 from workers.models.paged import (
@@ -128,13 +128,14 @@ def follower(model: LanguageModel, tp: TensorParallel, attention: PagedAttention
     """A rank K >= 1 shaped like rank 0's `ENGINE` (cache, fused layers, graphs), as `DecoderRank` builds it."""
     kv = PagedKVCache.for_model(model, ENGINE["num_blocks"] + 1, ENGINE["block_size"])
     fused = fuse_layers(model)
-    graphs = StepGraphs(
+    graphs = engine_graphs(
         model,
         kv,
-        max_seqs=ENGINE["max_running"],
-        max_tokens=min(GRAPH_TOKENS, ENGINE["prefill_budget"] + ENGINE["max_running"]),
-        max_context=ENGINE["max_model_len"],
-        scratch_block=ENGINE["num_blocks"],
+        max_running=ENGINE["max_running"],
+        prefill_budget=ENGINE["prefill_budget"],
+        graph_tokens=GRAPH_TOKENS,
+        max_model_len=ENGINE["max_model_len"],
+        num_blocks=ENGINE["num_blocks"],
         attention=attention,
         fused=fused,
         capture=capture,

@@ -27,7 +27,7 @@ from workers.decoder.batch import (
     tp_payload,
 )
 from workers.decoder.blocks import BlockManager, BlockTable, media_token_keys
-from workers.decoder.graphs import StepGraphs
+from workers.decoder.graphs import engine_graphs
 from workers.decoder.sampling import Sampled, SampleFuture, SamplingRow, sample_async, sample_batch
 from workers.decoder.tp import DECODE_GRAPH, EAGER, MIXED_GRAPH, RankForward, StepBroadcast, StepPayload
 from workers.kernels import paged_attention
@@ -113,13 +113,14 @@ class Engine:
         self.kv = PagedKVCache.for_model(model, num_blocks + (graphs != "off"), block_size)
         self.graphs = None
         if graphs != "off":
-            self.graphs = StepGraphs(
+            self.graphs = engine_graphs(
                 model,
                 self.kv,
-                max_seqs=max_running,
-                max_tokens=min(graph_tokens, prefill_budget + max_running),
-                max_context=max_model_len,
-                scratch_block=num_blocks,
+                max_running=max_running,
+                prefill_budget=prefill_budget,
+                graph_tokens=graph_tokens,
+                max_model_len=max_model_len,
+                num_blocks=num_blocks,
                 attention=attention,
                 fused=self.fused,
                 capture=graphs == "cuda",
@@ -288,24 +289,24 @@ class Engine:
     def run(self, batch: list[Scheduled]) -> tuple[torch.Tensor, bool]:
         """Logits of the sampling sequences, and whether the step ran as a decode graph."""
         self.counters["steps"] += 1
-        if self.rank_forward is not None:
-            return self._run_tensor_parallel(batch)
-        if self._decode_graphable(batch):
-            self.counters["graph_steps"] += 1
-            return self._run_decode_graph(batch), True
+        mode = self._mode(batch)
+        self.counters["graph_steps"] += mode != EAGER
         ends = np.cumsum([b.num_new for b in batch]) - 1
         logits_for = [int(ends[i]) for i, b in enumerate(batch) if b.samples]
+        if self.rank_forward is not None:
+            rows = [] if mode == DECODE_GRAPH else logits_for  # a decode graph gives every row
+            return self._run_ranks(self._payload(batch, rows, mode)), mode == DECODE_GRAPH
+        if mode == DECODE_GRAPH:
+            return self._run_decode_graph(batch), True
         spans = [(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch]
         embeds = torch.cat([embeddings(self.model, seq, start, end) for seq, start, end in spans])
-        contexts = [b.seq.num_computed + b.num_new for b in batch]
-        graphs = self.graphs
-        if graphs is not None and graphs.fits_mixed(int(ends[-1]) + 1, len(batch), max(contexts)):
-            self.counters["graph_steps"] += 1
-            return graphs.mixed(step_inputs(batch, logits_for, self.blocks.block_size), embeds), False
+        if mode == MIXED_GRAPH:
+            assert self.graphs is not None  # _mode checked
+            return self.graphs.mixed(step_inputs(batch, logits_for, self.blocks.block_size), embeds), False
         step_positions = [positions(seq, start, end) for seq, start, end in spans]
         layout = BatchLayout.build(
             [b.num_new for b in batch],
-            contexts,
+            [b.seq.num_computed + b.num_new for b in batch],
             [b.seq.table.blocks for b in batch],
             self.blocks.block_size,
             self.model.device,
@@ -322,21 +323,21 @@ class Engine:
         )
         return logits, False
 
-    def _run_tensor_parallel(self, batch: list[Scheduled]) -> tuple[torch.Tensor, bool]:
-        """Pick the path (every rank takes the same), broadcast the step, run this rank's share."""
-        assert self.rank_forward is not None and self.tp_steps is not None
-        ends = np.cumsum([b.num_new for b in batch]) - 1
-        mode = EAGER
+    def _mode(self, batch: list[Scheduled]) -> int:
+        """How the step runs: a decode graph, a mixed graph (any step of up to ``graph_tokens``), or eagerly."""
         if self._decode_graphable(batch):
-            mode = DECODE_GRAPH
-        elif self.graphs is not None:
-            contexts = [b.seq.num_computed + b.num_new for b in batch]
-            mode = MIXED_GRAPH if self.graphs.fits_mixed(int(ends[-1]) + 1, len(batch), max(contexts)) else EAGER
-        self.counters["graph_steps"] += mode != EAGER
-        rows = [] if mode == DECODE_GRAPH else [int(ends[i]) for i, b in enumerate(batch) if b.samples]
-        payload = self._payload(batch, rows, mode)
+            return DECODE_GRAPH
+        tokens = sum(b.num_new for b in batch)
+        context = max(b.seq.num_computed + b.num_new for b in batch)
+        if self.graphs is not None and self.graphs.fits_mixed(tokens, len(batch), context):
+            return MIXED_GRAPH
+        return EAGER
+
+    def _run_ranks(self, payload: StepPayload) -> torch.Tensor:
+        """Rank 0 of a tensor-parallel group: the other ranks get the step, then this rank runs its share."""
+        assert self.rank_forward is not None and self.tp_steps is not None
         self.tp_steps.send(payload)
-        return self.rank_forward(payload), mode == DECODE_GRAPH
+        return self.rank_forward(payload)
 
     def _decode_graphable(self, batch: list[Scheduled]) -> bool:
         """A decode step the graphs take: one sampled token per sequence, none of them a media placeholder
@@ -385,10 +386,8 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["graph_steps"] += 1
         self.counters["overlapped_steps"] += 1
-        if self.rank_forward is not None and self.tp_steps is not None:  # the other ranks get the ids too
-            payload = self._payload(batch, [], DECODE_GRAPH, pending.sampled.tokens)
-            self.tp_steps.send(payload)
-            logits = self.rank_forward(payload)
+        if self.rank_forward is not None:  # the other ranks get the ids too
+            logits = self._run_ranks(self._payload(batch, [], DECODE_GRAPH, pending.sampled.tokens))
         else:
             logits = self._run_decode_graph(batch, pending.sampled.tokens)
         deltas = self._flush()  # the GPU runs the new step meanwhile

@@ -54,6 +54,37 @@ def graph_token_sizes(max_tokens: int) -> list[int]:
     return sorted({*(n for n in ladder if n < max_tokens), max_tokens})
 
 
+def engine_graphs(
+    model: LanguageModel,
+    kv: PagedKVCache,
+    *,
+    max_running: int,
+    prefill_budget: int,
+    graph_tokens: int,
+    max_model_len: int,
+    num_blocks: int,
+    attention: PagedAttention,
+    fused: Sequence[FusedLayer] | None,
+    capture: bool,
+    tp: TensorParallel | None = None,
+) -> StepGraphs:
+    """The graphs an engine with these settings replays. Rank 0 (`Engine`) and every other rank of a
+    tensor-parallel group build theirs here, so that their captures and replays pair up. ``kv`` has one
+    block more than the manager's ``num_blocks``: the padding tokens' scratch block."""
+    return StepGraphs(
+        model,
+        kv,
+        max_seqs=max_running,
+        max_tokens=min(graph_tokens, prefill_budget + max_running),  # a step's decodes pass the budget
+        max_context=max_model_len,
+        scratch_block=num_blocks,
+        attention=attention,
+        fused=fused,
+        capture=capture,
+        tp=tp,
+    )
+
+
 @dataclass(frozen=True)
 class GraphKey:
     tokens: int

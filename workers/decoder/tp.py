@@ -28,7 +28,7 @@ import zmq
 from common.config import Config
 from common.protocol import TPJoin, TPSetup
 from common.transport import Channel
-from workers.decoder.graphs import StepGraphs, StepInputs
+from workers.decoder.graphs import StepGraphs, StepInputs, engine_graphs
 from workers.models.language import LanguageModel
 from workers.models.paged import BatchLayout, FusedLayer, PagedAttention, PagedKVCache, fuse_layers, paged_forward
 from workers.models.spec import ModelSpec
@@ -236,9 +236,8 @@ class DecoderRank:
     running rank 0's steps until told to stop."""
 
     def __init__(self, cfg: Config, rank: int) -> None:
-        from workers.kernels import paged_attention, paged_attention_reference
+        from workers.decoder.worker import runner_options  # (the worker imports this module)
         from workers.models.runtime import resolve_device, resolve_dtype
-        from workers.models.spec import ModelSpec
         from workers.models.tensor_parallel import load_shard
 
         incarnation = f"{os.getpid()}-{time.time_ns() % 10**9}"
@@ -247,15 +246,26 @@ class DecoderRank:
         tp = TensorParallel(rank, cfg.decoder.tensor_parallel, spec.vocab_size)
         model = load_shard(cfg.model_path(), spec, tp, device, resolve_dtype(cfg, device))
         setup = follower_rendezvous(cfg, rank, incarnation, device)
-        # As rank 0's `runner_options`: the same kernels, and graphs exactly when it has them.
-        triton = cfg.decoder.kernels == "triton" and device.type == "cuda"
-        graphs = triton and cfg.decoder.cuda_graphs
+        options = runner_options(cfg, device)  # rank 0's: the same kernels, graphs exactly when it has them
+        graphs = options["graphs"] == "cuda"
         kv = PagedKVCache.for_model(model, setup.num_blocks + graphs, cfg.decoder.block_size)
-        fused = fuse_layers(model) if triton else None
-        attention = paged_attention if triton else paged_attention_reference
+        fused = fuse_layers(model) if options["fuse"] else None
+        attention = options["attention"]
         step_graphs = None
         if graphs:
-            step_graphs = rank_graphs(cfg, spec, model, kv, setup.num_blocks, attention, fused, tp, capture=True)
+            step_graphs = engine_graphs(
+                model,
+                kv,
+                max_running=cfg.decoder.max_running,
+                prefill_budget=cfg.decoder.prefill_tokens_per_step,
+                graph_tokens=cfg.decoder.graph_tokens,
+                max_model_len=cfg.decoder.max_model_len or spec.max_position_embeddings,
+                num_blocks=setup.num_blocks,
+                attention=attention,
+                fused=fused,
+                capture=True,
+                tp=tp,
+            )
         self.forward = RankForward(model, kv, attention, tp, fused, step_graphs)
         self.steps = StepBroadcast(tp, spec.hidden_size, model.dtype, device)
         log.info("decoder rank %d of %d ready on %s (rank 0: %s)", rank, setup.world, device, setup.leader)
@@ -265,30 +275,3 @@ class DecoderRank:
             self.forward(payload)
         log.info("rank 0 said stop")
         dist.destroy_process_group()
-
-
-def rank_graphs(
-    cfg: Config,
-    spec: ModelSpec,
-    model: LanguageModel,
-    kv: PagedKVCache,
-    num_blocks: int,
-    attention: PagedAttention,
-    fused: Sequence[FusedLayer] | None,
-    tp: TensorParallel,
-    capture: bool,
-) -> StepGraphs:
-    """A follower's graphs, shaped as rank 0's engine makes its own (so captures and replays pair up)."""
-    budget = cfg.decoder.prefill_tokens_per_step + cfg.decoder.max_running
-    return StepGraphs(
-        model,
-        kv,
-        max_seqs=cfg.decoder.max_running,
-        max_tokens=min(cfg.decoder.graph_tokens, budget),
-        max_context=cfg.decoder.max_model_len or spec.max_position_embeddings,
-        scratch_block=num_blocks,
-        attention=attention,
-        fused=fused,
-        capture=capture,
-        tp=tp,
-    )

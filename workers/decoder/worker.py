@@ -70,7 +70,7 @@ def runner_options(cfg: Config, device: torch.device) -> dict[str, Any]:
     decode steps on a GPU unless the config turns them off; the plain-torch paths elsewhere (and always
     with kernels = "torch")."""
     triton = cfg.decoder.kernels == "triton" and device.type == "cuda"
-    graphs = triton and cfg.decoder.cuda_graphs  # (tensor-parallel ranks mirror this: `tp.DecoderRank`)
+    graphs = triton and cfg.decoder.cuda_graphs  # (tensor-parallel ranks ask this too: `tp.DecoderRank`)
     return {
         "attention": paged_attention if triton else paged_attention_reference,
         "fuse": triton,
