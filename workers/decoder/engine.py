@@ -354,7 +354,7 @@ class Engine:
     def _run_decode_graph(self, batch: list[Scheduled], device_token_ids: torch.Tensor | None = None) -> torch.Tensor:
         assert self.graphs is not None  # _decode_graphable or _continues checked
         inputs, ids = decode_inputs(batch, self.blocks.block_size)
-        return self.graphs.decode(inputs, None if device_token_ids is not None else ids, device_token_ids)
+        return self.graphs.decode(inputs, ids, device_token_ids)
 
     def _payload(
         self, batch: list[Scheduled], rows: list[int], mode: int, device_ids: torch.Tensor | None = None

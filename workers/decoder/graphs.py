@@ -190,14 +190,15 @@ class StepGraphs:
     def decode(
         self, inputs: StepInputs, token_ids: Sequence[int] | None, device_token_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Logits [n, vocab] of one decode step of n sequences; the token ids come from the host list or,
-        when it is None, from ``device_token_ids`` [n] (int64 on the model's device, e.g. the previous
-        step's sampled ids). The result is a view of the graph's output buffer: valid until the next step."""
+        """Logits [n, vocab] of one decode step of n sequences; the token ids come from
+        ``device_token_ids`` [n] when given (int64 on the model's device, e.g. the previous step's sampled
+        ids), else from the host list. The result is a view of the graph's output buffer: valid until the
+        next step."""
         n = len(inputs.query_lens)
         size = next(s for s in self.decode_sizes if s >= n)
         self.runs[n, size] += 1
         key = GraphKey(size, size, True)
-        self._stage(inputs, key, token_ids)
+        self._stage(inputs, key, token_ids if device_token_ids is None else None)
         if device_token_ids is not None:
             self.dev.token_ids[:n].copy_(device_token_ids)  # after the staged copy, on the same stream
         return self._replay(key)[:n]

@@ -81,9 +81,7 @@ class RankForward:
         """The logits of ``payload.rows`` (of every row for a decode graph), the same on every rank."""
         if payload.mode == DECODE_GRAPH:
             assert self.graphs is not None  # rank 0 picks a graph mode only when it has graphs, as we do
-            if payload.device_ids is not None:
-                return self.graphs.decode(payload.step_inputs(), None, payload.device_ids)
-            return self.graphs.decode(payload.step_inputs(), payload.ids.tolist())
+            return self.graphs.decode(payload.step_inputs(), payload.ids.tolist(), payload.device_ids)
         device = self.model.device
         embeds = self.tp.embed(self.model.embed_tokens.weight, payload.ids.to(device))
         if payload.media_rows.shape[0]:
