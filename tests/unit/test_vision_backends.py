@@ -44,7 +44,7 @@ def test_onnxruntime_backend_matches_the_torch_tower_and_exports_once(checkpoint
     exports = list((tmp_path / "engines").glob("vision-*/model.onnx"))
     assert len(exports) == 1 and not list((tmp_path / "engines").glob(".vision-*"))  # no staging left behind
     before = exports[0].stat().st_mtime_ns
-    assert exported_onnx(tower, checkpoint, tmp_path / "engines") == exports[0]
+    assert exported_onnx(checkpoint, tmp_path / "engines") == exports[0]
     assert exports[0].stat().st_mtime_ns == before  # cached: not exported again
 
 

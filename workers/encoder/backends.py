@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from common.config import Config
-from workers.models.spec import VisionSpec
+from workers.models.spec import ModelSpec, VisionSpec
 from workers.models.vision import VisionTower
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
@@ -43,20 +43,17 @@ class VisionBackend(Protocol):
 
 
 def load_vision_backend(cfg: Config, device: torch.device, dtype: torch.dtype) -> VisionBackend:
-    tower = VisionTower.from_checkpoint(cfg.model_path(), device=device, dtype=dtype)
-    backend = cfg.encoder.backend
-    if backend == "torch":
-        return tower
-    onnx_path = exported_onnx(tower, cfg.model_path(), engine_dir(cfg))
-    if backend == "onnxruntime":
+    if cfg.encoder.backend == "torch":
+        return VisionTower.from_checkpoint(cfg.model_path(), device=device, dtype=dtype)
+    spec = ModelSpec.from_dir(cfg.model_path()).vision
+    onnx_path = exported_onnx(cfg.model_path(), engine_dir(cfg))
+    if cfg.encoder.backend == "onnxruntime":
         from workers.encoder.onnx_backend import OnnxVisionEncoder
 
-        return OnnxVisionEncoder(onnx_path, tower.spec)
+        return OnnxVisionEncoder(onnx_path, spec)
     from workers.encoder.tensorrt_backend import TensorRTVisionEncoder
 
-    return TensorRTVisionEncoder(
-        onnx_path, engine_dir(cfg), tower.spec, device, max_patches=cfg.encoder.max_batch_patches
-    )
+    return TensorRTVisionEncoder(onnx_path, engine_dir(cfg), spec, device, max_patches=cfg.encoder.max_batch_patches)
 
 
 def engine_dir(cfg: Config) -> Path:
@@ -70,8 +67,9 @@ def checkpoint_fingerprint(model_dir: Path) -> str:
     return hashlib.sha256(json.dumps([str(model_dir.resolve()), listing]).encode()).hexdigest()
 
 
-def exported_onnx(tower: VisionTower, model_dir: Path, cache_dir: Path) -> Path:
-    """The tower's ONNX export for this checkpoint and toolchain, exporting it first if missing."""
+def exported_onnx(model_dir: Path, cache_dir: Path) -> Path:
+    """The vision tower's ONNX export for this checkpoint and toolchain, exporting it first if missing
+    (the tower is then read on the host in fp32, as the export takes it; a cached export reads nothing)."""
     from workers.encoder.onnx_backend import OPSET, export_vision_onnx
 
     key = hashlib.sha256(
@@ -82,7 +80,7 @@ def exported_onnx(tower: VisionTower, model_dir: Path, cache_dir: Path) -> Path:
         cache_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".vision-{key}-", dir=cache_dir))
         try:
-            export_vision_onnx(tower, staging / "model.onnx")
+            export_vision_onnx(VisionTower.from_checkpoint(model_dir, dtype=torch.float32), staging / "model.onnx")
             publish(staging, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
