@@ -50,10 +50,10 @@ from workers.models.tensor_parallel import TensorParallel, load_shard
 log = logging.getLogger(__name__)
 
 
-def kv_cache_blocks(cfg: Config, spec: ModelSpec, model: LanguageModel) -> int:
+def kv_cache_blocks(cfg: Config, model: LanguageModel) -> int:
     """KV blocks from ``[decoder] kv_cache_bytes``, or by default a share of what the GPU has free
     after the weights (the encoder and the embedding pool take the rest), or 256 MiB on a CPU."""
-    per_block = PagedKVCache.bytes_per_block(model.spec, cfg.decoder.block_size, model.dtype)  # (a rank's heads)
+    per_block = PagedKVCache.bytes_per_block(model.spec, cfg.decoder.block_size, model.dtype)  # (its heads only)
     budget = cfg.decoder.kv_cache_bytes
     if budget <= 0 and model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)
@@ -101,12 +101,12 @@ class DecoderWorker:
         if world > 1:  # rank 0 of a tensor-parallel group: its shard, then the other ranks join
             tp = TensorParallel(0, world, self.spec.vocab_size)
             model = load_shard(path, self.spec, tp, device, dtype)
-            num_blocks = kv_cache_blocks(cfg, self.spec, model)
+            num_blocks = kv_cache_blocks(cfg, model)
             leader_rendezvous(cfg, self.incarnation, num_blocks, device)
             tp_steps = StepBroadcast(tp, self.spec.hidden_size, model.dtype, device)
         else:
             model = LanguageModel.from_checkpoint(path, device=device, dtype=dtype)
-            num_blocks = kv_cache_blocks(cfg, self.spec, model)
+            num_blocks = kv_cache_blocks(cfg, model)
         max_len = cfg.decoder.max_model_len or self.spec.max_position_embeddings
         self.engine = Engine(
             model,
