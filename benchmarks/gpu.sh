@@ -4,18 +4,21 @@
 # Usage: benchmarks/gpu.sh OUT_DIR      (env: GIT_REV, QUICK=1 for a short smoke run,
 #        ONLY="seed3img-c32 mixed" to run just those workloads and no transformers baseline,
 #        MPS=1 [MPS_SM=50] to run the stack with the CUDA MPS daemon, encoders capped at MPS_SM% of the SMs,
-#        TP=2 for a tensor-parallel decoder over two GPUs, DEVICE_POOL=1 for the CUDA IPC embedding pool)
+#        TP=2 for a tensor-parallel decoder over two GPUs, DEVICE_POOL=1 for the CUDA IPC embedding pool,
+#        ENCODERS=N for N encoder processes instead of one per GPU)
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/gpu.sh OUT_DIR}")
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLM_CONFIG="$PWD/benchmarks/gpu.toml"
-if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ]; then  # variants of gpu.toml
+if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] || [ -n "${ENCODERS:-}" ]; then  # variants of gpu.toml
   cp benchmarks/gpu.toml /tmp/gpu-variant.toml
   # DEVICE_POOL=1: the embedding pool in GPU memory, handed over by CUDA IPC
   [ "${DEVICE_POOL:-0}" = 1 ] && sed -i "/^\[cache\]/a device_pool = true" /tmp/gpu-variant.toml
   # MPS=1 [MPS_SM=percent]: the CUDA MPS daemon, encoders capped at MPS_SM% of the SMs
-  [ "${MPS:-0}" = 1 ] && printf '\n[encoder]\nmps = true\nmps_encoder_sm_percent = %s\n' "${MPS_SM:-100}" >> /tmp/gpu-variant.toml
+  [ "${MPS:-0}" = 1 ] || [ -n "${ENCODERS:-}" ] && printf '\n[encoder]\n' >> /tmp/gpu-variant.toml
+  [ "${MPS:-0}" = 1 ] && printf 'mps = true\nmps_encoder_sm_percent = %s\n' "${MPS_SM:-100}" >> /tmp/gpu-variant.toml
+  [ -n "${ENCODERS:-}" ] && printf 'count = %s\n' "$ENCODERS" >> /tmp/gpu-variant.toml
   # TP=N: a tensor-parallel decoder over N GPUs (needs N GPUs; one encoder per GPU comes with them)
   [ "${TP:-1}" != 1 ] && sed -i "/^\[decoder\]/a tensor_parallel = ${TP}" /tmp/gpu-variant.toml
   export VLM_CONFIG=/tmp/gpu-variant.toml
@@ -74,7 +77,11 @@ bench seed3img-c32 90 --workload seed3img --concurrency 32 --num-requests "$(n 6
 quick && { log "QUICK: stopping after two workloads"; kill -TERM $supervisor; wait $supervisor; cp $logs/*.log "$out/" 2>/dev/null; exit 0; }
 bench multiturn-c32 90 --workload multiturn --concurrency 32 --num-requests "$(n 32 4)"
 bench text-c16 30 --workload text --concurrency 16 --num-requests "$(n 32 4)"
-bench mixed 60 --workload mixed --concurrency 16 --vision-rate 2 --num-requests "$(n 32 4)"
+# ANCHORS' isolation rows: 32 text streams of 1,000 in / 256 out, 3-image requests arriving at 6/s; the
+# control run sends the same streams for as long without images
+bench mixed 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)"
+bench mixed-text-only 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --vision-off
+bench text-c1 30 --workload text --concurrency 1 --num-requests "$(n 8 2)"
 
 log "stopping the stack"
 kill -TERM $supervisor; wait $supervisor

@@ -396,6 +396,10 @@ async def run_mixed(run: Run, prefetch: Prefetcher[Prepared]) -> None:
             turn += 1
 
     async def vision() -> None:
+        if run.args.vision_off:  # the control: the same streams for as long as the images would arrive
+            await asyncio.sleep(run.args.vision_delay + run.args.num_requests / run.args.vision_rate)
+            vision_done.set()
+            return
         await asyncio.sleep(run.args.vision_delay)  # let the text streams reach steady decoding first
 
         async def unit(index: int, at: float | None) -> None:
@@ -537,6 +541,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=3, help="multiturn: turns per session")
     p.add_argument("--vision-rate", type=float, default=1.0, help="mixed: image requests per second")
     p.add_argument("--vision-delay", type=float, default=1.0, help="mixed: seconds of text-only decoding first")
+    p.add_argument(
+        "--vision-off", action="store_true", help="mixed: send no images (the control run for the text streams)"
+    )
     p.add_argument("--text-max-tokens", type=int, default=256, help="mixed: output tokens of each text request")
     p.add_argument("--video-format", choices=("avi", "frames"), default="avi", help="video url: MJPEG AVI or frames")
     p.add_argument("--video-frames", type=int, default=8)
