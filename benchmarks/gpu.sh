@@ -49,7 +49,7 @@ url=http://127.0.0.1:8000
 
 log "starting the stack"
 logs=run/8000/logs
-mkdir -p $logs
+mkdir -p $logs && rm -f $logs/*.log  # this run's logs only
 $py -m common.deploy run/8000/supervisord.conf  # the run directory of benchmarks/gpu.toml (port 8000)
 $py -m supervisor.supervisord -c run/8000/supervisord.conf > "$out/supervisord.out" 2>&1 &
 supervisor=$!
@@ -59,6 +59,13 @@ for _ in $(seq 1 240); do
 done
 curl -sf "$url/health" > /dev/null || { log "stack not healthy"; tail -n 30 $logs/*.log >> "$out/gpu.log"; kill $supervisor; exit 1; }
 log "stack healthy"
+
+# Greedy answers with logprobs, before any load (compare two runs with python -m benchmarks.parity compare)
+if [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" parity "* ]]; then
+  log "parity: recording greedy answers"
+  timeout 300 $py -m benchmarks.parity record --url "$url" --out "$out/parity.json" >> "$out/gpu.log" 2>&1 \
+    || log "parity ended with status $?"
+fi
 
 quick() { [ "${QUICK:-0}" = 1 ]; }
 n() { if quick; then echo "$2"; else echo "$1"; fi; }
@@ -78,9 +85,9 @@ quick && { log "QUICK: stopping after two workloads"; kill -TERM $supervisor; wa
 bench multiturn-c32 90 --workload multiturn --concurrency 32 --num-requests "$(n 32 4)"
 bench text-c16 30 --workload text --concurrency 16 --num-requests "$(n 32 4)"
 # ANCHORS' isolation rows: 32 text streams of 1,000 in / 256 out, 3-image requests arriving at 6/s; the
-# control run sends the same streams for as long without images
-bench mixed 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)"
-bench mixed-text-only 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --vision-off
+# control run sends the same streams for as long without images; seed 1: images seed3img's runs did not cache
+bench mixed 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --seed 1
+bench mixed-text-only 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --seed 1 --vision-off
 bench text-c1 30 --workload text --concurrency 1 --num-requests "$(n 8 2)"
 
 log "stopping the stack"
