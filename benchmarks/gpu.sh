@@ -53,6 +53,7 @@ mkdir -p $logs && rm -f $logs/*.log  # this run's logs only
 $py -m common.deploy run/8000/supervisord.conf  # the run directory of benchmarks/gpu.toml (port 8000)
 $py -m supervisor.supervisord -c run/8000/supervisord.conf > "$out/supervisord.out" 2>&1 &
 supervisor=$!
+trap 'cp $logs/*.log "$out/" 2>/dev/null' EXIT  # the logs come back however the run ends (a timeout too)
 for _ in $(seq 1 240); do
   curl -sf "$url/health" >/dev/null && break
   sleep 1
@@ -77,6 +78,7 @@ bench() {  # name, time limit in seconds, args...
   timeout $((limit + 30)) $py -m benchmarks.serve --url "$url" --seed 0 --time-limit "$limit" --out "$out/$name.json" "$@" \
     >> "$out/gpu.log" 2>&1 \
     || log "workload $name ended with status $?"
+  curl -s "$url/metrics" > "$out/$name.metrics"  # cumulative: stage histograms, cache and decoder counters
 }
 # --num-requests: requests; sessions of 3 turns for multiturn; image requests for mixed
 bench seed3img-c1 45 --workload seed3img --concurrency 1 --num-requests "$(n 8 2)"

@@ -3,6 +3,7 @@
     python -m benchmarks.vision --model DIR --out vision.json [--skip-hf]
 
 - ``preprocess``: the fetcher's host work per image (decode, resize, normalise, patchify), per size;
+- ``attention_ms``: each SDPA kernel on one 4,096-patch frame, as the encoder picks its kernel at start-up;
 - ``tower``: our vision tower (`workers.encoder.worker.encode_images`, what the encoder runs) on
   batches of 1..16 images of 640x480 and 1280x720, images per second, CUDA-event timed;
 - ``hf``: transformers' Qwen2-VL vision tower on the same pixels, same batches;
@@ -85,7 +86,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     spec = ImageProcessorSpec.from_dir(args.model)
     tower = VisionTower.from_checkpoint(args.model, device="cuda", dtype=torch.bfloat16)
-    results: dict[str, Any] = {"model": str(args.model), "device": torch.cuda.get_device_name(), "sizes": {}}
+    attention_ms = tower.tune_attention()  # what the encoder does at start-up
+    print("attention kernels, ms per 4,096-patch frame: " + ", ".join(f"{k} {v:.3f}" for k, v in attention_ms.items()))
+    results: dict[str, Any] = {
+        "model": str(args.model),
+        "device": torch.cuda.get_device_name(),
+        "attention_ms": attention_ms,
+        "sizes": {},
+    }
     for name, (width, height) in SIZES.items():
         host_ms, patches, grid = bench_preprocess(spec, width, height)
         pixels = torch.from_numpy(patches)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -43,3 +44,11 @@ def on_terminate(stop: Callable[[], None]) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+
+
+def freeze_startup_heap() -> None:
+    """Exclude everything built at start-up (torch, transformers, weights' Python objects) from garbage
+    collection. A full collection otherwise walks those millions of objects every so often and stalls the
+    process tens of milliseconds mid-stream; what the serving loop allocates is collected as before."""
+    gc.collect()
+    gc.freeze()

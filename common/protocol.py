@@ -348,6 +348,7 @@ class TokenDelta(Message):
     logprobs: list[float] | None = None  # per token in token_ids, when asked
     top_logprobs: list[list[list[float]]] | None = None  # per token: [[token_id, logprob], ...]
     queue_s: float | None = None  # on a request's first delta: seconds it waited for a decoder slot
+    media_wait_s: float | None = None  # on a request's first delta: seconds it waited for its embeddings
 
 
 @message

@@ -5,7 +5,7 @@ import resource
 
 from aiohttp import web
 
-from common.lifecycle import parse_args, start_process
+from common.lifecycle import freeze_startup_heap, parse_args, start_process
 from gateway.app import Gateway
 
 
@@ -27,6 +27,7 @@ def main() -> None:
     cfg = start_process("gateway", parse_args("gateway"))
     files = raise_open_file_limit()
     gateway = Gateway(cfg)
+    freeze_startup_heap()
     logging.getLogger("gateway").info(
         "serving %s on http://%s:%d (up to %d open files)", gateway.model_name, cfg.server.host, cfg.server.port, files
     )

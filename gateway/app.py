@@ -35,11 +35,11 @@ class Gateway:
         model_dir = cfg.model_path()
         self.model_name = cfg.server.served_model_name or model_dir.name
         self.prompts = PromptBuilder(model_dir)
-        self.pipeline = Pipeline(cfg)
+        self.latency = GatewayMetrics()
+        self.pipeline = Pipeline(cfg, self.latency.media_prepare)
         self.counters: dict[str, float] = dict.fromkeys(
             ("requests_total", "requests_failed", "requests_disconnected", "tokens_generated"), 0.0
         )
-        self.latency = GatewayMetrics()
 
     def app(self) -> web.Application:
         middlewares = [api_key_middleware(self.cfg.server.api_keys)] if self.cfg.server.api_keys else []
@@ -157,37 +157,54 @@ class Gateway:
     async def _updates(
         self, choices: list[ChoiceStream], events: Events
     ) -> AsyncIterator[tuple[ChoiceStream, ChoiceUpdate]]:
-        """Each choice's updates until every choice has finished; an error fails the whole request."""
+        """Each choice's updates until every choice has finished; an error fails the whole request.
+
+        Events that queued up while the stream was being written are taken together, one update per
+        choice: a gateway that falls behind sends fewer, larger chunks instead of falling further behind.
+        """
         by_id = {c.request_id: c for c in choices}
         started = time.monotonic()
         deadline = started + self.cfg.server.request_timeout_s
         last_seen: dict[str, float] = {}
         while not all(c.finished for c in choices):
-            try:
-                event = await asyncio.wait_for(events.get(), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise ApiError(504, "the request timed out in the pipeline", code="timeout") from None
-            if isinstance(event, RequestError):
-                raise ApiError(event.status, event.message, code=event.code)
-            choice = by_id.get(event.request_id)
-            if choice is None or choice.finished:
-                continue  # tokens still in flight after a stop string ended the choice
-            update = choice.feed(event)
-            self.counters["tokens_generated"] += len(event.token_ids)
+            batch = [await self._next_event(events, deadline)]
+            while not events.empty():
+                batch.append(events.get_nowait())
+            merged: dict[str, ChoiceUpdate] = {}
+            for event in batch:
+                if isinstance(event, RequestError):
+                    raise ApiError(event.status, event.message, code=event.code)
+                choice = by_id.get(event.request_id)
+                if choice is None or choice.finished:
+                    continue  # tokens still in flight after a stop string ended the choice
+                update = choice.feed(event)
+                self.counters["tokens_generated"] += len(event.token_ids)
+                merged[choice.request_id] = (
+                    merged[choice.request_id].then(update) if choice.request_id in merged else update
+                )
+                if choice.request_id not in last_seen:  # a choice's first delta carries its stage times
+                    if event.queue_s is not None:
+                        self.latency.queue.observe(event.queue_s)
+                    if event.media_wait_s is not None:
+                        self.latency.media_wait.observe(event.media_wait_s)
+                if choice.finished and event.finish_reason is None:
+                    self.pipeline.abort(choice.request_id)  # stopped by a stop string: the decoder can stop too
             now = time.monotonic()
-            previous = last_seen.get(choice.request_id)
-            if previous is None:
-                self.latency.ttft.observe(now - started)
-                if event.queue_s is not None:
-                    self.latency.queue.observe(event.queue_s)
-            else:
-                self.latency.itl.observe(now - previous)
-            last_seen[choice.request_id] = now
-            if all(c.finished for c in choices):
-                self.latency.e2e.observe(now - started)
-            if choice.finished and event.finish_reason is None:
-                self.pipeline.abort(choice.request_id)  # stopped by a stop string: the decoder can stop too
-            yield choice, update
+            for request_id, update in merged.items():
+                previous = last_seen.get(request_id)
+                (self.latency.ttft if previous is None else self.latency.itl).observe(now - (previous or started))
+                last_seen[request_id] = now
+                yield by_id[request_id], update
+        self.latency.e2e.observe(time.monotonic() - started)
+
+    @staticmethod
+    async def _next_event(events: Events, deadline: float) -> TokenDelta | RequestError:
+        if not events.empty():  # no timer when there is no wait
+            return events.get_nowait()
+        try:
+            return await asyncio.wait_for(events.get(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise ApiError(504, "the request timed out in the pipeline", code="timeout") from None
 
     async def _complete(
         self,

@@ -18,6 +18,15 @@ class ChoiceUpdate:
     finish_reason: str | None
     token_ids: list[int]
 
+    def then(self, later: ChoiceUpdate) -> ChoiceUpdate:
+        """This update followed by ``later``, as one."""
+        return ChoiceUpdate(
+            self.text + later.text,
+            self.logprobs + later.logprobs,
+            later.finish_reason or self.finish_reason,
+            self.token_ids + later.token_ids,
+        )
+
 
 @dataclass
 class ChoiceStream:

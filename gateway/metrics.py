@@ -66,6 +66,16 @@ class GatewayMetrics:
         self.queue = Histogram(
             "vlm_request_queue_seconds", "Time a request waited in the decoder for a slot.", LATENCY_BUCKETS
         )
+        # The stages of a request with images or videos, so that a slow first token can be placed.
+        self.media_prepare = Histogram(
+            "vlm_media_prepare_seconds",
+            "Time from request to its media downloaded, preprocessed and handed to the decoder.",
+            LATENCY_BUCKETS,
+        )
+        self.media_wait = Histogram(
+            "vlm_media_wait_seconds", "Time a request waited in the decoder for its embeddings.", LATENCY_BUCKETS
+        )
 
     def render(self) -> list[str]:
-        return [*self.ttft.render(), *self.itl.render(), *self.e2e.render(), *self.queue.render()]
+        histograms = (self.ttft, self.itl, self.e2e, self.queue, self.media_prepare, self.media_wait)
+        return [line for h in histograms for line in h.render()]

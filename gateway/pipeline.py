@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -30,6 +30,7 @@ from common.protocol import (
     encode,
 )
 from common.transport import AsyncChannel
+from gateway.metrics import Histogram
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +42,15 @@ class Tracked:
     request_id: str
     events: asyncio.Queue[TokenDelta | RequestError]  # may be shared by the n choices of one HTTP request
     stage: str = "fetch"  # fetch -> decode
+    submitted: float = field(default_factory=time.monotonic)
 
 
 class Pipeline:
     """The gateway's side of the sockets: dispatch to fetchers, track the decoder, route results."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, media_prepare: Histogram) -> None:
         self.cfg = cfg
+        self.media_prepare = media_prepare  # observed when a fetcher hands a request to the decoder
         self.ctx = zmq.asyncio.Context()
         self.fetch = AsyncChannel(self.ctx, zmq.ROUTER, cfg.endpoint("fetch"), bind=True)
         self.inbox = AsyncChannel(self.ctx, zmq.PULL, cfg.endpoint("gateway"), bind=True)
@@ -121,6 +124,7 @@ class Pipeline:
                     self.fetchers.complete(rid)
                     if rid in self.requests:
                         self.requests[rid].stage = "decode"
+                        self.media_prepare.observe(time.monotonic() - self.requests[rid].submitted)
                 case _:
                     pass
 

@@ -21,6 +21,8 @@ Tolerances (measured worst cases are in the comments beside them):
 - silu_and_mul: fp32 within FP32_ULPS (measured 3: exp), 16-bit within 2 ulps (measured 2 in fp16, 0 in bf16:
   an fp32 ulp of exp can flip the rounding of silu(gate), which the product with up then scales).
 - apply_mrope: bit for bit in every dtype (products of 16-bit values are exact in fp32, roundings as torch's).
+- vision_rotary_qk: bit for bit (fp32 arithmetic from the same tables, no fused multiply-add); quick_gelu:
+  fp32 within FP32_ULPS, 16-bit within 2 ulps (an fp32 ulp of exp can flip a rounding, as in silu).
 """
 
 from __future__ import annotations
@@ -44,13 +46,21 @@ from workers.kernels import (
     cache,
     norm,
     rotary,
+    vision,
 )
 from workers.kernels.attention import AttentionMetadata, attention_metadata
 from workers.models.language import LanguageModel, mrope_cos_sin, rope_inv_freq
 from workers.models.paged import BatchLayout, PagedKVCache, paged_attention_reference, paged_forward
 from workers.models.synth import generate_checkpoint
 
-KERNEL_MODULES = ("attention_triton", "cache_triton", "norm_triton", "activation_triton", "rotary_triton")
+KERNEL_MODULES = (
+    "attention_triton",
+    "cache_triton",
+    "norm_triton",
+    "activation_triton",
+    "rotary_triton",
+    "vision_triton",
+)
 
 
 def _import_interpreted_triton() -> tuple[str | None, bool]:
@@ -459,6 +469,36 @@ def test_silu_and_mul_on_halves_of_a_merged_projection() -> None:
     gate_up = torch.randn(6, 2 * 96, generator=torch.Generator().manual_seed(16)).to(torch.bfloat16)
     gate, up = gate_up[:, :96], gate_up[:, 96:]
     assert_ulps(activation.silu_and_mul_triton(gate, up), activation.silu_and_mul_reference(gate, up), ulps16=2)
+
+
+# --- the vision tower's rotary and QuickGELU --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "head_dim", "grid"), [(16, 80, [[1, 4, 6]]), (3, 12, [[2, 2, 2], [1, 4, 2]])])
+def test_vision_rotary_qk(heads: int, head_dim: int, grid: list[list[int]], dtype: torch.dtype) -> None:
+    """Qwen2-VL's tower shape (16 heads of 80: not powers of two per half) and an odd head count."""
+    from workers.models.vision import vision_rotary_cos_sin, vision_rotary_positions
+
+    cos, sin = vision_rotary_cos_sin(vision_rotary_positions(torch.tensor(grid), 2), head_dim, 10000.0)
+    qkv = (torch.randn(cos.shape[0], 3 * heads * head_dim, generator=torch.Generator().manual_seed(21)) * 3).to(dtype)
+    got = vision.vision_rotary_qk_triton(qkv, cos, sin, heads)
+    for actual, expected in zip(got, vision.vision_rotary_qk_reference(qkv, cos, sin, heads), strict=True):
+        assert actual.shape == expected.shape and torch.equal(actual, expected)
+
+
+def test_vision_rotary_qk_rejects_mismatched_tables() -> None:
+    with pytest.raises(ValueError, match="cos must be fp32"):
+        vision.vision_rotary_qk_triton(torch.zeros(4, 3 * 2 * 8), torch.zeros(4, 8).half(), torch.zeros(4, 8), 2)
+    with pytest.raises(ValueError, match="qkv must be"):
+        vision.vision_rotary_qk_triton(torch.zeros(4, 50), torch.zeros(4, 8), torch.zeros(4, 8), 2)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", [(5, 128), (3, 2500)])
+def test_quick_gelu(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(22)) * 4).to(dtype)
+    assert_ulps(vision.quick_gelu_triton(x), vision.quick_gelu_reference(x), ulps16=2)
 
 
 # --- M-RoPE -------------------------------------------------------------------------------------------

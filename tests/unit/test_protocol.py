@@ -96,6 +96,7 @@ DELTA = TokenDelta(
     logprobs=[-0.5, -1.25, -0.125],
     top_logprobs=[[[1.0, -0.5], [7.0, -1.0]], [[2.0, -1.25]], [[3.0, -0.125]]],
     queue_s=0.25,
+    media_wait_s=0.5,
 )
 
 

@@ -1,7 +1,7 @@
 """``python -m workers.decoder [--rank K]``: the LLM decoder (rank 0, one per model replica), or rank K of
 its tensor-parallel group."""
 
-from common.lifecycle import on_terminate, parse_args, start_process
+from common.lifecycle import freeze_startup_heap, on_terminate, parse_args, start_process
 
 
 def main() -> None:
@@ -10,12 +10,15 @@ def main() -> None:
     if args.rank:
         from workers.decoder.tp import DecoderRank
 
-        DecoderRank(cfg, args.rank).run()  # SIGTERM ends it where it waits: it holds no state to save
+        rank = DecoderRank(cfg, args.rank)
+        freeze_startup_heap()
+        rank.run()  # SIGTERM ends it where it waits: it holds no state to save
         return
     from workers.decoder.worker import DecoderWorker
 
     worker = DecoderWorker(cfg)
     on_terminate(worker.loop.stop)
+    freeze_startup_heap()
     worker.run()
 
 

@@ -36,6 +36,7 @@ class Sequence:
     all_keys: list[int] = field(default_factory=list)  # prompt_keys + output_ids, kept up to date
     queued_at: float = 0.0
     queue_s: float | None = None  # arrival in the engine -> first admission
+    media_wait_s: float | None = None  # arrival in the decoder -> its embeddings read (media requests)
 
     def __post_init__(self) -> None:
         self.all_keys = list(self.prompt_keys)

@@ -472,6 +472,7 @@ class Engine:
             logprobs=[sampled.logprobs[row]] if wants_logprobs else None,  # type: ignore[list-item]
             top_logprobs=[[[t, lp] for t, lp in sampled.top_logprobs[row]]] if wants_logprobs else None,
             queue_s=seq.queue_s if len(seq.output_ids) == 1 else None,
+            media_wait_s=seq.media_wait_s if len(seq.output_ids) == 1 else None,
         )
 
     def stats(self) -> dict[str, float]:

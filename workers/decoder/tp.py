@@ -172,12 +172,18 @@ def init_group(cfg: Config, store_path: str, rank: int, world: int, device: torc
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     store = dist.FileStore(store_path, world)
+    if device.type == "cuda":
+        # NCCL puts a rank's communicator on the *current* device: without this every rank but 0 would
+        # sit on cuda:0 beside rank 0 (NCCL refuses two ranks on one GPU). device_id also makes the
+        # communicator now, not at the first collective, which may come inside a CUDA graph capture.
+        torch.cuda.set_device(device)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         store=store,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=cfg.decoder.tp_timeout_s),
+        device_id=device if device.type == "cuda" else None,
     )
 
 

@@ -85,6 +85,7 @@ class Waiting:
     seq: Sequence
     call_id: str
     deadline: float
+    since: float = 0.0
 
 
 class DecoderWorker:
@@ -211,7 +212,7 @@ class DecoderWorker:
             return
         call_id = uuid.uuid4().hex
         deadline = time.monotonic() + self.cfg.decoder.media_wait_s
-        self.waiting[request.request_id] = Waiting(seq, call_id, deadline)
+        self.waiting[request.request_id] = Waiting(seq, call_id, deadline, time.monotonic())
         self.cache.send(CacheAcquire(call_id, request.request_id, [m.content_hash for m in request.media]))
 
     def on_cache(self, _peer: bytes, msg: Message) -> None:
@@ -237,6 +238,7 @@ class DecoderWorker:
                     return
                 finally:
                     self.cache.send(CacheRelease(rid))  # the copy above is ours; the lease can go
+                waiting.seq.media_wait_s = time.monotonic() - waiting.since
                 self.engine.add(waiting.seq)
             case _:
                 pass

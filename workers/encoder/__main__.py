@@ -1,6 +1,6 @@
 """``python -m workers.encoder --gpu K``: the vision encoder for GPU K (CPU when none)."""
 
-from common.lifecycle import on_terminate, parse_args, start_process
+from common.lifecycle import freeze_startup_heap, on_terminate, parse_args, start_process
 from workers.encoder.worker import EncoderWorker
 
 
@@ -8,6 +8,7 @@ def main() -> None:
     args = parse_args("workers.encoder", lambda p: p.add_argument("--gpu", type=int, default=0))
     worker = EncoderWorker(start_process(f"encoder.{args.gpu}", args), args.gpu)
     on_terminate(worker.loop.stop)
+    freeze_startup_heap()
     worker.run()
 
 

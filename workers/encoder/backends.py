@@ -44,7 +44,9 @@ class VisionBackend(Protocol):
 
 def load_vision_backend(cfg: Config, device: torch.device, dtype: torch.dtype) -> VisionBackend:
     if cfg.encoder.backend == "torch":
-        return VisionTower.from_checkpoint(cfg.model_path(), device=device, dtype=dtype)
+        tower = VisionTower.from_checkpoint(cfg.model_path(), device=device, dtype=dtype)
+        tower.tune_attention()
+        return tower
     spec = ModelSpec.from_dir(cfg.model_path()).vision
     onnx_path = exported_onnx(cfg.model_path(), engine_dir(cfg))
     if cfg.encoder.backend == "onnxruntime":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import triton
@@ -51,6 +51,9 @@ class Launch:
     constexprs: dict[str, Any]
     num_warps: int
     num_stages: int = 3  # Triton's default
+    options: dict[str, Any] = field(default_factory=dict)  # other compile options, e.g. enable_fp_fusion
 
     def __call__(self) -> None:
-        self.kernel[self.grid](**self.args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+        self.kernel[self.grid](
+            **self.args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages, **self.options
+        )

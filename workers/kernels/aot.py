@@ -79,6 +79,17 @@ def other_launches(name: str, heads: int, kv_heads: int, head_dim: int, hidden: 
     yield f"{name} apply_mrope", rotary_triton.plan(q, k, cos, cos, inplace=True)[2]
 
 
+def vision_launches() -> Iterator[tuple[str, Launch]]:
+    """The vision tower's kernels at Qwen2-VL's tower shape (16 heads of 80, MLP 5120), a 720p image."""
+    from workers.kernels import vision_triton
+
+    patches, heads, head_dim, bf16 = 4784, 16, 80, torch.bfloat16
+    qkv = torch.empty((patches, 3 * heads * head_dim), dtype=bf16, device=META)
+    cos = torch.empty((patches, head_dim), dtype=torch.float32, device=META)
+    yield "vision rotary_qk", vision_triton.plan_rotary(qkv, cos, cos, heads)[3]
+    yield "vision quick_gelu", vision_triton.plan_quick_gelu(torch.empty((patches, 5120), dtype=bf16, device=META))[1]
+
+
 def all_launches(quick: bool = False) -> Iterator[tuple[str, Launch]]:
     models = {"7b": MODELS["7b"]} if quick else MODELS
     for name, (heads, kv_heads, head_dim, hidden, intermediate) in models.items():
@@ -87,6 +98,8 @@ def all_launches(quick: bool = False) -> Iterator[tuple[str, Launch]]:
             yield from other_launches(name, heads, kv_heads, head_dim, hidden, intermediate)
     # fp32 (CPU-parity dtype) at the tiny model's head_dim 16: IEEE products, the smallest dot
     yield from attention_launches("tiny-fp32", 4, 2, 16, torch.float32)
+    if not quick:
+        yield from vision_launches()
 
 
 def compile_launch(launch: Launch, arch: int) -> Resources:
@@ -115,7 +128,7 @@ def compile_launch(launch: Launch, arch: int) -> Resources:
     compiled = triton.compile(
         ASTSource(kernel, signature, constants, attrs),
         target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": launch.num_warps, "num_stages": launch.num_stages},
+        options={"num_warps": launch.num_warps, "num_stages": launch.num_stages, **launch.options},
     )
     seconds = time.perf_counter() - started
     registers, stack = _resource_usage(compiled.asm["cubin"])

@@ -7,15 +7,22 @@ consecutive). The merger relies on that order: it concatenates every ``merge**2`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from workers.kernels.vision import quick_gelu as fused_quick_gelu
+from workers.kernels.vision import vision_rotary_qk
 from workers.models.spec import ModelSpec, VisionSpec
 from workers.models.weights import CheckpointWeights, check_state, load_vision_state
+
+log = logging.getLogger(__name__)
 
 # Qwen2-VL's LayerNorms are hard-coded to this eps in the reference implementation (not in config).
 LAYER_NORM_EPS = 1e-6
@@ -26,7 +33,7 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "quick_gelu": quick_gelu,
+    "quick_gelu": fused_quick_gelu,  # one Triton kernel on CUDA, `quick_gelu` itself elsewhere
     "gelu": F.gelu,
     "silu": F.silu,
 }
@@ -80,23 +87,57 @@ def cu_seqlens_from_grid(grid_thw: torch.Tensor) -> torch.Tensor:
     return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int64)
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+def segment_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grid_thw: torch.Tensor,
+    backends: Sequence[SDPBackend] = (),
+) -> torch.Tensor:
     """Non-causal attention restricted to each frame of each item. q/k/v: [N, heads, head_dim].
 
     All frames of one item have the same length, so each item is one batched SDPA call (batch = t)
-    instead of one call per frame.
+    instead of one call per frame. ``backends``: SDPA's kernels to use, in order (empty: torch's choice).
     """
     out = []
     start = 0
-    for t, h, w in grid_thw.tolist():
-        count = t * h * w
-        qs, ks, vs = (x[start : start + count].view(t, h * w, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
-        # Explicit scale: SDPA's internally derived 1/sqrt(d) can differ from d**-0.5 in the last bit,
-        # which the reference passes, and bf16 then drifts from it block by block.
-        attn = F.scaled_dot_product_attention(qs, ks, vs, scale=q.shape[-1] ** -0.5)
-        out.append(attn.transpose(1, 2).reshape(count, *q.shape[1:]))
-        start += count
+    with sdpa_kernel(list(backends), set_priority=True) if backends else contextlib.nullcontext():
+        for t, h, w in grid_thw.tolist():
+            count = t * h * w
+            qs, ks, vs = (x[start : start + count].view(t, h * w, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+            # Explicit scale: SDPA's internally derived 1/sqrt(d) can differ from d**-0.5 in the last bit,
+            # which the reference passes, and bf16 then drifts from it block by block.
+            attn = F.scaled_dot_product_attention(qs, ks, vs, scale=q.shape[-1] ** -0.5)
+            out.append(attn.transpose(1, 2).reshape(count, *q.shape[1:]))
+            start += count
     return torch.cat(out, dim=0)
+
+
+# SDPA kernels a CUDA tower may use, each tried alone by `VisionTower.tune_attention`.
+ATTENTION_CANDIDATES = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+
+
+def time_attention(
+    backend: SDPBackend, heads: int, head_dim: int, tokens: int, device: torch.device, dtype: torch.dtype
+) -> float:
+    """Milliseconds of one frame's attention with only ``backend`` allowed (inf where it cannot run)."""
+    q, k, v = (torch.randn(tokens, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
+    grid = torch.tensor([[1, 1, tokens]])
+    try:
+        segment_attention(q, k, v, grid, (backend,))  # warm-up (and the check that it runs at all)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            segment_attention(q, k, v, grid, (backend,))
+        end.record()
+        end.synchronize()
+    except RuntimeError:
+        return float("inf")
+    return start.elapsed_time(end) / 3
 
 
 def segment_attention_reference(
@@ -140,12 +181,12 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(spec.embed_dim, 3 * spec.embed_dim, bias=True)
         self.proj = nn.Linear(spec.embed_dim, spec.embed_dim, bias=True)
 
+        self.backends: tuple[SDPBackend, ...] = ()  # set by VisionTower.tune_attention
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
-        q, k = apply_vision_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin)
-        out = segment_attention(q, k, v, grid_thw)
-        return self.proj(out.reshape(n, -1))
+        q, k, v = vision_rotary_qk(self.qkv(x), cos, sin, self.num_heads)  # one Triton kernel on CUDA
+        out = segment_attention(q, k, v, grid_thw, self.backends)
+        return self.proj(out.reshape(x.shape[0], -1))
 
 
 class VisionMlp(nn.Module):
@@ -222,6 +263,26 @@ class VisionTower(nn.Module):
         """Load weights keyed relative to ``visual.``; raises ValueError on missing/extra/misshapen keys."""
         check_state(self, state, "vision tower")
         self.load_state_dict(dict(state), strict=True, assign=True)
+
+    def tune_attention(self, tokens: int = 4096) -> dict[str, float]:
+        """On CUDA, attention through the fastest SDPA kernel for a ``tokens``-patch frame (cuDNN's beats
+        FlashAttention-2's on Hopper; not everywhere), falling back to torch's order if that kernel cannot
+        take an input. Returns each candidate's milliseconds; a no-op on other devices."""
+        if self.device.type != "cuda":
+            return {}
+        spec = self.spec
+        times = {
+            name: time_attention(backend, spec.num_heads, spec.head_dim, tokens, self.device, self.dtype)
+            for name, backend in ATTENTION_CANDIDATES.items()
+        }
+        best = min(times, key=lambda name: times[name])
+        if times[best] == float("inf"):
+            return times
+        fallbacks = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+        for block in self.blocks:
+            block.attn.backends = tuple(dict.fromkeys((ATTENTION_CANDIDATES[best], *fallbacks)))
+        log.info("vision attention: %s (ms per %d-patch frame: %s)", best, tokens, times)
+        return times
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,79 @@
+"""The vision tower's fast CUDA path against transformers' tower in bf16: the fused Triton rotary and QuickGELU,
+with each SDPA kernel `VisionTower.tune_attention` may pick (cuDNN, FlashAttention-2, memory-efficient).
+
+A Qwen2-VL-shaped tower (embed 1280, 16 heads of 80, MLP 5120; 4 blocks instead of 32, to load fast) with
+transformers' random initialisation, the same weights in both, images of 720p-like and small grids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.test_kernels_gpu import _SKIP_REASON
+from workers.kernels import vision as vision_kernels
+from workers.models.spec import VisionSpec
+from workers.models.vision import ATTENTION_CANDIDATES, VisionTower, time_attention
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")]
+CUDA = torch.device("cuda")
+GRID = torch.tensor([[1, 52, 92], [1, 16, 22], [2, 8, 8]])  # 720p, a small image, a 2-frame video
+
+
+@pytest.fixture(scope="module")
+def towers() -> tuple[VisionTower, torch.nn.Module]:
+    from transformers import Qwen2VLConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    vision = {"depth": 4, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4, "hidden_size": 1536}
+    config = Qwen2VLConfig(vision_config=vision, text_config={"hidden_size": 1536})
+    torch.manual_seed(0)
+    reference = Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config, dtype=torch.bfloat16)
+    reference = reference.to(CUDA).eval()
+    spec = VisionSpec.from_config(config.vision_config.to_dict())
+    with torch.device("meta"):
+        ours = VisionTower(spec)
+    ours.load_state({k: v.detach().clone() for k, v in reference.state_dict().items()})
+    return ours.eval(), reference
+
+
+@pytest.mark.parametrize("backend", list(ATTENTION_CANDIDATES))
+def test_fast_tower_matches_transformers_with_each_attention_kernel(
+    towers: tuple[VisionTower, torch.nn.Module], backend: str
+) -> None:
+    ours, reference = towers
+    spec = ours.spec
+    if time_attention(
+        ATTENTION_CANDIDATES[backend], spec.num_heads, spec.head_dim, 1024, CUDA, torch.bfloat16
+    ) == float("inf"):
+        pytest.skip(f"SDPA's {backend} kernel does not run on this GPU for head_dim {spec.head_dim}")
+    pixels = torch.randn(int(GRID.prod(dim=1).sum()), spec.patch_dim, device=CUDA, generator=None).bfloat16()
+    for block in ours.blocks:
+        block.attn.backends = (ATTENTION_CANDIDATES[backend],)
+    with torch.inference_mode():
+        got = ours(pixels, GRID)
+        expected = reference(pixels, grid_thw=GRID.to(CUDA)).pooler_output
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_tune_attention_picks_a_kernel_that_runs(towers: tuple[VisionTower, torch.nn.Module]) -> None:
+    ours, _ = towers
+    times = ours.tune_attention(tokens=2048)
+    best = min(times, key=lambda name: times[name])
+    assert times[best] < float("inf")
+    assert all(block.attn.backends[0] == ATTENTION_CANDIDATES[best] for block in ours.blocks)
+
+
+def test_fused_rotary_and_quick_gelu_match_their_references_on_the_gpu() -> None:
+    from workers.models.vision import vision_rotary_cos_sin, vision_rotary_positions
+
+    cos, sin = vision_rotary_cos_sin(vision_rotary_positions(GRID, 2).to(CUDA), 80, 10000.0)
+    qkv = torch.randn(cos.shape[0], 3 * 16 * 80, device=CUDA).bfloat16() * 3
+    for got, expected in zip(
+        vision_kernels.vision_rotary_qk(qkv, cos, sin, 16),
+        vision_kernels.vision_rotary_qk_reference(qkv, cos, sin, 16),
+        strict=True,
+    ):
+        assert torch.equal(got, expected)
+    x = torch.randn(4096, 5120, device=CUDA).bfloat16() * 4
+    gap = (vision_kernels.quick_gelu(x).float() - vision_kernels.quick_gelu_reference(x).float()).abs()
+    assert gap.max() <= 2 * torch.finfo(torch.bfloat16).eps * x.float().abs().max()
