@@ -99,6 +99,10 @@ def test_three_turns_run_the_vit_once(client: OpenAI, hf: HfChat, stack: Stack) 
         after["vlm_cache_commits_total"] - before["vlm_cache_commits_total"] == 1
     )  # one ViT run for one distinct image
     assert after["vlm_cache_hits_total"] - before["vlm_cache_hits_total"] >= 3
+    # Every one of the four requests went through both media stages, and says how long each took.
+    for stage in ("vlm_media_prepare_seconds", "vlm_media_wait_seconds"):
+        assert after[f"{stage}_count"] - before.get(f"{stage}_count", 0.0) == 4, stage
+        assert after[f"{stage}_sum"] > before.get(f"{stage}_sum", 0.0), stage
 
 
 def test_streaming_chunks_usage_and_done(client: OpenAI, hf: HfChat) -> None:
