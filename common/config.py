@@ -90,7 +90,10 @@ class CacheConfig:
 @dataclass
 class DecoderConfig:
     max_running: int = 64
-    prefill_tokens_per_step: int = 8192
+    # Tokens per step (prefill chunks + decodes). Every running stream waits for the whole step, so this
+    # bounds the gap a burst of arriving prompts puts between two tokens; at graph_tokens the mixed steps
+    # also replay CUDA graphs (an 8,192-token step runs eagerly, for tens of milliseconds).
+    prefill_tokens_per_step: int = 2048
     block_size: int = 16
     kv_cache_bytes: int = 0  # 0: gpu_memory_fraction of the GPU memory free after loading; 256 MiB on CPU
     gpu_memory_fraction: float = 0.8
