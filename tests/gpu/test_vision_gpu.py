@@ -20,7 +20,10 @@ GRID = torch.tensor([[1, 52, 92], [1, 16, 22], [2, 8, 8]])  # 720p, a small imag
 
 
 @pytest.fixture(scope="module")
-def towers() -> tuple[VisionTower, torch.nn.Module]:
+def towers() -> tuple[VisionTower, torch.nn.Module, torch.nn.Module]:
+    """Ours in bf16, transformers' in bf16, and transformers' in fp32 with the same (bf16-valued) weights."""
+    import copy
+
     from transformers import Qwen2VLConfig
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
@@ -29,34 +32,44 @@ def towers() -> tuple[VisionTower, torch.nn.Module]:
     torch.manual_seed(0)
     reference = Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config, dtype=torch.bfloat16)
     reference = reference.to(CUDA).eval()
+    reference32 = copy.deepcopy(reference).float()
     spec = VisionSpec.from_config(config.vision_config.to_dict())
     with torch.device("meta"):
         ours = VisionTower(spec)
     ours.load_state({k: v.detach().clone() for k, v in reference.state_dict().items()})
-    return ours.eval(), reference
+    return ours.eval(), reference, reference32
+
+
+def relative_error(got: torch.Tensor, truth: torch.Tensor) -> float:
+    return float((got.float() - truth).norm() / truth.norm())
 
 
 @pytest.mark.parametrize("backend", list(ATTENTION_CANDIDATES))
-def test_fast_tower_matches_transformers_with_each_attention_kernel(
-    towers: tuple[VisionTower, torch.nn.Module], backend: str
+def test_fast_tower_is_as_close_to_fp32_as_transformers_bf16_with_each_attention_kernel(
+    towers: tuple[VisionTower, torch.nn.Module, torch.nn.Module], backend: str
 ) -> None:
-    ours, reference = towers
+    """bf16 tolerance, measured rather than guessed: against the fp32 tower on the same pixels, ours (fused
+    kernels, this SDPA kernel) may be off by at most 1.25x what transformers' own bf16 tower is off by."""
+    ours, reference, reference32 = towers
     spec = ours.spec
     if time_attention(
         ATTENTION_CANDIDATES[backend], spec.num_heads, spec.head_dim, 1024, CUDA, torch.bfloat16
     ) == float("inf"):
         pytest.skip(f"SDPA's {backend} kernel does not run on this GPU for head_dim {spec.head_dim}")
-    pixels = torch.randn(int(GRID.prod(dim=1).sum()), spec.patch_dim, device=CUDA, generator=None).bfloat16()
+    generator = torch.Generator(device=CUDA).manual_seed(1)
+    pixels = torch.randn(int(GRID.prod(dim=1).sum()), spec.patch_dim, device=CUDA, generator=generator).bfloat16()
     for block in ours.blocks:
         block.attn.backends = (ATTENTION_CANDIDATES[backend],)
     with torch.inference_mode():
-        got = ours(pixels, GRID)
-        expected = reference(pixels, grid_thw=GRID.to(CUDA)).pooler_output
-    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+        truth = reference32(pixels.float(), grid_thw=GRID.to(CUDA)).pooler_output
+        theirs = relative_error(reference(pixels, grid_thw=GRID.to(CUDA)).pooler_output, truth)
+        got = relative_error(ours(pixels, GRID), truth)
+    print(f"{backend}: ours {got:.3e}, transformers bf16 {theirs:.3e} (relative to fp32)")
+    assert got <= 1.25 * theirs, f"{backend}: {got:.3e} vs transformers' {theirs:.3e}"
 
 
-def test_tune_attention_picks_a_kernel_that_runs(towers: tuple[VisionTower, torch.nn.Module]) -> None:
-    ours, _ = towers
+def test_tune_attention_picks_a_kernel_that_runs(towers: tuple[VisionTower, torch.nn.Module, torch.nn.Module]) -> None:
+    ours = towers[0]
     times = ours.tune_attention(tokens=2048)
     best = min(times, key=lambda name: times[name])
     assert times[best] < float("inf")

@@ -24,6 +24,7 @@ from workers.fetcher.image import Normalization, normalize_patches
 from workers.models.runtime import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
+REPORT_EVERY_S = 5.0
 
 
 class EncoderWorker:
@@ -32,6 +33,9 @@ class EncoderWorker:
         self.name = f"encoder.{gpu}"
         self.incarnation, _ = worker_identity(self.name)
         self.device = resolve_device(cfg, gpu)
+        if self.device.type == "cuda":
+            # Triton launches on the current device: an encoder of cuda:1 left at cuda:0 could not run them.
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(cfg, self.device)
         started = time.monotonic()
         self.tower = load_vision_backend(cfg, self.device, self.dtype)
@@ -39,11 +43,21 @@ class EncoderWorker:
         self.jobs = Channel(self.ctx, zmq.ROUTER, cfg.endpoint(self.name), bind=True)
         self.cache = Channel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
         self.pools = ShmAttachments()
-        self.counters = {"images_encoded": 0.0, "patches_encoded": 0.0, "failures": 0.0, "batches": 0.0}
+        self.counters = {
+            "images_encoded": 0.0,
+            "patches_encoded": 0.0,
+            "failures": 0.0,
+            "batches": 0.0,
+            "busy_s": 0.0,  # wall time spent encoding batches
+            "queue_wait_s": 0.0,  # summed over jobs: arrival here -> their batch starts
+        }
+        self.arrived: dict[str, float] = {}  # job id -> when it arrived
+        self.reported = (time.monotonic(), dict(self.counters))
         self.queued: deque[tuple[bytes, EncodeJob]] = deque()
         self.max_batch_patches = cfg.encoder.max_batch_patches
         self.loop = EventLoop()
         self.loop.on_message(self.jobs, self.handle)
+        self.loop.every(REPORT_EVERY_S, self.report)
         log.info(
             "%s ready on %s (%s, %s backend) in %.1fs at %s",
             self.name,
@@ -70,6 +84,7 @@ class EncoderWorker:
                 self.jobs.send_to(peer, self.status())
             case EncodeJob():
                 self.queued.append((peer, msg))
+                self.arrived[msg.job_id] = time.monotonic()
             case StatsRequest(call_id=c):
                 self.jobs.send_to(peer, StatsResult(c, self.name, self.incarnation, dict(self.counters)))
             case _:
@@ -80,11 +95,34 @@ class EncoderWorker:
         if not self.queued:
             return False
         batch = self.take_batch()
+        started = time.monotonic()
+        for _, job in batch:
+            self.counters["queue_wait_s"] += started - self.arrived.pop(job.job_id, started)
         for (peer, _), result in zip(batch, self.encode_batch([job for _, job in batch]), strict=True):
             self.jobs.send_to(peer, result)
         for peer in {peer for peer, _ in batch}:
             self.jobs.send_to(peer, self.status())
+        self.counters["busy_s"] += time.monotonic() - started
         return bool(self.queued)
+
+    def report(self) -> None:
+        """A line per period with work: how busy the encoder was and how long jobs waited for it, which
+        tells an encoder that is the bottleneck from one that is starved."""
+        now, counters = time.monotonic(), self.counters
+        since, before = self.reported
+        images = counters["images_encoded"] - before["images_encoded"]
+        if images:
+            log.info(
+                "%s: %d images (%d patches) in %d batches over %.1fs, busy %.0f%%, jobs waited %.0f ms on average",
+                self.name,
+                images,
+                counters["patches_encoded"] - before["patches_encoded"],
+                counters["batches"] - before["batches"],
+                now - since,
+                100 * (counters["busy_s"] - before["busy_s"]) / (now - since),
+                1e3 * (counters["queue_wait_s"] - before["queue_wait_s"]) / images,
+            )
+        self.reported = (now, dict(counters))
 
     def take_batch(self) -> list[tuple[bytes, EncodeJob]]:
         """Oldest first, while the patches fit the budget (the first job always goes, whatever its size)."""

@@ -49,6 +49,7 @@ from workers.models.runtime import resolve_device, resolve_dtype
 from workers.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
+REPORT_EVERY_S = 5.0  # a line of timings this often while there is work
 
 
 @dataclass
@@ -126,6 +127,9 @@ class FetcherWorker:
         for k, channel in enumerate(self.encoders):
             self.loop.on_message(channel, lambda _peer, msg, k=k: self.on_encoder(k, msg))
         self.loop.every(cfg.liveness.heartbeat_s, self.heartbeat)
+        self.counters = {"requests_loaded": 0.0, "load_s": 0.0, "thread_wait_s": 0.0, "encode_jobs": 0.0}
+        self.reported = (time.monotonic(), dict(self.counters))
+        self.loop.every(REPORT_EVERY_S, self.report)
         self.heartbeat()
         log.info("fetcher ready: %d encoder(s), embeddings %s", len(self.encoders), self.embed_dtype)
 
@@ -145,6 +149,25 @@ class FetcherWorker:
         self.encode.tick()
         self.retry_cache_calls()
 
+    def report(self) -> None:
+        """A line per period with work: where a request's media time goes before the encoders."""
+        now, counters = time.monotonic(), self.counters
+        since, before = self.reported
+        loaded = counters["requests_loaded"] - before["requests_loaded"]
+        if loaded:
+            log.info(
+                "fetcher: %d requests' media loaded over %.1fs, %.0f ms each in a thread after waiting %.0f ms "
+                "for one; %d encode jobs sent, %d queued for an encoder, %d at encoders",
+                loaded,
+                now - since,
+                1e3 * (counters["load_s"] - before["load_s"]) / loaded,
+                1e3 * (counters["thread_wait_s"] - before["thread_wait_s"]) / loaded,
+                counters["encode_jobs"] - before["encode_jobs"],
+                len(self.encode.queue),
+                sum(len(p.jobs) for p in self.encode.peers.values()),
+            )
+        self.reported = (now, dict(counters))
+
     # ------------------------------------------------------------------ gateway side
     def on_gateway(self, _peer: bytes, msg: Message) -> None:
         match msg:
@@ -158,28 +181,33 @@ class FetcherWorker:
                         f"{self.cfg.fetcher.max_images_per_request}",
                     )
                     return
-                self.threads.submit(self.load_all, state)
+                self.threads.submit(self.load_all, state, time.monotonic())
             case Abort(request_id=rid):
                 self.inflight.pop(rid, None)
             case _:
                 pass
 
-    def load_all(self, state: InFlight) -> None:
+    def load_all(self, state: InFlight, submitted: float) -> None:
         """Thread: fetch and preprocess every item; the loop gets the result through ``loaded``."""
+        started = time.monotonic()
+        result: list[LoadedImage] | MediaError
         try:
-            items = [
+            result = [
                 load_media(m, self.image_spec, self.video_spec, self.cfg.fetcher, self.model_key)
                 for m in state.request.media
             ]
-            self.loaded.post((state.request.request_id, items))
         except MediaError as exc:
-            self.loaded.post((state.request.request_id, exc))
+            result = exc
         except Exception as exc:
             log.exception("loading media failed")
-            self.loaded.post((state.request.request_id, MediaError(500, f"media processing failed: {exc}")))
+            result = MediaError(500, f"media processing failed: {exc}")
+        self.loaded.post((state.request.request_id, result, started - submitted, time.monotonic() - started))
 
     def on_loaded(self, item: object) -> None:
-        request_id, result = item  # type: ignore[misc]
+        request_id, result, thread_wait_s, load_s = item  # type: ignore[misc]
+        self.counters["requests_loaded"] += 1
+        self.counters["thread_wait_s"] += thread_wait_s
+        self.counters["load_s"] += load_s
         state = self.inflight.get(request_id)
         if state is None:
             return  # aborted meanwhile
@@ -245,6 +273,7 @@ class FetcherWorker:
                 self.chunked.update((job.job_id, group) for job in jobs)
             for job in jobs:
                 self.encode.submit(job.job_id, job, self.cfg.fetcher.encode_timeout_s)
+            self.counters["encode_jobs"] += len(jobs)
         state = self.inflight.get(call.request_id)
         if state is None or call.index in state.prepared:
             return
