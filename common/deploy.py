@@ -84,10 +84,16 @@ def _add_decoder_ranks(text: str, ranks: int) -> str:
     """Ranks 1..ranks-1 of the tensor-parallel decoder: the decoder's program with ``--rank K``. Only in
     rendered configurations: started without a rank 0 that waits for them, they would only time out."""
     decoder = _section(text, "decoder").group(0)
+    priority = re.search(r"^priority = (\d+)$", decoder, flags=re.MULTILINE)
+    if priority is None:
+        raise ValueError("the template's [program:decoder] section has no 'priority = N'")
     program = (
         decoder.replace("[program:decoder]", "[program:decoder-rank]")
         .replace("-m workers.decoder", "-m workers.decoder --rank %(process_num)d")
         .replace("logs/decoder.log", "logs/decoder-rank-%(process_num)d.log")
+        # supervisord stops programs in reverse priority order: rank 0 first, so that its stop broadcast
+        # reaches ranks that are still there (stopped first, they left rank 0 waiting to be killed).
+        .replace(priority.group(0), f"priority = {int(priority.group(1)) - 1}")
     )
     program = program.rstrip("\n") + (
         f"\nprocess_name = %(program_name)s-%(process_num)d\nnumprocs = {ranks - 1}\nnumprocs_start = 1\n\n"

@@ -53,6 +53,8 @@ def test_a_tensor_parallel_decoder_gets_its_other_ranks(tmp_path: Path) -> None:
     assert ranks["stdout_logfile"] == f"{tmp_path}/logs/decoder-rank-%(process_num)d.log"
     assert parser["group:vlm"]["programs"].split(",")[-1] == "decoder-rank"
     assert parser["program:decoder"]["command"].endswith("-m workers.decoder")  # rank 0 unchanged
+    # Started before rank 0 and stopped after it, so rank 0's stop broadcast finds them still there.
+    assert int(ranks["priority"]) < int(parser["program:decoder"]["priority"])
 
 
 def test_mps_daemon_runs_first_per_deployment_and_caps_the_encoders(tmp_path: Path) -> None:

@@ -1,6 +1,8 @@
 """``python -m workers.decoder [--rank K]``: the LLM decoder (rank 0, one per model replica), or rank K of
 its tensor-parallel group."""
 
+import signal
+
 from common.lifecycle import freeze_startup_heap, on_terminate, parse_args, start_process
 
 
@@ -12,7 +14,11 @@ def main() -> None:
 
         rank = DecoderRank(cfg, args.rank)
         freeze_startup_heap()
-        rank.run()  # SIGTERM ends it where it waits: it holds no state to save
+        # A stop is rank 0's to give: supervisord signals every rank at once, and a rank gone before
+        # rank 0's stop broadcast would leave rank 0 blocked in it (under NCCL, until it is killed).
+        # Ignoring SIGTERM, the rank leaves at that broadcast, or is killed if rank 0 never sends it.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        rank.run()
         return
     from workers.decoder.worker import DecoderWorker
 
