@@ -1,10 +1,12 @@
 """Greedy answers of a running server, recorded and compared between two deployments of one checkpoint.
 
     python -m benchmarks.parity record --url http://127.0.0.1:8000 --out tp1.json
+    python -m benchmarks.parity reference --model DIR --out hf.json     # transformers, bf16 on CUDA
     python -m benchmarks.parity compare tp1.json tp2.json [--tolerance 0.1]
 
 ``record`` sends fixed prompts (text of the ``text`` workload, and 3-image requests of ``seed3img`` at half
-scale) with temperature 0 and the top-2 logprobs of every token. ``compare`` says, per prompt, where the
+scale) with temperature 0 and the top-2 logprobs of every token; ``reference`` has transformers answer
+the same prompts (greedy, its raw logits' log-softmax for the logprobs). ``compare`` says, per prompt, where the
 two answers part and why that is (or is not) within bf16 tolerance: on the common prefix every chosen
 token's logprob must agree within ``--tolerance`` nats, and the answers may part only at a near tie (the
 reference's top-2 margin there within twice the tolerance), where a different reduction order legitimately
@@ -61,6 +63,35 @@ def record(url: str, out: Path) -> None:
     print(f"recorded {len(answers)} answers of {model} at {url} into {out}")
 
 
+def reference(model_dir: Path, out: Path, device: str) -> None:
+    import torch
+
+    from tests.integration.hf_chat import HfChat
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    hf = HfChat(model_dir, dtype=dtype, device=device)
+    answers = []
+    for messages in prompts():
+        inputs = {k: v.to(device) for k, v in hf.inputs(messages).items()}
+        with torch.inference_mode():
+            generated = hf.model.generate(
+                **inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+                output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        answer = []
+        for logits in generated.logits:  # one [1, vocab] per new token, before any logits processor
+            logprobs = torch.log_softmax(logits[0].float(), dim=-1)
+            top = torch.topk(logprobs, 2)
+            token = int(top.indices[0])
+            pairs = [[hf.tokenizer.decode([int(t)]), float(lp)] for t, lp in zip(top.indices, top.values, strict=True)]
+            answer.append({"token": hf.tokenizer.decode([token]), "logprob": float(logprobs[token]), "top": pairs})
+        answers.append(answer)
+    out.write_text(
+        json.dumps({"model": str(model_dir), "reference": f"transformers {dtype} on {device}", "answers": answers})
+    )
+    print(f"recorded transformers' {len(answers)} answers ({dtype}, {device}) into {out}")
+
+
 def compare_answer(ref: list[dict[str, Any]], other: list[dict[str, Any]], tolerance: float) -> dict[str, Any]:
     """Where two answers part, the largest logprob gap before that, and whether both are within tolerance."""
     parted = next((i for i, (a, b) in enumerate(zip(ref, other, strict=False)) if a["token"] != b["token"]), None)
@@ -96,6 +127,10 @@ def main(argv: list[str] | None = None) -> None:
     rec = verbs.add_parser("record")
     rec.add_argument("--url", default="http://127.0.0.1:8000")
     rec.add_argument("--out", type=Path, required=True)
+    ref = verbs.add_parser("reference")
+    ref.add_argument("--model", type=Path, required=True)
+    ref.add_argument("--out", type=Path, required=True)
+    ref.add_argument("--device", default="cuda")
     cmp = verbs.add_parser("compare")
     cmp.add_argument("reference", type=Path)
     cmp.add_argument("other", type=Path)
@@ -103,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.verb == "record":
         record(args.url, args.out)
+    elif args.verb == "reference":
+        reference(args.model, args.out, args.device)
     elif not compare(args.reference, args.other, args.tolerance):
         sys.exit(1)
 

@@ -24,12 +24,12 @@ def _load_url(url: str) -> Image.Image:
 
 
 class HfChat:
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
         # AutoProcessor needs torchvision for its video half; images need only these two, and the
         # expansion of <|image_pad|> below is what Qwen2VLProcessor does.
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
-        self.model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
 
     def inputs(self, messages: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """OpenAI-style messages -> the processor's tensors (images as the processor expects them)."""
