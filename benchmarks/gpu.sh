@@ -3,7 +3,8 @@
 # seed's workloads against it, then the transformers baseline on the same prompts.
 # Usage: benchmarks/gpu.sh OUT_DIR      (env: GIT_REV, QUICK=1 for a short smoke run,
 #        ONLY="seed3img-c32 mixed" to run just those workloads and no transformers baseline,
-#        MPS=1 [MPS_SM=50] to run the stack with the CUDA MPS daemon, encoders capped at MPS_SM% of the SMs,
+#        MPS=1 [MPS_SM=50] [MPS_DECODER_SM=70] to run the stack with the CUDA MPS daemon, encoders (decoder
+#        ranks) capped at MPS_SM% (MPS_DECODER_SM%) of the SMs,
 #        TP=2 for a tensor-parallel decoder over two GPUs, DEVICE_POOL=1 for the CUDA IPC embedding pool,
 #        ENCODERS=N for N encoder processes instead of one per GPU)
 set -uo pipefail
@@ -17,7 +18,8 @@ if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] || 
   [ "${DEVICE_POOL:-0}" = 1 ] && sed -i "/^\[cache\]/a device_pool = true" /tmp/gpu-variant.toml
   # MPS=1 [MPS_SM=percent]: the CUDA MPS daemon, encoders capped at MPS_SM% of the SMs
   [ "${MPS:-0}" = 1 ] || [ -n "${ENCODERS:-}" ] && printf '\n[encoder]\n' >> /tmp/gpu-variant.toml
-  [ "${MPS:-0}" = 1 ] && printf 'mps = true\nmps_encoder_sm_percent = %s\n' "${MPS_SM:-100}" >> /tmp/gpu-variant.toml
+  [ "${MPS:-0}" = 1 ] && printf 'mps = true\nmps_encoder_sm_percent = %s\nmps_decoder_sm_percent = %s\n' \
+    "${MPS_SM:-100}" "${MPS_DECODER_SM:-100}" >> /tmp/gpu-variant.toml
   [ -n "${ENCODERS:-}" ] && printf 'count = %s\n' "$ENCODERS" >> /tmp/gpu-variant.toml
   # TP=N: a tensor-parallel decoder over N GPUs (needs N GPUs; one encoder per GPU comes with them)
   [ "${TP:-1}" != 1 ] && sed -i "/^\[decoder\]/a tensor_parallel = ${TP}" /tmp/gpu-variant.toml

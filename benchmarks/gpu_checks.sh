@@ -16,7 +16,8 @@ fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__)'
   echo "rev ${GIT_REV:-unknown}"; } > "$out/machine.txt" 2>&1
-timeout "${CHECKS_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+# faulthandler: a test still running after 150 s prints every thread's stack (a hung collective shows where)
+timeout "${CHECKS_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=150 \
   tests/gpu tests/unit/test_paged.py tests/unit/test_sampling.py tests/unit/test_model_parity.py \
   > "$out/pytest-gpu.log" 2>&1
 echo "pytest exit $?" >> "$out/pytest-gpu.log"

@@ -66,14 +66,18 @@ class EncoderConfig:
     # time-slicing; the encoders may use at most this share of the SMs (100: no cap).
     mps: bool = False
     mps_encoder_sm_percent: int = 100
+    # The decoder ranks' cap: decoding is bound by memory bandwidth, which fewer SMs can still saturate,
+    # so a cap here can leave SMs to the encoders without slowing decoding much (100: no cap).
+    mps_decoder_sm_percent: int = 100
     engine_dir: str = ""  # where exported ONNX files and TensorRT engines are cached; empty: <run dir>/engines
 
     def validate(self, where: str) -> None:
         for name, low in (("count", 0), ("credits", 1), ("max_batch_patches", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{where}.{name}: expected >= {low}, got {getattr(self, name)}")
-        if not 1 <= self.mps_encoder_sm_percent <= 100:
-            raise ValueError(f"{where}.mps_encoder_sm_percent: expected 1..100, got {self.mps_encoder_sm_percent}")
+        for name in ("mps_encoder_sm_percent", "mps_decoder_sm_percent"):
+            if not 1 <= getattr(self, name) <= 100:
+                raise ValueError(f"{where}.{name}: expected 1..100, got {getattr(self, name)}")
         if self.backend not in ("torch", "onnxruntime", "tensorrt"):
             raise ValueError(f"{where}.backend: expected 'torch', 'onnxruntime' or 'tensorrt', got {self.backend!r}")
 

@@ -29,9 +29,16 @@ def encoder_count(cfg: Config) -> int:
 
 
 def render(
-    template: str, repo: Path, run: Path, encoders: int, decoder_ranks: int = 1, mps_encoder_sm: int | None = None
+    template: str,
+    repo: Path,
+    run: Path,
+    encoders: int,
+    decoder_ranks: int = 1,
+    mps_encoder_sm: int | None = None,
+    mps_decoder_sm: int = 100,
 ) -> str:
-    """The configuration to run; ``mps_encoder_sm`` (a percentage) adds the CUDA MPS control daemon."""
+    """The configuration to run; ``mps_encoder_sm`` (a percentage) adds the CUDA MPS control daemon, with
+    the decoder ranks capped at ``mps_decoder_sm`` percent of the SMs."""
     if encoders < 1 or decoder_ranks < 1:
         raise ValueError(
             f"a deployment needs at least one encoder and one decoder rank, got {encoders}, {decoder_ranks}"
@@ -45,11 +52,11 @@ def render(
     if decoder_ranks > 1:
         text = _add_decoder_ranks(text, decoder_ranks)
     if mps_encoder_sm is not None:
-        text = _add_mps(text, run, mps_encoder_sm)
+        text = _add_mps(text, run, mps_encoder_sm, mps_decoder_sm)
     return text
 
 
-def _add_mps(text: str, run: Path, encoder_sm: int) -> str:
+def _add_mps(text: str, run: Path, encoder_sm: int, decoder_sm: int = 100) -> str:
     """The MPS control daemon of this deployment (its pipe and log directories in the run directory, so
     two deployments never share one), started first; every GPU process talks to it through the same
     pipe directory, and the encoders are capped at ``encoder_sm`` percent of each GPU's SMs."""
@@ -65,7 +72,8 @@ def _add_mps(text: str, run: Path, encoder_sm: int) -> str:
     for name in ("encoder", "decoder", "decoder-rank"):
         if f"[program:{name}]" not in text:
             continue
-        extra = f',CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="{encoder_sm}"' if name == "encoder" else ""
+        share = encoder_sm if name == "encoder" else decoder_sm
+        extra = f',CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="{share}"' if share < 100 or name == "encoder" else ""
         section = _section(text, name)
         body = section.group(0).rstrip("\n") + f"\nenvironment = {mps_env}{extra}\n\n"
         text = text[: section.start()] + body + text[section.end() :]
@@ -110,7 +118,16 @@ def main(argv: list[str]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     template = (REPO / "ops/vlm.conf").read_text()
     mps = cfg.encoder.mps_encoder_sm_percent if cfg.encoder.mps and _has_gpu() else None
-    out.write_text(render(template, REPO, cfg.run_path, encoder_count(cfg), cfg.decoder.tensor_parallel, mps))
+    text = render(
+        template,
+        REPO,
+        cfg.run_path,
+        encoder_count(cfg),
+        cfg.decoder.tensor_parallel,
+        mps,
+        cfg.encoder.mps_decoder_sm_percent,
+    )
+    out.write_text(text)
 
 
 def _has_gpu() -> bool:

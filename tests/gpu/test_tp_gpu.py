@@ -33,7 +33,8 @@ pytestmark = [
 def gpu_rank(rank: int, world: int, path: str, store: str, out: str) -> None:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    # As workers.decoder.tp.init_group: the communicator made now, on this rank's device.
+    dist.init_process_group("nccl", store=dist.FileStore(store, world), rank=rank, world_size=world, device_id=device)
     spec = ModelSpec.from_dir(path)
     tp = TensorParallel(rank, world, spec.vocab_size)
     model = load_shard(Path(path), spec, tp, device, torch.float32)

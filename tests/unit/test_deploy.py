@@ -72,3 +72,12 @@ def test_mps_daemon_runs_first_per_deployment_and_caps_the_encoders(tmp_path: Pa
     assert 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="30"' in parser["program:encoder"]["environment"]
     assert "ACTIVE_THREAD" not in parser["program:decoder"]["environment"]
     assert parser["group:vlm"]["programs"].startswith("mps,")
+
+
+def test_mps_can_cap_every_decoder_rank_too(tmp_path: Path) -> None:
+    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, 2, mps_encoder_sm=50, mps_decoder_sm=70)
+    parser = configparser.RawConfigParser()
+    parser.read_string(text)
+    for program in ("program:decoder", "program:decoder-rank"):
+        assert 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="70"' in parser[program]["environment"], program
+    assert 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="50"' in parser["program:encoder"]["environment"]

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The stack on one GPU under CUDA MPS at several SM splits between encoder and decoder, plus no MPS.
+# Usage: benchmarks/mps_sweep.sh OUT_DIR ["ENC/DEC ENC/DEC ..."]   (default: "none 60/100 50/70 40/60 30/50")
+# Each point is benchmarks/gpu.sh with ONLY="seed3img-c32 mixed mixed-text-only" (about 90 s), into
+# OUT_DIR/<point>/; the summary lines go to OUT_DIR/sweep.log. Carry .whl (see benchmarks/gpu.sh).
+set -uo pipefail
+out=$(realpath -m "${1:?usage: benchmarks/mps_sweep.sh OUT_DIR [points]}")
+points=${2:-"none 60/100 50/70 40/60 30/50"}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+for point in $points; do
+  dir="$out/${point/\//-}"
+  if [ "$point" = none ]; then
+    CUDA_VISIBLE_DEVICES=0 ONLY="seed3img-c32 mixed mixed-text-only" timeout 120 benchmarks/gpu.sh "$dir"
+  else
+    CUDA_VISIBLE_DEVICES=0 MPS=1 MPS_SM="${point%/*}" MPS_DECODER_SM="${point#*/}" \
+      ONLY="seed3img-c32 mixed mixed-text-only" timeout 120 benchmarks/gpu.sh "$dir"
+  fi
+  cp run/8000/logs/*.log "$dir/" 2>/dev/null
+  pkill -f supervisord; sleep 3; pkill -9 -f "workers\.|gateway|supervisord|nvidia-cuda-mps"; sleep 1
+  { echo "== $point"; grep -E "^\[(all|stream_kind=text)\]|tpot|itl" "$dir/gpu.log"; } >> "$out/sweep.log"
+done
