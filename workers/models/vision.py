@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -124,20 +125,22 @@ ATTENTION_CANDIDATES = {
 def time_attention(
     backend: SDPBackend, heads: int, head_dim: int, tokens: int, device: torch.device, dtype: torch.dtype
 ) -> float:
-    """Milliseconds of one frame's attention with only ``backend`` allowed (inf where it cannot run)."""
-    q, k, v = (torch.randn(tokens, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
-    grid = torch.tensor([[1, 1, tokens]])
+    """Milliseconds of one frame's attention with only ``backend`` allowed (inf where it cannot run).
+
+    Timed by the wall clock on frames of lengths it has not seen, as images of every size arrive: a
+    kernel that prepares itself per shape (cuDNN builds an execution plan) pays for that here too."""
+    q, k, v = (torch.randn(tokens + 64, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
+    lengths = [tokens + 16 * i for i in range(1, 4)]
     try:
-        segment_attention(q, k, v, grid, (backend,))  # warm-up (and the check that it runs at all)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            segment_attention(q, k, v, grid, (backend,))
-        end.record()
-        end.synchronize()
+        segment_attention(q[:tokens], k[:tokens], v[:tokens], torch.tensor([[1, 1, tokens]]), (backend,))  # warm-up
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        for n in lengths:
+            segment_attention(q[:n], k[:n], v[:n], torch.tensor([[1, 1, n]]), (backend,))
+        torch.cuda.synchronize(device)
     except RuntimeError:
         return float("inf")
-    return start.elapsed_time(end) / 3
+    return 1e3 * (time.perf_counter() - started) / len(lengths)
 
 
 def segment_attention_reference(
