@@ -31,6 +31,7 @@ from common.protocol import (
     EncodeResult,
     FetchDone,
     GenerateRequest,
+    MediaInput,
     Message,
     Ping,
     PreparedMedia,
@@ -56,7 +57,8 @@ REPORT_EVERY_S = 5.0  # a line of timings this often while there is work
 class InFlight:
     request: GenerateRequest
     deadline: float
-    loaded: list[LoadedImage] = field(default_factory=list)
+    arrived: dict[int, LoadedImage] = field(default_factory=dict)  # items loaded so far, by index
+    loaded: list[LoadedImage] = field(default_factory=list)  # every item, once all have arrived
     prepared: dict[int, PreparedMedia] = field(default_factory=dict)
 
 
@@ -127,7 +129,7 @@ class FetcherWorker:
         for k, channel in enumerate(self.encoders):
             self.loop.on_message(channel, lambda _peer, msg, k=k: self.on_encoder(k, msg))
         self.loop.every(cfg.liveness.heartbeat_s, self.heartbeat)
-        self.counters = {"requests_loaded": 0.0, "load_s": 0.0, "thread_wait_s": 0.0, "encode_jobs": 0.0}
+        self.counters = {"items_loaded": 0.0, "load_s": 0.0, "thread_wait_s": 0.0, "encode_jobs": 0.0}
         self.reported = (time.monotonic(), dict(self.counters))
         self.loop.every(REPORT_EVERY_S, self.report)
         self.heartbeat()
@@ -153,10 +155,10 @@ class FetcherWorker:
         """A line per period with work: where a request's media time goes before the encoders."""
         now, counters = time.monotonic(), self.counters
         since, before = self.reported
-        loaded = counters["requests_loaded"] - before["requests_loaded"]
+        loaded = counters["items_loaded"] - before["items_loaded"]
         if loaded:
             log.info(
-                "fetcher: %d requests' media loaded over %.1fs, %.0f ms each in a thread after waiting %.0f ms "
+                "fetcher: %d images or videos loaded over %.1fs, %.0f ms each in a thread after waiting %.0f ms "
                 "for one; %d encode jobs sent, %d queued for an encoder, %d at encoders",
                 loaded,
                 now - since,
@@ -181,40 +183,48 @@ class FetcherWorker:
                         f"{self.cfg.fetcher.max_images_per_request}",
                     )
                     return
-                self.threads.submit(self.load_all, state, time.monotonic())
+                if not msg.media:
+                    self.forward(state)
+                # One task per item: a request's images load side by side, not one after another.
+                for index, media in enumerate(msg.media):
+                    self.threads.submit(self.load_one, rid, index, media, time.monotonic())
             case Abort(request_id=rid):
                 self.inflight.pop(rid, None)
             case _:
                 pass
 
-    def load_all(self, state: InFlight, submitted: float) -> None:
-        """Thread: fetch and preprocess every item; the loop gets the result through ``loaded``."""
+    def load_one(self, request_id: str, index: int, media: MediaInput, submitted: float) -> None:
+        """Thread: fetch and preprocess one item; the loop gets the result through ``loaded``."""
         started = time.monotonic()
-        result: list[LoadedImage] | MediaError
+        result: LoadedImage | MediaError
         try:
-            result = [
-                load_media(m, self.image_spec, self.video_spec, self.cfg.fetcher, self.model_key)
-                for m in state.request.media
-            ]
+            result = load_media(media, self.image_spec, self.video_spec, self.cfg.fetcher, self.model_key)
         except MediaError as exc:
             result = exc
         except Exception as exc:
             log.exception("loading media failed")
             result = MediaError(500, f"media processing failed: {exc}")
-        self.loaded.post((state.request.request_id, result, started - submitted, time.monotonic() - started))
+        self.loaded.post((request_id, index, result, started - submitted, time.monotonic() - started))
 
     def on_loaded(self, item: object) -> None:
-        request_id, result, thread_wait_s, load_s = item  # type: ignore[misc]
-        self.counters["requests_loaded"] += 1
+        request_id, index, result, thread_wait_s, load_s = item  # type: ignore[misc]
+        self.counters["items_loaded"] += 1
         self.counters["thread_wait_s"] += thread_wait_s
         self.counters["load_s"] += load_s
         state = self.inflight.get(request_id)
         if state is None:
-            return  # aborted meanwhile
+            return  # aborted or failed meanwhile (the first bad item answers for the request)
         if isinstance(result, MediaError):
             self.finish_error(request_id, result.status, result.message)
             return
-        state.loaded = result
+        state.arrived[index] = result
+        if len(state.arrived) == len(state.request.media):
+            state.loaded = [state.arrived[i] for i in range(len(state.request.media))]
+            self.check_and_prepare(state)
+
+    def check_and_prepare(self, state: InFlight) -> None:
+        """Every item is loaded: refuse a prompt over the context, else look each item up in the cache."""
+        request_id, result = state.request.request_id, state.loaded
         media_tokens = sum(x.num_tokens for x in result)
         prompt_len = len(state.request.prompt_ids) - len(result) + media_tokens
         if prompt_len >= self.max_model_len:
@@ -226,8 +236,6 @@ class FetcherWorker:
                 "or lower max_pixels (or fps for videos)",
             )
             return
-        if not result:
-            self.forward(state)
         for index in range(len(result)):
             self.call_cache(state, index, tries=1)
 
