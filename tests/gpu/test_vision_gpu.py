@@ -58,8 +58,7 @@ def test_fast_tower_is_as_close_to_fp32_as_transformers_bf16_with_each_attention
         pytest.skip(f"SDPA's {backend} kernel does not run on this GPU for head_dim {spec.head_dim}")
     generator = torch.Generator(device=CUDA).manual_seed(1)
     pixels = torch.randn(int(GRID.prod(dim=1).sum()), spec.patch_dim, device=CUDA, generator=generator).bfloat16()
-    for block in ours.blocks:
-        block.attn.backends = (ATTENTION_CANDIDATES[backend],)
+    ours.backends = (ATTENTION_CANDIDATES[backend],)
     with torch.inference_mode():
         truth = reference32(pixels.float(), grid_thw=GRID.to(CUDA)).pooler_output
         theirs = relative_error(reference(pixels, grid_thw=GRID.to(CUDA)).pooler_output, truth)
@@ -73,7 +72,7 @@ def test_tune_attention_picks_a_kernel_that_runs(towers: tuple[VisionTower, torc
     times = ours.tune_attention(tokens=2048)
     best = min(times, key=lambda name: times[name])
     assert times[best] < float("inf")
-    assert all(block.attn.backends[0] == ATTENTION_CANDIDATES[best] for block in ours.blocks)
+    assert ours.backends[0] == ATTENTION_CANDIDATES[best]
 
 
 def test_fused_rotary_and_quick_gelu_match_their_references_on_the_gpu() -> None:

@@ -184,11 +184,9 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(spec.embed_dim, 3 * spec.embed_dim, bias=True)
         self.proj = nn.Linear(spec.embed_dim, spec.embed_dim, bias=True)
 
-        self.backends: tuple[SDPBackend, ...] = ()  # set by VisionTower.tune_attention
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         q, k, v = vision_rotary_qk(self.qkv(x), cos, sin, self.num_heads)  # one Triton kernel on CUDA
-        out = segment_attention(q, k, v, grid_thw, self.backends)
+        out = segment_attention(q, k, v, grid_thw)  # the kernel: the tower's `backends`, set around all blocks
         return self.proj(out.reshape(x.shape[0], -1))
 
 
@@ -243,6 +241,8 @@ class VisionTower(nn.Module):
         self.patch_embed = PatchEmbed(spec)
         self.blocks = nn.ModuleList([VisionBlock(spec) for _ in range(spec.depth)])
         self.merger = PatchMerger(spec)
+        # SDPA's kernels for the blocks' attention, in order (empty: torch's choice); see tune_attention.
+        self.backends: tuple[SDPBackend, ...] = ()
 
     @classmethod
     def from_checkpoint(
@@ -268,9 +268,9 @@ class VisionTower(nn.Module):
         self.load_state_dict(dict(state), strict=True, assign=True)
 
     def tune_attention(self, tokens: int = 4096) -> dict[str, float]:
-        """On CUDA, attention through the fastest SDPA kernel for a ``tokens``-patch frame (cuDNN's beats
-        FlashAttention-2's on Hopper; not everywhere), falling back to torch's order if that kernel cannot
-        take an input. Returns each candidate's milliseconds; a no-op on other devices."""
+        """On CUDA, attention through the fastest SDPA kernel on ``tokens``-patch frames of new lengths
+        (see `time_attention`), falling back to torch's order if that kernel cannot take an input. Sets
+        ``backends``; returns each candidate's milliseconds; a no-op on other devices."""
         if self.device.type != "cuda":
             return {}
         spec = self.spec
@@ -282,8 +282,7 @@ class VisionTower(nn.Module):
         if times[best] == float("inf"):
             return times
         fallbacks = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-        for block in self.blocks:
-            block.attn.backends = tuple(dict.fromkeys((ATTENTION_CANDIDATES[best], *fallbacks)))
+        self.backends = tuple(dict.fromkeys((ATTENTION_CANDIDATES[best], *fallbacks)))
         log.info("vision attention: %s (ms per %d-patch frame: %s)", best, tokens, times)
         return times
 
@@ -302,8 +301,10 @@ class VisionTower(nn.Module):
         positions = vision_rotary_positions(grid_thw, self.spec.spatial_merge_size).to(self.device)
         cos, sin = vision_rotary_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
         x = self.patch_embed(pixel_values.to(self.device))
-        for block in self.blocks:
-            x = block(x, cos, sin, grid_thw)
+        # One scope for every block: SDPA's kernel choice is set once per forward, not once per block.
+        with sdpa_kernel(list(self.backends), set_priority=True) if self.backends else contextlib.nullcontext():
+            for block in self.blocks:
+                x = block(x, cos, sin, grid_thw)
         return self.merger(x)
 
     def _validate(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
