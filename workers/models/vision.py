@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from workers.kernels.vision import quick_gelu as fused_quick_gelu
-from workers.kernels.vision import vision_rotary_qk
+from workers.kernels.vision import quick_gelu, vision_rotary_qk
 from workers.models.spec import ModelSpec, VisionSpec
 from workers.models.weights import CheckpointWeights, check_state, load_vision_state
 
@@ -29,12 +28,8 @@ log = logging.getLogger(__name__)
 LAYER_NORM_EPS = 1e-6
 
 
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
-
-
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "quick_gelu": fused_quick_gelu,  # one Triton kernel on CUDA, `quick_gelu` itself elsewhere
+    "quick_gelu": quick_gelu,  # one Triton kernel on CUDA, x * sigmoid(1.702 x) in torch elsewhere
     "gelu": F.gelu,
     "silu": F.silu,
 }
