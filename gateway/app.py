@@ -202,7 +202,10 @@ class Gateway:
         if not events.empty():  # no timer when there is no wait
             return events.get_nowait()
         try:
-            return await asyncio.wait_for(events.get(), max(0.0, deadline - time.monotonic()))
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the handler's cancellation
+            # (a client hang-up) when an event arrives at the same moment, and the request would run on.
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                return await events.get()
         except TimeoutError:
             raise ApiError(504, "the request timed out in the pipeline", code="timeout") from None
 
