@@ -4,6 +4,7 @@ own embeddings (parity with encoding it alone), and a bad job fails alone."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,6 +79,10 @@ def test_the_worker_batches_queued_jobs_over_its_socket(worker: EncoderWorker) -
             client.send(EncodeJob(f"job{i}", f"hash{i}", inline_ref(sent), grid, slot))
             expected.append((slot, None if i == bad else encode_images(tower, [image], [grid])[0]))
         results: dict[str, EncodeResult] = {}
+        deadline = time.monotonic() + 30
+        while len(worker.queued) < len(jobs_grids):  # every job in the queue before the first step, as
+            assert time.monotonic() < deadline, f"only {len(worker.queued)} jobs arrived"  # the counts assume
+            worker.loop.run_once(max_wait_s=1.0)
         while len(results) < len(jobs_grids):
             worker.loop.run_once(max_wait_s=5.0)
             while worker.step():
