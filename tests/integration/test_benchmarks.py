@@ -356,6 +356,15 @@ def test_mixed_summarises_text_streams_apart(stack: Stack, tmp_path: Path) -> No
     assert {r["tags"]["stream"] for r in text} == {0, 1} and all(r["max_tokens"] == 24 for r in text)
 
 
+def test_mixed_control_sends_the_same_streams_and_no_images(stack: Stack, tmp_path: Path) -> None:
+    extra = ["--concurrency", "2", "--num-requests", "3", "--vision-rate", "10", "--vision-delay", "0.2"]
+    results = bench(stack, tmp_path, "mixed", *extra, "--text-max-tokens", "24", "--vision-off")
+    check_document(results, "mixed")
+    assert sorted(results["summary"]["groups"]["stream_kind"]) == ["text"]
+    text = results["requests"]
+    assert {r["tags"]["stream"] for r in text} == {0, 1} and all(r["error"] is None for r in text)
+
+
 def test_hf_baseline(stack: Stack, tmp_path: Path) -> None:
     out = tmp_path / "hf.json"
     model_dir = load_config(stack.config_path).model_path()
