@@ -65,3 +65,20 @@ def test_logprob_entries(tokenizer: PreTrainedTokenizerBase) -> None:
     assert update.logprobs[1]["top_logprobs"] == [
         {"token": tokenizer.decode([7]), "logprob": -0.25, "bytes": list(tokenizer.decode([7]).encode())}
     ]
+
+
+def test_updates_taken_together_equal_the_stream_one_by_one(tokenizer: PreTrainedTokenizerBase) -> None:
+    """The gateway merges the updates that queued up into one chunk (`ChoiceUpdate.then`): text, token ids
+    and logprob entries concatenate in order, and the last update's finish reason is the merged one's."""
+    ids = tokenizer("Merged chunks read exactly like single ones.")["input_ids"]
+    one_by_one = ChoiceStream(0, "r", tokenizer, [])
+    updates = [
+        one_by_one.feed(TokenDelta("r", [t], "stop" if i == len(ids) - 1 else None, 5, i + 1, logprobs=[-0.5 * i]))
+        for i, t in enumerate(ids)
+    ]
+    merged = updates[0]
+    for update in updates[1:]:
+        merged = merged.then(update)
+    assert merged.text == tokenizer.decode(ids) and merged.token_ids == ids
+    assert [e["logprob"] for e in merged.logprobs] == [-0.5 * i for i in range(len(ids))]
+    assert merged.finish_reason == "stop" and updates[0].then(updates[1]).finish_reason is None
