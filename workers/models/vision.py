@@ -83,30 +83,28 @@ def cu_seqlens_from_grid(grid_thw: torch.Tensor) -> torch.Tensor:
     return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int64)
 
 
-def segment_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    grid_thw: torch.Tensor,
-    backends: Sequence[SDPBackend] = (),
-) -> torch.Tensor:
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
     """Non-causal attention restricted to each frame of each item. q/k/v: [N, heads, head_dim].
 
     All frames of one item have the same length, so each item is one batched SDPA call (batch = t)
-    instead of one call per frame. ``backends``: SDPA's kernels to use, in order (empty: torch's choice).
+    instead of one call per frame.
     """
     out = []
     start = 0
-    with sdpa_kernel(list(backends), set_priority=True) if backends else contextlib.nullcontext():
-        for t, h, w in grid_thw.tolist():
-            count = t * h * w
-            qs, ks, vs = (x[start : start + count].view(t, h * w, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
-            # Explicit scale: SDPA's internally derived 1/sqrt(d) can differ from d**-0.5 in the last bit,
-            # which the reference passes, and bf16 then drifts from it block by block.
-            attn = F.scaled_dot_product_attention(qs, ks, vs, scale=q.shape[-1] ** -0.5)
-            out.append(attn.transpose(1, 2).reshape(count, *q.shape[1:]))
-            start += count
+    for t, h, w in grid_thw.tolist():
+        count = t * h * w
+        qs, ks, vs = (x[start : start + count].view(t, h * w, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        # Explicit scale: SDPA's internally derived 1/sqrt(d) can differ from d**-0.5 in the last bit,
+        # which the reference passes, and bf16 then drifts from it block by block.
+        attn = F.scaled_dot_product_attention(qs, ks, vs, scale=q.shape[-1] ** -0.5)
+        out.append(attn.transpose(1, 2).reshape(count, *q.shape[1:]))
+        start += count
     return torch.cat(out, dim=0)
+
+
+def sdpa_choice(backends: Sequence[SDPBackend]) -> contextlib.AbstractContextManager[object]:
+    """SDPA restricted to ``backends``, tried in that order (empty: torch's own choice)."""
+    return sdpa_kernel(list(backends), set_priority=True) if backends else contextlib.nullcontext()
 
 
 # SDPA kernels a CUDA tower may use, each tried alone by `VisionTower.tune_attention`.
@@ -127,12 +125,13 @@ def time_attention(
     q, k, v = (torch.randn(tokens + 64, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
     lengths = [tokens + 16 * i for i in range(1, 4)]
     try:
-        segment_attention(q[:tokens], k[:tokens], v[:tokens], torch.tensor([[1, 1, tokens]]), (backend,))  # warm-up
-        torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        for n in lengths:
-            segment_attention(q[:n], k[:n], v[:n], torch.tensor([[1, 1, n]]), (backend,))
-        torch.cuda.synchronize(device)
+        with sdpa_choice((backend,)):
+            segment_attention(q[:tokens], k[:tokens], v[:tokens], torch.tensor([[1, 1, tokens]]))  # warm-up
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            for n in lengths:
+                segment_attention(q[:n], k[:n], v[:n], torch.tensor([[1, 1, n]]))
+            torch.cuda.synchronize(device)
     except RuntimeError:
         return float("inf")
     return 1e3 * (time.perf_counter() - started) / len(lengths)
@@ -181,7 +180,7 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         q, k, v = vision_rotary_qk(self.qkv(x), cos, sin, self.num_heads)  # one Triton kernel on CUDA
-        out = segment_attention(q, k, v, grid_thw)  # the kernel: the tower's `backends`, set around all blocks
+        out = segment_attention(q, k, v, grid_thw)  # SDPA's kernel: the tower's `backends`, set around all blocks
         return self.proj(out.reshape(x.shape[0], -1))
 
 
@@ -296,8 +295,7 @@ class VisionTower(nn.Module):
         positions = vision_rotary_positions(grid_thw, self.spec.spatial_merge_size).to(self.device)
         cos, sin = vision_rotary_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
         x = self.patch_embed(pixel_values.to(self.device))
-        # One scope for every block: SDPA's kernel choice is set once per forward, not once per block.
-        with sdpa_kernel(list(self.backends), set_priority=True) if self.backends else contextlib.nullcontext():
+        with sdpa_choice(self.backends):  # set once per forward, around every block
             for block in self.blocks:
                 x = block(x, cos, sin, grid_thw)
         return self.merger(x)
