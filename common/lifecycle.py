@@ -7,6 +7,7 @@ import gc
 import logging
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 from common.config import Config, load_config
@@ -52,3 +53,22 @@ def freeze_startup_heap() -> None:
     process tens of milliseconds mid-stream; what the serving loop allocates is collected as before."""
     gc.collect()
     gc.freeze()
+
+
+REPORT_EVERY_S = 5.0  # a process's timing line this often while it has work
+
+
+class CounterWindow:
+    """How much a process's counters grew since the last look: its periodic timing line."""
+
+    def __init__(self, counters: dict[str, float]) -> None:
+        self.counters = counters
+        self.since, self.before = time.monotonic(), dict(counters)
+
+    def take(self) -> tuple[float, dict[str, float]]:
+        """Seconds since the last call and each counter's growth over them; starts the next window."""
+        now = time.monotonic()
+        seconds = now - self.since
+        growth = {name: value - self.before.get(name, 0.0) for name, value in self.counters.items()}
+        self.since, self.before = now, dict(self.counters)
+        return seconds, growth

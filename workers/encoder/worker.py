@@ -16,6 +16,7 @@ import torch
 import zmq
 
 from common.config import Config
+from common.lifecycle import REPORT_EVERY_S, CounterWindow
 from common.protocol import CacheCommit, EncodeJob, EncodeResult, Message, Ping, StatsRequest, StatsResult, WorkerStatus
 from common.tensor_ref import ShmAttachments, read_tensor
 from common.transport import Channel, EventLoop, worker_identity
@@ -24,7 +25,6 @@ from workers.fetcher.image import Normalization, normalize_patches
 from workers.models.runtime import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
-REPORT_EVERY_S = 5.0
 
 
 class EncoderWorker:
@@ -51,9 +51,8 @@ class EncoderWorker:
             "busy_s": 0.0,  # wall time spent encoding batches
             "queue_wait_s": 0.0,  # summed over jobs: arrival here -> their batch starts
         }
-        self.arrived: dict[str, float] = {}  # job id -> when it arrived
-        self.reported = (time.monotonic(), dict(self.counters))
-        self.queued: deque[tuple[bytes, EncodeJob]] = deque()
+        self.window = CounterWindow(self.counters)
+        self.queued: deque[tuple[bytes, EncodeJob, float]] = deque()  # (peer, job, when it arrived)
         self.max_batch_patches = cfg.encoder.max_batch_patches
         self.loop = EventLoop()
         self.loop.on_message(self.jobs, self.handle)
@@ -83,8 +82,7 @@ class EncoderWorker:
             case Ping():
                 self.jobs.send_to(peer, self.status())
             case EncodeJob():
-                self.queued.append((peer, msg))
-                self.arrived[msg.job_id] = time.monotonic()
+                self.queued.append((peer, msg, time.monotonic()))
             case StatsRequest(call_id=c):
                 self.jobs.send_to(peer, StatsResult(c, self.name, self.incarnation, dict(self.counters)))
             case _:
@@ -96,11 +94,10 @@ class EncoderWorker:
             return False
         batch = self.take_batch()
         started = time.monotonic()
-        for _, job in batch:
-            self.counters["queue_wait_s"] += started - self.arrived.pop(job.job_id, started)
-        for (peer, _), result in zip(batch, self.encode_batch([job for _, job in batch]), strict=True):
+        self.counters["queue_wait_s"] += sum(started - arrived for _, _, arrived in batch)
+        for (peer, _, _), result in zip(batch, self.encode_batch([job for _, job, _ in batch]), strict=True):
             self.jobs.send_to(peer, result)
-        for peer in {peer for peer, _ in batch}:
+        for peer in {peer for peer, _, _ in batch}:
             self.jobs.send_to(peer, self.status())
         self.counters["busy_s"] += time.monotonic() - started
         return bool(self.queued)
@@ -108,23 +105,20 @@ class EncoderWorker:
     def report(self) -> None:
         """A line per period with work: how busy the encoder was and how long jobs waited for it, which
         tells an encoder that is the bottleneck from one that is starved."""
-        now, counters = time.monotonic(), self.counters
-        since, before = self.reported
-        images = counters["images_encoded"] - before["images_encoded"]
-        if images:
+        seconds, grew = self.window.take()
+        if grew["images_encoded"]:
             log.info(
                 "%s: %d images (%d patches) in %d batches over %.1fs, busy %.0f%%, jobs waited %.0f ms on average",
                 self.name,
-                images,
-                counters["patches_encoded"] - before["patches_encoded"],
-                counters["batches"] - before["batches"],
-                now - since,
-                100 * (counters["busy_s"] - before["busy_s"]) / (now - since),
-                1e3 * (counters["queue_wait_s"] - before["queue_wait_s"]) / images,
+                grew["images_encoded"],
+                grew["patches_encoded"],
+                grew["batches"],
+                seconds,
+                100 * grew["busy_s"] / seconds,
+                1e3 * grew["queue_wait_s"] / grew["images_encoded"],
             )
-        self.reported = (now, dict(counters))
 
-    def take_batch(self) -> list[tuple[bytes, EncodeJob]]:
+    def take_batch(self) -> list[tuple[bytes, EncodeJob, float]]:
         """Oldest first, while the patches fit the budget (the first job always goes, whatever its size)."""
         batch, patches = [], 0
         while self.queued:

@@ -22,6 +22,7 @@ import zmq
 from common.config import Config
 from common.deploy import encoder_count
 from common.dispatch import Dispatcher, Job
+from common.lifecycle import REPORT_EVERY_S, CounterWindow
 from common.protocol import (
     Abort,
     CacheCommit,
@@ -50,7 +51,6 @@ from workers.models.runtime import resolve_device, resolve_dtype
 from workers.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
-REPORT_EVERY_S = 5.0  # a line of timings this often while there is work
 
 
 @dataclass
@@ -130,7 +130,7 @@ class FetcherWorker:
             self.loop.on_message(channel, lambda _peer, msg, k=k: self.on_encoder(k, msg))
         self.loop.every(cfg.liveness.heartbeat_s, self.heartbeat)
         self.counters = {"items_loaded": 0.0, "load_s": 0.0, "thread_wait_s": 0.0, "encode_jobs": 0.0}
-        self.reported = (time.monotonic(), dict(self.counters))
+        self.window = CounterWindow(self.counters)
         self.loop.every(REPORT_EVERY_S, self.report)
         self.heartbeat()
         log.info("fetcher ready: %d encoder(s), embeddings %s", len(self.encoders), self.embed_dtype)
@@ -153,22 +153,20 @@ class FetcherWorker:
 
     def report(self) -> None:
         """A line per period with work: where a request's media time goes before the encoders."""
-        now, counters = time.monotonic(), self.counters
-        since, before = self.reported
-        loaded = counters["items_loaded"] - before["items_loaded"]
+        seconds, grew = self.window.take()
+        loaded = grew["items_loaded"]
         if loaded:
             log.info(
                 "fetcher: %d images or videos loaded over %.1fs, %.0f ms each in a thread after waiting %.0f ms "
                 "for one; %d encode jobs sent, %d queued for an encoder, %d at encoders",
                 loaded,
-                now - since,
-                1e3 * (counters["load_s"] - before["load_s"]) / loaded,
-                1e3 * (counters["thread_wait_s"] - before["thread_wait_s"]) / loaded,
-                counters["encode_jobs"] - before["encode_jobs"],
+                seconds,
+                1e3 * grew["load_s"] / loaded,
+                1e3 * grew["thread_wait_s"] / loaded,
+                grew["encode_jobs"],
                 len(self.encode.queue),
                 sum(len(p.jobs) for p in self.encode.peers.values()),
             )
-        self.reported = (now, dict(counters))
 
     # ------------------------------------------------------------------ gateway side
     def on_gateway(self, _peer: bytes, msg: Message) -> None:
