@@ -56,6 +56,9 @@ class FetcherConfig:
     threads: int = 4
 
 
+VISION_BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what runs the tower: workers/encoder/backends.py
+
+
 @dataclass
 class EncoderConfig:
     count: int = 0  # 0: one per visible GPU, or one on a CPU host
@@ -78,8 +81,9 @@ class EncoderConfig:
         for name in ("mps_encoder_sm_percent", "mps_decoder_sm_percent"):
             if not 1 <= getattr(self, name) <= 100:
                 raise ValueError(f"{where}.{name}: expected 1..100, got {getattr(self, name)}")
-        if self.backend not in ("torch", "onnxruntime", "tensorrt"):
-            raise ValueError(f"{where}.backend: expected 'torch', 'onnxruntime' or 'tensorrt', got {self.backend!r}")
+        if self.backend not in VISION_BACKENDS:
+            names = ", ".join(map(repr, VISION_BACKENDS[:-1])) + f" or {VISION_BACKENDS[-1]!r}"
+            raise ValueError(f"{where}.backend: expected {names}, got {self.backend!r}")
 
 
 @dataclass

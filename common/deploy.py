@@ -73,7 +73,7 @@ def _add_mps(text: str, run: Path, encoder_sm: int, decoder_sm: int = 100) -> st
         if f"[program:{name}]" not in text:
             continue
         share = encoder_sm if name == "encoder" else decoder_sm
-        extra = f',CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="{share}"' if share < 100 or name == "encoder" else ""
+        extra = f',CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="{share}"' if share < 100 else ""  # 100: MPS's default
         section = _section(text, name)
         body = section.group(0).rstrip("\n") + f"\nenvironment = {mps_env}{extra}\n\n"
         text = text[: section.start()] + body + text[section.end() :]

@@ -199,8 +199,6 @@ class Gateway:
 
     @staticmethod
     async def _next_event(events: Events, deadline: float) -> TokenDelta | RequestError:
-        if not events.empty():  # no timer when there is no wait
-            return events.get_nowait()
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the handler's cancellation
             # (a client hang-up) when an event arrives at the same moment, and the request would run on.

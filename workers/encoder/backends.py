@@ -27,8 +27,6 @@ from common.config import Config
 from workers.models.spec import ModelSpec, VisionSpec
 from workers.models.vision import VisionTower
 
-BACKENDS = ("torch", "onnxruntime", "tensorrt")
-
 
 class VisionBackend(Protocol):
     spec: VisionSpec
