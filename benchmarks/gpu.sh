@@ -27,12 +27,9 @@ if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] || 
 fi
 log() { echo "[gpu.sh $(date +%T)] $*" | tee -a "$out/gpu.log"; }
 
-# The machine is offline: its own python3 (torch, transformers) plus the carried wheels in .whl/.
+. benchmarks/device.sh
+use_carried_wheels
 # ops/vlm.conf runs .venv/bin/python, so that becomes a thin wrapper around this python3.
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PWD"
-fi
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   rm -rf .venv && mkdir -p .venv/bin  # never write through a venv's python symlink
   printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > .venv/bin/python

@@ -9,10 +9,8 @@ out=$(realpath -m "${1:?usage: benchmarks/gpu_checks.sh OUT_DIR}")
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PWD"
-fi
+. benchmarks/device.sh
+use_carried_wheels
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__)'
   echo "rev ${GIT_REV:-unknown}"; } > "$out/machine.txt" 2>&1

@@ -8,6 +8,7 @@ out=$(realpath -m "${1:?usage: benchmarks/mps_sweep.sh OUT_DIR [points]}")
 points=${2:-"none 60/100 50/70 40/60 30/50"}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
+. benchmarks/device.sh
 for point in $points; do
   dir="$out/${point/\//-}"
   if [ "$point" = none ]; then
@@ -17,6 +18,6 @@ for point in $points; do
       ONLY="seed3img-c32 mixed mixed-text-only" timeout 120 benchmarks/gpu.sh "$dir"
   fi
   cp run/8000/logs/*.log "$dir/" 2>/dev/null
-  pkill -f supervisord; sleep 3; pkill -9 -f "workers\.|gateway|supervisord|nvidia-cuda-mps"; sleep 1
+  stop_stack
   { echo "== $point"; grep -E "^\[(all|stream_kind=text)\]|tpot|itl" "$dir/gpu.log"; } >> "$out/sweep.log"
 done

@@ -7,11 +7,8 @@ set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/tp_check.sh OUT_DIR}")
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-  export PYTHONPATH="/tmp/site:$PWD"
-fi
-stop_stack() { pkill -f supervisord; sleep 3; pkill -9 -f "workers\.|gateway|supervisord"; sleep 1; }
+. benchmarks/device.sh
+use_carried_wheels
 stack() {  # name, env assignments..., then gpu.sh runs ONLY's steps into OUT_DIR/name
   local name=$1; shift
   env "$@" timeout 150 benchmarks/gpu.sh "$out/$name"

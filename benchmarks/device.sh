@@ -1,0 +1,15 @@
+# Sourced by the scripts that run on the GPU machine, from the checkout's root.
+
+# The machine is offline: its own python3 (torch, transformers) plus the wheels carried in .whl/.
+use_carried_wheels() {
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PWD"
+  fi
+}
+
+# What a stack run cut short by its timeout leaves behind: supervisord, its programs, the MPS daemon.
+stop_stack() {
+  pkill -f supervisord; sleep 3
+  pkill -9 -f "workers\.|gateway|supervisord|nvidia-cuda-mps"; sleep 1
+}
