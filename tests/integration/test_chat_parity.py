@@ -27,6 +27,17 @@ def image_part(url: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+def two_images_of_different_sizes(seed: int) -> list[dict[str, Any]]:
+    """A wide and a tall image in one user turn, text around them."""
+    content = [
+        image_part(data_url(make_image(200, 60, seed=seed))),
+        {"type": "text", "text": "Compare this one"},
+        image_part(data_url(make_image(64, 256, seed=seed + 1))),
+        {"type": "text", "text": "with that one."},
+    ]
+    return [{"role": "user", "content": content}]
+
+
 def check_parity(client: OpenAI, hf: HfChat, messages: list[dict[str, Any]]) -> Any:
     response = ask(client, messages)
     expected, prompt_len = hf.generate(messages, NEW_TOKENS)
@@ -59,18 +70,7 @@ def test_system_prompt_and_one_image(client: OpenAI, hf: HfChat) -> None:
 
 
 def test_two_images_of_different_sizes(client: OpenAI, hf: HfChat) -> None:
-    messages = [
-        {
-            "role": "user",
-            "content": [
-                image_part(data_url(make_image(200, 60, seed=2))),
-                {"type": "text", "text": "Compare this one"},
-                image_part(data_url(make_image(64, 256, seed=3))),
-                {"type": "text", "text": "with that one."},
-            ],
-        }
-    ]
-    check_parity(client, hf, messages)
+    check_parity(client, hf, two_images_of_different_sizes(seed=2))
 
 
 def test_image_by_http_url(client: OpenAI, hf: HfChat, media_server: MediaServer) -> None:

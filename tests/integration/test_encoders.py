@@ -89,22 +89,11 @@ def test_images_spread_over_both_encoders_and_survive_losing_one(two_encoders: S
 
 def test_onnxruntime_backend_answers_like_transformers(onnx_encoder: Stack) -> None:
     from tests.integration.hf_chat import HfChat
-    from tests.integration.test_chat_parity import check_parity, image_part
+    from tests.integration.test_chat_parity import check_parity, two_images_of_different_sizes
 
     client = OpenAI(base_url=onnx_encoder.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     hf = HfChat(load_config(onnx_encoder.config_path).model_path())
-    messages = [
-        {
-            "role": "user",
-            "content": [
-                image_part(data_url(make_image(200, 60, seed=12))),
-                {"type": "text", "text": "Compare this one"},
-                image_part(data_url(make_image(64, 256, seed=13))),
-                {"type": "text", "text": "with that one."},
-            ],
-        }
-    ]
-    check_parity(client, hf, messages)
+    check_parity(client, hf, two_images_of_different_sizes(seed=12))
     exports = list((load_config(onnx_encoder.config_path).run_path / "engines").glob("vision-*/model.onnx"))
     assert len(exports) == 1, exports  # the encoder ran the exported graph, not the torch tower
 
