@@ -66,7 +66,7 @@ def record(url: str, out: Path) -> None:
 def reference(model_dir: Path, out: Path, device: str) -> None:
     import torch
 
-    from tests.integration.hf_chat import HfChat
+    from benchmarks.hf_chat import HfChat
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     hf = HfChat(model_dir, dtype=dtype, device=device)

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
+from benchmarks.hf_chat import HfChat
 from common.config import load_config
-from tests.integration.hf_chat import HfChat
 
 REPO = Path(__file__).resolve().parents[2]
 

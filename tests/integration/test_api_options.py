@@ -9,7 +9,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from tests.integration.hf_chat import HfChat
+from benchmarks.hf_chat import HfChat
 
 MESSAGES = [{"role": "user", "content": "Write a few words about rivers and mountains."}]
 

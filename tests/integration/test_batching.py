@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
+from benchmarks.hf_chat import HfChat
 from common.config import load_config
 from tests.integration.conftest import Stack, hand_started_stack
-from tests.integration.hf_chat import HfChat
 from tests.media import data_url, make_image
 
 

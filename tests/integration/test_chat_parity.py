@@ -6,8 +6,8 @@ from typing import Any
 
 from openai import OpenAI
 
+from benchmarks.hf_chat import HfChat
 from tests.integration.conftest import MediaServer, Stack
-from tests.integration.hf_chat import HfChat
 from tests.media import data_url, make_image, png_bytes
 
 NEW_TOKENS = 32

@@ -88,7 +88,7 @@ def test_images_spread_over_both_encoders_and_survive_losing_one(two_encoders: S
 
 
 def test_onnxruntime_backend_answers_like_transformers(onnx_encoder: Stack) -> None:
-    from tests.integration.hf_chat import HfChat
+    from benchmarks.hf_chat import HfChat
     from tests.integration.test_chat_parity import check_parity, two_images_of_different_sizes
 
     client = OpenAI(base_url=onnx_encoder.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -99,9 +99,9 @@ def test_onnxruntime_backend_answers_like_transformers(onnx_encoder: Stack) -> N
 
 
 def test_a_long_video_encoded_in_chunks_answers_like_transformers(small_batches: Stack) -> None:
+    from benchmarks.hf_chat import HfChat
     from benchmarks.media import data_url as media_url
     from benchmarks.media import jpeg_bytes, mjpeg_avi, video_frames
-    from tests.integration.hf_chat import HfChat
     from tests.integration.test_video import check_parity, video_part
     from workers.fetcher.video import VideoProcessorSpec
 

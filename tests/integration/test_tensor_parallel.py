@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 
+from benchmarks.hf_chat import HfChat
 from common.config import load_config
 from tests.integration.conftest import Stack, serve
-from tests.integration.hf_chat import HfChat
 from tests.integration.test_chat_parity import check_parity, image_part
 from tests.integration.test_faults import ANSWER_BOUND_S, one_request, wait_restarted
 from tests.media import data_url, make_image

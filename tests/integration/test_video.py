@@ -11,10 +11,10 @@ import pytest
 import torch
 from openai import OpenAI
 
+from benchmarks.hf_chat import HfChat
 from benchmarks.media import data_url, jpeg_bytes, mjpeg_avi, video_frames
 from common.config import FetcherConfig, load_config
 from tests.integration.conftest import MediaServer, Stack
-from tests.integration.hf_chat import HfChat
 from workers.fetcher.video import VideoProcessorSpec, decode_video, preprocess_video
 
 NEW_TOKENS = 16
