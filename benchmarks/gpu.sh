@@ -3,8 +3,9 @@
 # seed's workloads against it, then the transformers baseline on the same prompts.
 # Usage: benchmarks/gpu.sh OUT_DIR      (env: GIT_REV, QUICK=1 for a short smoke run,
 #        ONLY="seed3img-c32 mixed" to run just those workloads and no transformers baseline,
-#        MPS=1 [MPS_SM=50] [MPS_DECODER_SM=70] to run the stack with the CUDA MPS daemon, encoders (decoder
-#        ranks) capped at MPS_SM% (MPS_DECODER_SM%) of the SMs,
+#        MPS=1 [MPS_SM=50] [MPS_DECODER_SM=70] [MPS_LOW_PRIORITY=false] to run the stack with the CUDA MPS
+#        daemon, encoders (decoder ranks) capped at MPS_SM% (MPS_DECODER_SM%) of the SMs, the encoders' client
+#        priority below the decoder's unless MPS_LOW_PRIORITY=false,
 #        TP=2 for a tensor-parallel decoder over two GPUs, DEVICE_POOL=1 for the CUDA IPC embedding pool,
 #        ENCODERS=N for N encoder processes instead of one per GPU)
 set -uo pipefail
@@ -18,8 +19,8 @@ if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] || 
   [ "${DEVICE_POOL:-0}" = 1 ] && sed -i "/^\[cache\]/a device_pool = true" /tmp/gpu-variant.toml
   # MPS=1 [MPS_SM=percent]: the CUDA MPS daemon, encoders capped at MPS_SM% of the SMs
   [ "${MPS:-0}" = 1 ] || [ -n "${ENCODERS:-}" ] && printf '\n[encoder]\n' >> /tmp/gpu-variant.toml
-  [ "${MPS:-0}" = 1 ] && printf 'mps = true\nmps_encoder_sm_percent = %s\nmps_decoder_sm_percent = %s\n' \
-    "${MPS_SM:-100}" "${MPS_DECODER_SM:-100}" >> /tmp/gpu-variant.toml
+  [ "${MPS:-0}" = 1 ] && printf 'mps = true\nmps_encoder_sm_percent = %s\nmps_decoder_sm_percent = %s\nmps_encoder_low_priority = %s\n' \
+    "${MPS_SM:-100}" "${MPS_DECODER_SM:-100}" "${MPS_LOW_PRIORITY:-true}" >> /tmp/gpu-variant.toml
   [ -n "${ENCODERS:-}" ] && printf 'count = %s\n' "$ENCODERS" >> /tmp/gpu-variant.toml
   # TP=N: a tensor-parallel decoder over N GPUs (needs N GPUs; one encoder per GPU comes with them)
   [ "${TP:-1}" != 1 ] && sed -i "/^\[decoder\]/a tensor_parallel = ${TP}" /tmp/gpu-variant.toml
@@ -74,9 +75,15 @@ bench() {  # name, time limit in seconds, args...
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
   if quick; then limit=25; fi
   log "workload $name: $*"
+  # CPU per process and GPU use every 2 s while it runs: which process starves which
+  top -b -d 2 -w 250 -c 2>/dev/null | grep --line-buffered -E "^top|^%Cpu|python" > "$out/$name.top" &
+  local top_pid=$!
+  nvidia-smi dmon -s um -d 2 > "$out/$name.dmon" 2>/dev/null &
+  local dmon_pid=$!
   timeout $((limit + 30)) $py -m benchmarks.serve --url "$url" --seed 0 --time-limit "$limit" --out "$out/$name.json" "$@" \
     >> "$out/gpu.log" 2>&1 \
     || log "workload $name ended with status $?"
+  kill $top_pid $dmon_pid 2>/dev/null
   curl -s "$url/metrics" > "$out/$name.metrics"  # cumulative: stage histograms, cache and decoder counters
 }
 # --num-requests: requests; sessions of 3 turns for multiturn; image requests for mixed

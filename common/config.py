@@ -72,6 +72,8 @@ class EncoderConfig:
     # The decoder ranks' cap: decoding is bound by memory bandwidth, which fewer SMs can still saturate,
     # so a cap here can leave SMs to the encoders without slowing decoding much (100: no cap).
     mps_decoder_sm_percent: int = 100
+    # The encoders' MPS client priority below the decoder's, so decode steps are not queued behind ViT work.
+    mps_encoder_low_priority: bool = True
     engine_dir: str = ""  # where exported ONNX files and TensorRT engines are cached; empty: <run dir>/engines
 
     def validate(self, where: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import Config, load_config
@@ -28,17 +29,30 @@ def encoder_count(cfg: Config) -> int:
     return max(1, torch.cuda.device_count())
 
 
+@dataclass(frozen=True)
+class MpsPlan:
+    """How the GPU processes share each GPU under CUDA MPS: SM caps in percent (100: none), and whether
+    the encoders' work yields to the decoder's (MPS client priority ``BELOW_NORMAL``)."""
+
+    encoder_sm: int = 100
+    decoder_sm: int = 100
+    encoder_below_normal: bool = True
+
+    @classmethod
+    def of(cls, cfg: Config) -> MpsPlan:
+        enc = cfg.encoder
+        return cls(enc.mps_encoder_sm_percent, enc.mps_decoder_sm_percent, enc.mps_encoder_low_priority)
+
+
 def render(
     template: str,
     repo: Path,
     run: Path,
     encoders: int,
     decoder_ranks: int = 1,
-    mps_encoder_sm: int | None = None,
-    mps_decoder_sm: int = 100,
+    mps: MpsPlan | None = None,
 ) -> str:
-    """The configuration to run; ``mps_encoder_sm`` (a percentage) adds the CUDA MPS control daemon, with
-    the decoder ranks capped at ``mps_decoder_sm`` percent of the SMs."""
+    """The configuration to run; ``mps`` adds the CUDA MPS control daemon and each GPU process's share."""
     if encoders < 1 or decoder_ranks < 1:
         raise ValueError(
             f"a deployment needs at least one encoder and one decoder rank, got {encoders}, {decoder_ranks}"
@@ -51,15 +65,15 @@ def render(
     text = text[: encoder.start()] + body + text[encoder.end() :]
     if decoder_ranks > 1:
         text = _add_decoder_ranks(text, decoder_ranks)
-    if mps_encoder_sm is not None:
-        text = _add_mps(text, run, mps_encoder_sm, mps_decoder_sm)
+    if mps is not None:
+        text = _add_mps(text, run, mps)
     return text
 
 
-def _add_mps(text: str, run: Path, encoder_sm: int, decoder_sm: int = 100) -> str:
+def _add_mps(text: str, run: Path, plan: MpsPlan) -> str:
     """The MPS control daemon of this deployment (its pipe and log directories in the run directory, so
     two deployments never share one), started first; every GPU process talks to it through the same
-    pipe directory, and the encoders are capped at ``encoder_sm`` percent of each GPU's SMs."""
+    pipe directory, with the plan's SM caps and the encoders' client priority."""
     pipes, logs = run / "mps" / "pipe", run / "mps" / "log"
     mps_env = f'CUDA_MPS_PIPE_DIRECTORY="{pipes}",CUDA_MPS_LOG_DIRECTORY="{logs}"'
     program = (
@@ -72,8 +86,12 @@ def _add_mps(text: str, run: Path, encoder_sm: int, decoder_sm: int = 100) -> st
     for name in ("encoder", "decoder", "decoder-rank"):
         if f"[program:{name}]" not in text:
             continue
-        share = encoder_sm if name == "encoder" else decoder_sm
+        share = plan.encoder_sm if name == "encoder" else plan.decoder_sm
         extra = f',CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="{share}"' if share < 100 else ""  # 100: MPS's default
+        if name == "encoder" and plan.encoder_below_normal:
+            # The GPU schedules a below-normal client's blocks after a normal one's: a decode step that
+            # arrives while the ViT runs takes the SMs as ViT blocks finish, instead of queueing behind them.
+            extra += ',CUDA_MPS_CLIENT_PRIORITY="1"'
         section = _section(text, name)
         body = section.group(0).rstrip("\n") + f"\nenvironment = {mps_env}{extra}\n\n"
         text = text[: section.start()] + body + text[section.end() :]
@@ -117,16 +135,8 @@ def main(argv: list[str]) -> None:
     out = Path(argv[0])
     out.parent.mkdir(parents=True, exist_ok=True)
     template = (REPO / "ops/vlm.conf").read_text()
-    mps = cfg.encoder.mps_encoder_sm_percent if cfg.encoder.mps and _has_gpu() else None
-    text = render(
-        template,
-        REPO,
-        cfg.run_path,
-        encoder_count(cfg),
-        cfg.decoder.tensor_parallel,
-        mps,
-        cfg.encoder.mps_decoder_sm_percent,
-    )
+    mps = MpsPlan.of(cfg) if cfg.encoder.mps and _has_gpu() else None
+    text = render(template, REPO, cfg.run_path, encoder_count(cfg), cfg.decoder.tensor_parallel, mps)
     out.write_text(text)
 
 

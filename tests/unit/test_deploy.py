@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.config import Config
-from common.deploy import REPO, encoder_count, render
+from common.deploy import REPO, MpsPlan, encoder_count, render
 
 
 def rendered(encoders: int, run: Path) -> configparser.RawConfigParser:
@@ -59,7 +59,7 @@ def test_a_tensor_parallel_decoder_gets_its_other_ranks(tmp_path: Path) -> None:
 
 def test_mps_daemon_runs_first_per_deployment_and_caps_the_encoders(tmp_path: Path) -> None:
     assert not rendered(1, tmp_path).has_section("program:mps")  # off unless asked for
-    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, mps_encoder_sm=30)
+    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, mps=MpsPlan(encoder_sm=30))
     parser = configparser.RawConfigParser()
     parser.read_string(text)
     mps = parser["program:mps"]
@@ -71,13 +71,18 @@ def test_mps_daemon_runs_first_per_deployment_and_caps_the_encoders(tmp_path: Pa
     assert pipe in parser["program:encoder"]["environment"] and pipe in parser["program:decoder"]["environment"]
     assert 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="30"' in parser["program:encoder"]["environment"]
     assert "ACTIVE_THREAD" not in parser["program:decoder"]["environment"]
+    # the encoders yield the SMs to the decoder unless told not to
+    assert 'CUDA_MPS_CLIENT_PRIORITY="1"' in parser["program:encoder"]["environment"]
+    assert "CLIENT_PRIORITY" not in parser["program:decoder"]["environment"]
     assert parser["group:vlm"]["programs"].startswith("mps,")
 
 
 def test_mps_can_cap_every_decoder_rank_too(tmp_path: Path) -> None:
-    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, 2, mps_encoder_sm=50, mps_decoder_sm=70)
+    plan = MpsPlan(50, 70, encoder_below_normal=False)
+    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, 2, plan)
     parser = configparser.RawConfigParser()
     parser.read_string(text)
     for program in ("program:decoder", "program:decoder-rank"):
         assert 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="70"' in parser[program]["environment"], program
     assert 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="50"' in parser["program:encoder"]["environment"]
+    assert "CLIENT_PRIORITY" not in parser["program:encoder"]["environment"]

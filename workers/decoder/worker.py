@@ -21,6 +21,7 @@ import torch.distributed as dist
 import zmq
 
 from common.config import Config
+from common.lifecycle import REPORT_EVERY_S, CounterWindow
 from common.protocol import (
     Abort,
     CacheAcquire,
@@ -135,6 +136,11 @@ class DecoderWorker:
         self.loop.on_message(self.cache, self.on_cache)
         self.loop.every(cfg.liveness.heartbeat_s, self.heartbeat)
         self.heartbeat()
+        self.timing = {"busy_s": 0.0, "steps": 0.0}  # wall time inside engine steps, and their number
+        self.slowest_step_s = 0.0  # in this report's period
+        self.window = CounterWindow(self.timing)
+        self.engine_window = CounterWindow(self.engine.counters)
+        self.loop.every(REPORT_EVERY_S, self.report)
         graphs = self.engine.graphs
         log.info(
             "decoder ready on %s in %.1fs: context %d, kernels %s, CUDA graphs %s, overlap %s, at %s",
@@ -163,6 +169,7 @@ class DecoderWorker:
     def step(self) -> bool:
         if not self.engine.has_work():
             return False
+        started = time.monotonic()
         try:
             deltas = self.engine.step()
         except Exception as exc:  # a model failure must answer every request it touched
@@ -175,7 +182,33 @@ class DecoderWorker:
             return False
         if deltas:
             self.results.send(TokenBatch(deltas))
+        took = time.monotonic() - started
+        self.timing["busy_s"] += took
+        self.timing["steps"] += 1
+        self.slowest_step_s = max(self.slowest_step_s, took)
         return self.engine.has_work()
+
+    def report(self) -> None:
+        """A line per period with work: how long steps took and what they carried. A slow step under
+        image load is the decoder sharing its GPU (or its CPU) with the vision path."""
+        seconds, grew = self.window.take()
+        _, engine = self.engine_window.take()
+        slowest, self.slowest_step_s = self.slowest_step_s, 0.0
+        if grew["steps"]:
+            log.info(
+                "decoder: %d steps over %.1fs, busy %.0f%%, %.1f ms per step, slowest %.0f ms; "
+                "%d prompt tokens, %d generated; %d running, %d queued, %d waiting for media",
+                grew["steps"],
+                seconds,
+                100 * grew["busy_s"] / seconds,
+                1e3 * grew["busy_s"] / grew["steps"],
+                1e3 * slowest,
+                engine.get("prompt_tokens", 0),
+                engine.get("generated_tokens", 0),
+                len(self.engine.running),
+                len(self.engine.waiting),
+                len(self.waiting),
+            )
 
     # ------------------------------------------------------------------ messages
     def on_inbox(self, _peer: bytes, msg: Message) -> None:
