@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ from workers.decoder.tp import StepBroadcast, leader_rendezvous
 from workers.kernels import paged_attention, paged_attention_reference
 from workers.models.language import LanguageModel
 from workers.models.paged import PagedKVCache
-from workers.models.runtime import resolve_device, resolve_dtype
+from workers.models.runtime import limit_cpu_threads, resolve_device, resolve_dtype
 from workers.models.spec import ModelSpec
 from workers.models.tensor_parallel import TensorParallel, load_shard
 
@@ -96,6 +97,7 @@ class DecoderWorker:
         path = cfg.model_path()
         self.spec = ModelSpec.from_dir(path)
         device = resolve_device(cfg)
+        limit_cpu_threads(device)
         started = time.monotonic()
         dtype = resolve_dtype(cfg, device)
         world = cfg.decoder.tensor_parallel
@@ -132,15 +134,16 @@ class DecoderWorker:
         self.cache_incarnation = ""
         self.cache_seen = time.monotonic()
         self.loop = EventLoop()
-        self.loop.on_message(self.inbox, self.on_inbox)
-        self.loop.on_message(self.cache, self.on_cache)
-        self.loop.every(cfg.liveness.heartbeat_s, self.heartbeat)
-        self.heartbeat()
-        self.timing = {"busy_s": 0.0, "steps": 0.0}  # wall time inside engine steps, and their number
+        # wall time inside engine steps, their number, and time spent on requests and on the cache's answers
+        self.timing = {"busy_s": 0.0, "steps": 0.0, "inbox_s": 0.0, "cache_s": 0.0}
         self.slowest_step_s = 0.0  # in this report's period
         self.window = CounterWindow(self.timing)
         self.engine_window = CounterWindow(self.engine.counters)
         self.loop.every(REPORT_EVERY_S, self.report)
+        self.loop.on_message(self.inbox, self.timed(self.on_inbox, "inbox_s"))
+        self.loop.on_message(self.cache, self.timed(self.on_cache, "cache_s"))
+        self.loop.every(cfg.liveness.heartbeat_s, self.heartbeat)
+        self.heartbeat()
         graphs = self.engine.graphs
         log.info(
             "decoder ready on %s in %.1fs: context %d, kernels %s, CUDA graphs %s, overlap %s, at %s",
@@ -188,6 +191,16 @@ class DecoderWorker:
         self.slowest_step_s = max(self.slowest_step_s, took)
         return self.engine.has_work()
 
+    def timed(self, handler: Callable[[bytes, Message], None], counter: str) -> Callable[[bytes, Message], None]:
+        def run(peer: bytes, msg: Message) -> None:
+            started = time.monotonic()
+            try:
+                handler(peer, msg)
+            finally:
+                self.timing[counter] += time.monotonic() - started
+
+        return run
+
     def report(self) -> None:
         """A line per period with work: how long steps took and what they carried. A slow step under
         image load is the decoder sharing its GPU (or its CPU) with the vision path."""
@@ -196,11 +209,13 @@ class DecoderWorker:
         slowest, self.slowest_step_s = self.slowest_step_s, 0.0
         if grew["steps"]:
             log.info(
-                "decoder: %d steps over %.1fs, busy %.0f%%, %.1f ms per step, slowest %.0f ms; "
-                "%d prompt tokens, %d generated; %d running, %d queued, %d waiting for media",
+                "decoder: %d steps over %.1fs, busy %.0f%% (requests %.0f%%, cache answers %.0f%%), %.1f ms per "
+                "step, slowest %.0f ms; %d prompt tokens, %d generated; %d running, %d queued, %d waiting for media",
                 grew["steps"],
                 seconds,
                 100 * grew["busy_s"] / seconds,
+                100 * grew["inbox_s"] / seconds,
+                100 * grew["cache_s"] / seconds,
                 1e3 * grew["busy_s"] / grew["steps"],
                 1e3 * slowest,
                 engine.get("prompt_tokens", 0),

@@ -22,7 +22,7 @@ from common.tensor_ref import ShmAttachments, read_tensor
 from common.transport import Channel, EventLoop, worker_identity
 from workers.encoder.backends import VisionBackend, load_vision_backend
 from workers.fetcher.image import Normalization, normalize_patches
-from workers.models.runtime import resolve_device, resolve_dtype
+from workers.models.runtime import limit_cpu_threads, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ class EncoderWorker:
         self.name = f"encoder.{gpu}"
         self.incarnation, _ = worker_identity(self.name)
         self.device = resolve_device(cfg, gpu)
+        limit_cpu_threads(self.device)
         if self.device.type == "cuda":
             # Triton launches on the current device: an encoder of cuda:1 left at cuda:0 could not run them.
             torch.cuda.set_device(self.device)

@@ -19,6 +19,17 @@ def resolve_device(cfg: Config, gpu: int = 0) -> torch.device:
     return torch.device(choice)
 
 
+GPU_PROCESS_CPU_THREADS = 2
+
+
+def limit_cpu_threads(device: torch.device) -> None:
+    """A GPU process's CPU tensors are bookkeeping (positions, masks, embeddings to upload): an OpenMP team
+    of every core per small op costs more than it saves, and its spinning threads take cores from the
+    fetcher, the gateway and the other GPU processes on the host. CPU processes keep torch's default."""
+    if device.type == "cuda":
+        torch.set_num_threads(GPU_PROCESS_CPU_THREADS)
+
+
 def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     """Embeddings and activations dtype: float32 on CPU (exact parity), bfloat16 on GPUs."""
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
