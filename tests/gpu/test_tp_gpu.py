@@ -4,6 +4,7 @@ GPUs and triton; skipped otherwise (it has not run yet: no two-GPU machine was l
 
 from __future__ import annotations
 
+import faulthandler
 import json
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from workers.models.spec import ModelSpec
 from workers.models.synth import generate_checkpoint
 from workers.models.tensor_parallel import TensorParallel, load_shard
 
+RANK_TIMEOUT_S = 75
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 pytestmark = [
     pytest.mark.gpu,
@@ -31,6 +33,8 @@ pytestmark = [
 
 
 def gpu_rank(rank: int, world: int, path: str, store: str, out: str) -> None:
+    # A rank that hangs shows where, before the parent's timeout kills the test without the ranks' stacks.
+    faulthandler.dump_traceback_later(RANK_TIMEOUT_S, exit=True)
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     # As workers.decoder.tp.init_group: the communicator made now, on this rank's device.
@@ -50,6 +54,7 @@ def gpu_rank(rank: int, world: int, path: str, store: str, out: str) -> None:
         while (payload := steps.receive()) is not None:
             forward(payload)
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def test_two_gpus_with_captured_graphs_and_overlap_generate_what_one_gpu_does(tmp_path: Path) -> None:
