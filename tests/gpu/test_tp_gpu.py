@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from tests.gpu.test_kernels_gpu import _SKIP_REASON
 from tests.unit.test_tensor_parallel import ENGINE, GRAPH_TOKENS, follower, generate
 from workers.decoder.engine import Engine
-from workers.decoder.tp import StepBroadcast
+from workers.decoder.tp import StepBroadcast, leave_group
 from workers.kernels import paged_attention
 from workers.models.language import LanguageModel
 from workers.models.spec import ModelSpec
@@ -49,11 +49,12 @@ def gpu_rank(rank: int, world: int, path: str, store: str, out: str) -> None:
         tokens = generate(engine)
         steps.send_stop()
         Path(out).write_text(json.dumps({"tokens": tokens, "counters": engine.counters}))
+        leave_group(engine.graphs)  # as the decoder leaves: graphs first, then the communicator
     else:
         forward = follower(model, tp, paged_attention, capture=True)
         while (payload := steps.receive()) is not None:
             forward(payload)
-    dist.destroy_process_group()
+        leave_group(forward.graphs)
     faulthandler.cancel_dump_traceback_later()
 
 

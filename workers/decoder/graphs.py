@@ -280,6 +280,16 @@ class StepGraphs:
         weight = self.model.embed_tokens.weight
         return torch.nn.functional.embedding(ids, weight) if self.tp is None else self.tp.embed(weight, ids)
 
+    def release(self) -> None:
+        """Destroy the captured graphs (after the work in flight): a tensor-parallel rank must, before its
+        NCCL communicator is destroyed, since the graphs hold that communicator's collectives."""
+        if self.graphs:
+            torch.cuda.synchronize()
+            for graph in self.graphs.values():
+                graph.reset()
+            self.graphs.clear()
+            self.outputs.clear()
+
     def _capture(self) -> None:
         pool = None
         # Largest first: the smaller graphs then fit in the memory pool the larger ones reserved.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -235,6 +236,28 @@ def follower_rendezvous(cfg: Config, rank: int, incarnation: str, device: torch.
     return msg
 
 
+LEAVE_TIMEOUT_S = 5.0  # below supervisord's stopwaitsecs (10), so a stuck rank says so before it is killed
+
+
+def leave_group(graphs: StepGraphs | None) -> None:
+    """Leave the tensor-parallel group at shutdown. Both ranks hung in ``destroy_process_group`` on two
+    H200s while their CUDA graphs, which captured the communicator's collectives, still existed: the graphs
+    go first. A destroy that still does not return ends the process with an error, not a silent hang."""
+    if graphs is not None:
+        graphs.release()
+    watchdog = threading.Timer(LEAVE_TIMEOUT_S, _stuck_leaving)
+    watchdog.daemon = True
+    watchdog.start()
+    dist.destroy_process_group()
+    watchdog.cancel()
+
+
+def _stuck_leaving() -> None:
+    log.error("leaving the tensor-parallel group took over %.0fs; exiting without it", LEAVE_TIMEOUT_S)
+    logging.shutdown()
+    os._exit(1)
+
+
 class DecoderRank:
     """A decoder rank K >= 1: its shard of the model and KV cache (and graphs, as rank 0 has them),
     running rank 0's steps until told to stop."""
@@ -279,4 +302,4 @@ class DecoderRank:
         while (payload := self.steps.receive()) is not None:
             self.forward(payload)
         log.info("rank 0 said stop")
-        dist.destroy_process_group()
+        leave_group(self.forward.graphs)

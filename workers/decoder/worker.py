@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import zmq
 
 from common.config import Config
@@ -41,7 +40,7 @@ from common.tensor_ref import ShmAttachments, read_tensor
 from common.transport import Channel, EventLoop, worker_identity
 from workers.decoder.batch import Sequence
 from workers.decoder.engine import Engine, PromptError
-from workers.decoder.tp import StepBroadcast, leader_rendezvous
+from workers.decoder.tp import StepBroadcast, leader_rendezvous, leave_group
 from workers.kernels import paged_attention, paged_attention_reference
 from workers.models.language import LanguageModel
 from workers.models.paged import PagedKVCache
@@ -167,7 +166,7 @@ class DecoderWorker:
             if self.engine.tp_steps is not None:
                 with contextlib.suppress(Exception):  # the group may be broken already
                     self.engine.tp_steps.send_stop()
-                    dist.destroy_process_group()
+                    leave_group(self.engine.graphs)
 
     def step(self) -> bool:
         if not self.engine.has_work():
