@@ -7,21 +7,23 @@
 #        daemon, encoders (decoder ranks) capped at MPS_SM% (MPS_DECODER_SM%) of the SMs, the encoders' client
 #        priority below the decoder's unless MPS_LOW_PRIORITY=false,
 #        TP=2 for a tensor-parallel decoder over two GPUs, DEVICE_POOL=1 for the CUDA IPC embedding pool,
-#        ENCODERS=N for N encoder processes instead of one per GPU)
+#        ENCODERS=N for N encoder processes instead of one per GPU, ENCODER_GPUS=1 (a comma list) to place
+#        the encoders on those GPUs: with the decoder on GPU 0, ENCODER_GPUS=1 gives vision its own GPU)
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/gpu.sh OUT_DIR}")
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLM_CONFIG="$PWD/benchmarks/gpu.toml"
-if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] || [ -n "${ENCODERS:-}" ]; then  # variants of gpu.toml
+if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}" ]; then  # variants of gpu.toml
   cp benchmarks/gpu.toml /tmp/gpu-variant.toml
   # DEVICE_POOL=1: the embedding pool in GPU memory, handed over by CUDA IPC
   [ "${DEVICE_POOL:-0}" = 1 ] && sed -i "/^\[cache\]/a device_pool = true" /tmp/gpu-variant.toml
   # MPS=1 [MPS_SM=percent]: the CUDA MPS daemon, encoders capped at MPS_SM% of the SMs
-  [ "${MPS:-0}" = 1 ] || [ -n "${ENCODERS:-}" ] && printf '\n[encoder]\n' >> /tmp/gpu-variant.toml
+  [ "${MPS:-0}" = 1 ] || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}" ] && printf '\n[encoder]\n' >> /tmp/gpu-variant.toml
   [ "${MPS:-0}" = 1 ] && printf 'mps = true\nmps_encoder_sm_percent = %s\nmps_decoder_sm_percent = %s\nmps_encoder_low_priority = %s\n' \
     "${MPS_SM:-100}" "${MPS_DECODER_SM:-100}" "${MPS_LOW_PRIORITY:-true}" >> /tmp/gpu-variant.toml
   [ -n "${ENCODERS:-}" ] && printf 'count = %s\n' "$ENCODERS" >> /tmp/gpu-variant.toml
+  [ -n "${ENCODER_GPUS:-}" ] && printf 'gpus = [%s]\n' "$ENCODER_GPUS" >> /tmp/gpu-variant.toml
   # TP=N: a tensor-parallel decoder over N GPUs (needs N GPUs; one encoder per GPU comes with them)
   [ "${TP:-1}" != 1 ] && sed -i "/^\[decoder\]/a tensor_parallel = ${TP}" /tmp/gpu-variant.toml
   export VLM_CONFIG=/tmp/gpu-variant.toml

@@ -62,6 +62,9 @@ VISION_BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what runs the tower: w
 @dataclass
 class EncoderConfig:
     count: int = 0  # 0: one per visible GPU, or one on a CPU host
+    # The GPU of each encoder, e.g. [1]: one encoder, on GPU 1, so the decoder has GPU 0 to itself.
+    # Empty: encoder K on GPU K (more encoders than GPUs share them round robin).
+    gpus: list[int] = field(default_factory=list)
     credits: int = 16  # jobs an encoder holds at once: what it can pack into one forward
     max_batch_patches: int = 16384  # patches (before merging) per forward; a larger single image goes alone
     backend: str = "torch"  # "torch", "onnxruntime" or "tensorrt" (workers/encoder/backends.py)
@@ -80,6 +83,15 @@ class EncoderConfig:
         for name, low in (("count", 0), ("credits", 1), ("max_batch_patches", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{where}.{name}: expected >= {low}, got {getattr(self, name)}")
+        indices = isinstance(self.gpus, list) and all(type(g) is int for g in self.gpus)  # (bool is an int)
+        if not indices:
+            raise ValueError(f"{where}.gpus: expected a list of GPU indices like [1], got {self.gpus!r}")
+        if any(g < 0 for g in self.gpus):
+            raise ValueError(f"{where}.gpus: GPU indices start at 0, got {self.gpus}")
+        if self.gpus and self.count and self.count != len(self.gpus):
+            raise ValueError(
+                f"{where}: count = {self.count} but gpus lists {len(self.gpus)} encoders; set one of them"
+            )
         for name in ("mps_encoder_sm_percent", "mps_decoder_sm_percent"):
             if not 1 <= getattr(self, name) <= 100:
                 raise ValueError(f"{where}.{name}: expected 1..100, got {getattr(self, name)}")

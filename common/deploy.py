@@ -21,7 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def encoder_count(cfg: Config) -> int:
-    """Encoders to run: the configured count, or one per visible GPU (one on a CPU host)."""
+    """Encoders to run: one per listed GPU, the configured count, or one per visible GPU (one on a CPU host)."""
+    if cfg.encoder.gpus:
+        return len(cfg.encoder.gpus)
     if cfg.encoder.count:
         return cfg.encoder.count
     import torch  # only when the count depends on the hardware

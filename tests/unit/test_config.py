@@ -252,3 +252,15 @@ def test_decoder_kernels_choice_is_checked(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, '[decoder]\nkernels = "torch"\n'), env={}).decoder.kernels == "torch"
     with pytest.raises(ValueError, match=r"\[decoder\]\.kernels: expected 'triton' or 'torch', got 'flash'"):
         load_config(write(tmp_path, '[decoder]\nkernels = "flash"\n'), env={})
+
+
+def test_encoder_gpus_are_checked(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "[encoder]\ngpus = [1]\n"), env={}).encoder.gpus == [1]
+    for bad, message in (
+        ('gpus = "1"', r"\.gpus: expected a list of GPU indices like \[1\], got '1'"),
+        ("gpus = [true]", r"\.gpus: expected a list of GPU indices"),
+        ("gpus = [-1]", r"\.gpus: GPU indices start at 0"),
+        ("gpus = [0, 1]\ncount = 3", "count = 3 but gpus lists 2 encoders"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            load_config(write(tmp_path, f"[encoder]\n{bad}\n"), env={})

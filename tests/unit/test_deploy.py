@@ -10,6 +10,7 @@ import torch
 
 from common.config import Config
 from common.deploy import REPO, MpsPlan, encoder_count, render
+from workers.models.runtime import encoder_gpu, resolve_device
 
 
 def rendered(encoders: int, run: Path) -> configparser.RawConfigParser:
@@ -38,6 +39,8 @@ def test_encoder_count_and_bad_counts(tmp_path: Path) -> None:
     assert encoder_count(cfg) == 2
     cfg.encoder.count = 0
     assert encoder_count(cfg) == max(1, torch.cuda.device_count())  # one per GPU, one on a CPU host
+    cfg.encoder.gpus = [1]  # a dedicated vision GPU: one encoder, whatever the host has
+    assert encoder_count(cfg) == 1
     with pytest.raises(ValueError, match="at least one encoder"):
         render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 0)
 
@@ -86,3 +89,14 @@ def test_mps_can_cap_every_decoder_rank_too(tmp_path: Path) -> None:
         assert 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="70"' in parser[program]["environment"], program
     assert 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="50"' in parser["program:encoder"]["environment"]
     assert "CLIENT_PRIORITY" not in parser["program:encoder"]["environment"]
+
+
+def test_each_encoder_finds_its_gpu() -> None:
+    cfg = Config()
+    assert [encoder_gpu(cfg, k) for k in range(3)] == [0, 1, 2]  # encoder K on GPU K (resolve_device wraps)
+    cfg.encoder.gpus = [1, 1]  # two encoders sharing GPU 1, GPU 0 left to the decoder
+    assert [encoder_gpu(cfg, k) for k in range(2)] == [1, 1]
+    with pytest.raises(ValueError, match=r"encoder 2: \[encoder\] gpus = \[1, 1\] lists only 2 encoders"):
+        encoder_gpu(cfg, 2)
+    cfg.model.device = "cpu"
+    assert resolve_device(cfg, encoder_gpu(cfg, 0)) == torch.device("cpu")  # a CPU host ignores the list

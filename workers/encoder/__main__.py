@@ -1,4 +1,5 @@
-"""``python -m workers.encoder --gpu K``: the vision encoder for GPU K (CPU when none)."""
+"""``python -m workers.encoder --gpu K``: vision encoder K, on GPU K or on ``[encoder] gpus[K]`` when that
+list is set (CPU when there is no GPU)."""
 
 from common.lifecycle import freeze_startup_heap, on_terminate, parse_args, start_process
 from workers.encoder.worker import EncoderWorker

@@ -7,6 +7,21 @@ import torch
 from common.config import Config
 
 
+def encoder_gpu(cfg: Config, index: int) -> int:
+    """The GPU that encoder ``index`` runs on: its entry of ``[encoder] gpus``, else ``index`` itself. A listed
+    GPU must exist (a typo must not quietly put the encoder on the decoder's GPU); ``index`` wraps round robin."""
+    gpus = cfg.encoder.gpus
+    if not gpus:
+        return index
+    if index >= len(gpus):
+        raise ValueError(f"encoder {index}: [encoder] gpus = {gpus} lists only {len(gpus)} encoders")
+    gpu = gpus[index]
+    device = resolve_device(cfg)
+    if device.type == "cuda" and gpu >= torch.cuda.device_count():
+        raise ValueError(f"[encoder] gpus names GPU {gpu} but {torch.cuda.device_count()} are visible")
+    return gpu
+
+
 def resolve_device(cfg: Config, gpu: int = 0) -> torch.device:
     choice = cfg.model.device
     if choice == "auto":
