@@ -8,13 +8,14 @@
 #        priority below the decoder's unless MPS_LOW_PRIORITY=false,
 #        TP=2 for a tensor-parallel decoder over two GPUs, DEVICE_POOL=1 for the CUDA IPC embedding pool,
 #        ENCODERS=N for N encoder processes instead of one per GPU, ENCODER_GPUS=1 (a comma list) to place
-#        the encoders on those GPUs: with the decoder on GPU 0, ENCODER_GPUS=1 gives vision its own GPU)
+#        the encoders on those GPUs: with the decoder on GPU 0, ENCODER_GPUS=1 gives vision its own GPU,
+#        DECODING_BUDGET=512 for the decoder's tokens per step while streams decode)
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/gpu.sh OUT_DIR}")
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLM_CONFIG="$PWD/benchmarks/gpu.toml"
-if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}" ]; then  # variants of gpu.toml
+if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${DECODING_BUDGET:-}" ]; then  # variants of gpu.toml
   cp benchmarks/gpu.toml /tmp/gpu-variant.toml
   # DEVICE_POOL=1: the embedding pool in GPU memory, handed over by CUDA IPC
   [ "${DEVICE_POOL:-0}" = 1 ] && sed -i "/^\[cache\]/a device_pool = true" /tmp/gpu-variant.toml
@@ -26,6 +27,8 @@ if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] || 
   [ -n "${ENCODER_GPUS:-}" ] && printf 'gpus = [%s]\n' "$ENCODER_GPUS" >> /tmp/gpu-variant.toml
   # TP=N: a tensor-parallel decoder over N GPUs (needs N GPUs; one encoder per GPU comes with them)
   [ "${TP:-1}" != 1 ] && sed -i "/^\[decoder\]/a tensor_parallel = ${TP}" /tmp/gpu-variant.toml
+  # DECODING_BUDGET=512: the decoder's tokens per step while any stream decodes
+  [ -n "${DECODING_BUDGET:-}" ] && sed -i "/^\[decoder\]/a tokens_per_step_while_decoding = ${DECODING_BUDGET}" /tmp/gpu-variant.toml
   export VLM_CONFIG=/tmp/gpu-variant.toml
 fi
 log() { echo "[gpu.sh $(date +%T)] $*" | tee -a "$out/gpu.log"; }

@@ -116,6 +116,9 @@ class DecoderConfig:
     # bounds the gap a burst of arriving prompts puts between two tokens; at graph_tokens the mixed steps
     # also replay CUDA graphs (an 8,192-token step runs eagerly, for tens of milliseconds).
     prefill_tokens_per_step: int = 2048
+    # The same budget while any sequence is decoding (0: prefill_tokens_per_step): a smaller one keeps the
+    # running streams' inter-token gaps short while prompts arrive, and prefills at full size otherwise.
+    tokens_per_step_while_decoding: int = 0
     block_size: int = 16
     kv_cache_bytes: int = 0  # 0: gpu_memory_fraction of the GPU memory free after loading; 256 MiB on CPU
     gpu_memory_fraction: float = 0.8
@@ -136,6 +139,13 @@ class DecoderConfig:
             raise ValueError(f"{where}.tensor_parallel: expected >= 1, got {self.tensor_parallel}")
         if self.graph_tokens < 0:
             raise ValueError(f"{where}.graph_tokens: expected >= 0 (0: no mixed graphs), got {self.graph_tokens}")
+        if self.prefill_tokens_per_step < 1:
+            raise ValueError(f"{where}.prefill_tokens_per_step: expected >= 1, got {self.prefill_tokens_per_step}")
+        if not 0 <= self.tokens_per_step_while_decoding <= self.prefill_tokens_per_step:
+            raise ValueError(
+                f"{where}.tokens_per_step_while_decoding: expected 0 (off) to prefill_tokens_per_step "
+                f"({self.prefill_tokens_per_step}), got {self.tokens_per_step_while_decoding}"
+            )
 
 
 @dataclass

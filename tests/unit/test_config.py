@@ -264,3 +264,12 @@ def test_encoder_gpus_are_checked(tmp_path: Path) -> None:
     ):
         with pytest.raises(ValueError, match=message):
             load_config(write(tmp_path, f"[encoder]\n{bad}\n"), env={})
+
+
+def test_the_decoding_step_budget_is_checked(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "[decoder]\ntokens_per_step_while_decoding = 512\n"), env={})
+    assert cfg.decoder.tokens_per_step_while_decoding == 512
+    with pytest.raises(ValueError, match=r"while_decoding: expected 0 \(off\) to prefill_tokens_per_step"):
+        load_config(write(tmp_path, "[decoder]\ntokens_per_step_while_decoding = 4096\n"), env={})
+    with pytest.raises(ValueError, match=r"prefill_tokens_per_step: expected >= 1, got 0"):
+        load_config(write(tmp_path, "[decoder]\nprefill_tokens_per_step = 0\n"), env={})

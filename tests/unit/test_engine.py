@@ -312,3 +312,26 @@ def test_overlapped_steps_emit_exactly_what_synchronous_steps_do(
 def test_engine_rejects_an_unknown_graph_mode(parts: tuple[LanguageModel, ModelSpec]) -> None:
     with pytest.raises(ValueError, match="graphs must be 'off', 'static' or 'cuda'"):
         make_engine(parts, graphs="always")  # type: ignore[arg-type]
+
+
+def test_a_smaller_budget_while_sequences_decode(parts: tuple[LanguageModel, ModelSpec]) -> None:
+    """Alone, a prompt prefills at the full budget; once a sequence decodes, each step carries at most the
+    decoding budget (its decode included), so a late long prompt cannot stretch the decoder's gaps."""
+    engine = make_engine(parts, prefill_budget=64, decoding_budget=16)
+    engine.add(engine.prepare(request("first", 60, max_tokens=30)))
+    assert [(s.seq.request_id, s.num_new) for s in engine.schedule()] == [("first", 60)]  # nothing decodes yet
+    engine = make_engine(parts, prefill_budget=64, decoding_budget=16)
+    first, late = request("first", 8, max_tokens=30), request("late", 60)
+    engine.add(engine.prepare(first))
+    tokens: dict[str, list[int]] = {}
+    widths = []
+    while engine.has_work():
+        if len(tokens.get("first", [])) == 2 and "late" not in tokens and not engine.holds("late"):
+            engine.add(engine.prepare(late))  # arrives while "first" decodes
+        batch = engine.schedule()
+        widths.append(sum(s.num_new for s in batch))
+        for d in engine.postprocess(batch, engine.run(batch)[0]):
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+    assert widths[0] == 8 and max(widths[1:]) == 16  # 60 prompt tokens in chunks of 15 beside the decode
+    assert sum(w == 16 for w in widths) == 4
+    assert tokens["late"] == solo(parts, late) and tokens["first"] == solo(parts, first)

@@ -81,6 +81,7 @@ class Engine:
         max_running: int,
         prefill_budget: int,
         num_blocks: int,
+        decoding_budget: int = 0,
         block_size: int,
         prefix_cache: bool = True,
         attention: PagedAttention = paged_attention,
@@ -107,6 +108,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.max_running = max_running
         self.prefill_budget = prefill_budget  # tokens computed per step, so running decodes keep moving
+        self.decoding_budget = decoding_budget or prefill_budget  # the same while a sequence decodes
         self.blocks = BlockManager(num_blocks, block_size, prefix_cache)
         self.fused = fuse_layers(model) if fuse else None
         # The graphs' padding tokens need a block that no sequence owns: one more than the manager hands out.
@@ -230,7 +232,8 @@ class Engine:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> list[Scheduled]:
         batch: list[Scheduled] = []
-        budget = self.prefill_budget
+        decoding = any(seq.num_tokens - seq.num_computed == 1 for seq in self.running.values())
+        budget = self.decoding_budget if decoding else self.prefill_budget
         for seq in list(self.running.values()):  # decodes and unfinished prefills, oldest first
             if seq.request_id not in self.running:
                 continue  # preempted by an older sequence in this loop

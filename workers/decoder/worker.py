@@ -117,6 +117,7 @@ class DecoderWorker:
             max_model_len=max_len,
             max_running=cfg.decoder.max_running,
             prefill_budget=cfg.decoder.prefill_tokens_per_step,
+            decoding_budget=cfg.decoder.tokens_per_step_while_decoding,
             num_blocks=num_blocks,
             block_size=cfg.decoder.block_size,
             prefix_cache=cfg.decoder.prefix_cache,
