@@ -44,6 +44,7 @@ def load_vision_backend(cfg: Config, device: torch.device, dtype: torch.dtype) -
     if cfg.encoder.backend == "torch":
         tower = VisionTower.from_checkpoint(cfg.model_path(), device=device, dtype=dtype)
         tower.tune_attention()
+        tower.warm_up()
         return tower
     spec = ModelSpec.from_dir(cfg.model_path()).vision
     onnx_path = exported_onnx(cfg.model_path(), engine_dir(cfg))
