@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Where the encoders run, on a two-GPU kind (2b-shaped): seed3img at 32 clients with one encoder per GPU vs
+# one encoder in all (issue 7), and the decoder alone on GPU 0 with vision on GPU 1 ([encoder] gpus = [1]),
+# through seed3img, mixed and its control (issue 5). First, the two-GPU TP test (its ranks dump their
+# stacks if they hang). Usage: benchmarks/placement_check.sh OUT_DIR   (carry .whl; about 6 minutes)
+set -uo pipefail
+out=$(realpath -m "${1:?usage: benchmarks/placement_check.sh OUT_DIR}")
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+. benchmarks/device.sh
+use_carried_wheels
+stack() {  # name, env assignments..., then gpu.sh runs ONLY's steps into OUT_DIR/name
+  local name=$1; shift
+  env "$@" timeout 150 benchmarks/gpu.sh "$out/$name"
+  cp run/8000/logs/*.log "$out/$name/" 2>/dev/null
+  stop_stack
+}
+m2b=/tmp/qwen2-vl-2b-synth
+[ -f $m2b/config.json ] || python3 -m workers.models.synth --size 2b --out $m2b --seed 0 > "$out/synth2b.log" 2>&1 &
+timeout 110 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_tp_gpu.py > "$out/pytest-tp.log" 2>&1
+echo "pytest exit $?" >> "$out/pytest-tp.log"
+wait
+stack vision-gpu ENCODER_GPUS=1 ONLY="seed3img-c32 mixed mixed-text-only"
+stack enc-per-gpu ONLY="seed3img-c32"
+stack enc-one ENCODERS=1 ONLY="seed3img-c32"
