@@ -100,7 +100,8 @@ bench text-c16 30 --workload text --concurrency 16 --num-requests "$(n 32 4)"
 # ANCHORS' isolation rows: 32 text streams of 1,000 in / 256 out, 3-image requests arriving at 6/s; the
 # control run sends the same streams for as long without images; seed 1: images seed3img's runs did not cache
 bench mixed 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --seed 1
-bench mixed-text-only 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --seed 1 --vision-off
+# (seed 2: text prompts of their own; with mixed's, they hit the prefix cache mixed filled, a control too easy)
+bench mixed-text-only 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --seed 2 --vision-off
 bench text-c1 30 --workload text --concurrency 1 --num-requests "$(n 8 2)"
 
 log "stopping the stack"
