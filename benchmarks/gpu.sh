@@ -98,7 +98,7 @@ quick && { log "QUICK: stopping after two workloads"; kill -TERM $supervisor; wa
 bench multiturn-c32 90 --workload multiturn --concurrency 32 --num-requests "$(n 32 4)"
 bench text-c16 30 --workload text --concurrency 16 --num-requests "$(n 32 4)"
 # ANCHORS' isolation rows: 32 text streams of 1,000 in / 256 out, 3-image requests arriving at 6/s; the
-# control run sends the same streams for as long without images; seed 1: images seed3img's runs did not cache
+# control run sends streams of the same shape for as long without images; seed 1: images seed3img's runs did not cache
 bench mixed 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --seed 1
 # (seed 2: text prompts of their own; with mixed's, they hit the prefix cache mixed filled, a control too easy)
 bench mixed-text-only 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --seed 2 --vision-off
