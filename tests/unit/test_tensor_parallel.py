@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from common.protocol import PreparedRequest, SamplingParams
 from workers.decoder.engine import Engine
 from workers.decoder.graphs import engine_graphs
-from workers.decoder.tp import EAGER, RankForward, StepBroadcast, StepPayload
+from workers.decoder.tp import EAGER, RankForward, StepBroadcast, StepPayload, leave_group
 from workers.models.language import LanguageModel
 from workers.models.paged import (
     BatchLayout,
@@ -99,6 +99,17 @@ def test_two_ranks_give_the_unsharded_logits(tmp_path: Path, fuse: bool) -> None
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # fp32: only the sum order differs
 
 
+def test_four_ranks_give_the_unsharded_logits(tmp_path: Path) -> None:
+    """Tensor parallel 4, each rank with one kv head (the 7b shape's split on four GPUs), fused layers."""
+    path = generate_checkpoint(tmp_path / "tiny-4kv", "tiny-4kv", seed=4)
+    args = (4, str(path), str(tmp_path / "store"), str(tmp_path / "logits"), True)
+    mp.start_processes(run_rank, args=args, nprocs=4, start_method="spawn")
+    expected = unsharded(path)
+    for rank in range(4):
+        got = torch.from_numpy(np.load(tmp_path / f"logits-{rank}.npy"))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_unshardable_models_are_refused(tmp_path: Path) -> None:
     spec = ModelSpec.from_dir(generate_checkpoint(tmp_path / "tiny", "tiny", seed=4))
     with pytest.raises(ValueError, match="does not divide the model's"):
@@ -164,7 +175,7 @@ def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlap:
         forward = follower(model, tp, paged_attention_reference, capture=False)
         while (payload := steps.receive()) is not None:
             forward(payload)
-    dist.destroy_process_group()
+    leave_group(None)  # as the decoder ranks leave (no CUDA graphs here)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
@@ -175,6 +186,17 @@ def test_an_engine_over_two_ranks_with_graph_steps_generates_what_one_rank_does(
     out = tmp_path / "tokens.json"
     args = (2, str(path), str(tmp_path / "store"), str(out), overlap)
     mp.start_processes(engine_rank, args=args, nprocs=2, start_method="spawn")
+    model, spec = LanguageModel.from_checkpoint(path, dtype=torch.float32), ModelSpec.from_dir(path)
+    options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS}
+    alone = generate(Engine(model, spec, **ENGINE, **options))  # type: ignore[arg-type]
+    assert json.loads(out.read_text()) == alone
+
+
+def test_an_engine_over_four_ranks_generates_what_one_rank_does(tmp_path: Path) -> None:
+    """Tensor parallel 4 (a kv head per rank), overlapped graph steps broadcast to three followers."""
+    path = generate_checkpoint(tmp_path / "tiny-4kv", "tiny-4kv", seed=4)
+    out = tmp_path / "tokens.json"
+    mp.start_processes(engine_rank, args=(4, str(path), str(tmp_path / "store"), str(out), True), nprocs=4)
     model, spec = LanguageModel.from_checkpoint(path, dtype=torch.float32), ModelSpec.from_dir(path)
     options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS}
     alone = generate(Engine(model, spec, **ENGINE, **options))  # type: ignore[arg-type]

@@ -67,28 +67,32 @@ class SizeSpec(TypedDict):
 
 _QWEN2_VL_VISION: VisionSpec = {"depth": 32, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4}
 
+# Small enough to run on a laptop CPU in tests; the vocabulary stays full size so that
+# token ids, the tokenizer and the embedding table behave exactly like the real model.
+_TINY: SizeSpec = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "mrope_section": [2, 3, 3],
+    "dtype": "float32",
+    # Large enough that attention is sharp and positions matter: with 0.02 a tiny model barely
+    # attends, and greedy parity tests could not tell M-RoPE from plain 1-D positions.
+    "init_std": 0.2,
+    # 512 image tokens at most, so CPU prompts stay short.
+    "max_pixels": 401408,
+    "video_min_pixels": 3136,
+    "video_max_pixels": 100352,
+    "vision": {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 4},
+}
+
 SIZES: dict[str, SizeSpec] = {
-    # Small enough to run on a laptop CPU in tests; the vocabulary stays full size so that
-    # token ids, the tokenizer and the embedding table behave exactly like the real model.
-    "tiny": {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 151936,
-        "tie_word_embeddings": False,
-        "mrope_section": [2, 3, 3],
-        "dtype": "float32",
-        # Large enough that attention is sharp and positions matter: with 0.02 a tiny model barely
-        # attends, and greedy parity tests could not tell M-RoPE from plain 1-D positions.
-        "init_std": 0.2,
-        # 512 image tokens at most, so CPU prompts stay short.
-        "max_pixels": 401408,
-        "video_min_pixels": 3136,
-        "video_max_pixels": 100352,
-        "vision": {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 4},
-    },
+    "tiny": _TINY,
+    # The tiny shape with a kv head per rank at tensor parallel 4 (as Qwen2-VL-7B's 4 kv heads on 4 GPUs).
+    "tiny-4kv": {**_TINY, "num_key_value_heads": 4},
     # Shapes of Qwen/Qwen2-VL-2B-Instruct.
     "2b": {
         "hidden_size": 1536,
