@@ -192,6 +192,8 @@ class DecoderWorker:
         return self.engine.has_work()
 
     def timed(self, handler: Callable[[bytes, Message], None], counter: str) -> Callable[[bytes, Message], None]:
+        """``handler``, adding its wall time to ``self.timing[counter]``."""
+
         def run(peer: bytes, msg: Message) -> None:
             started = time.monotonic()
             try:
@@ -209,8 +211,9 @@ class DecoderWorker:
         slowest, self.slowest_step_s = self.slowest_step_s, 0.0
         if grew["steps"]:
             log.info(
-                "decoder: %d steps over %.1fs, busy %.0f%% (requests %.0f%%, cache answers %.0f%%), %.1f ms per "
-                "step, slowest %.0f ms; %d prompt tokens, %d generated; %d running, %d queued, %d waiting for media",
+                "decoder: %d steps over %.1fs, in steps %.0f%%, on requests %.0f%%, on cache answers %.0f%%; "
+                "%.1f ms per step, slowest %.0f ms; %d prompt tokens, %d generated; "
+                "%d running, %d queued, %d waiting for media",
                 grew["steps"],
                 seconds,
                 100 * grew["busy_s"] / seconds,
