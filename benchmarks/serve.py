@@ -507,6 +507,16 @@ def _git(*args: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------- CLI
+def _image_size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(side) for side in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT like 768x1024, got {text!r}") from None
+    if width <= 0 or height <= 0:
+        raise argparse.ArgumentTypeError(f"image sides must be positive, got {text!r}")
+    return width, height
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.serve",
@@ -535,6 +545,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--image-scale", type=float, default=1.0, help="shrink images/frames by this factor (CPU runs)")
     p.add_argument("--small", action="store_true", help="shorthand for --image-scale 0.1")
+    p.add_argument(
+        "--image-size",
+        type=_image_size,
+        default=None,
+        metavar="WxH",
+        help="every image a photo of this size (ANCHORS' vLLM rows: 768x1024); default: documents and photos",
+    )
     p.add_argument("--repeat-media", action="store_true", help="reuse images and prompts from a small pool")
     p.add_argument("--media-pool", type=int, default=4, help="pool size for --repeat-media")
     p.add_argument("--prompt-tokens", type=int, default=1000, help="text prompt length (text, mixed text streams)")

@@ -69,6 +69,9 @@ class WorkloadOptions:
     max_tokens_mean: int | None = None  # None: the workload's own default
     max_tokens_spread: int | None = None
     image_scale: float = 1.0  # < 1 shrinks every image/frame, for CPU runs
+    # (width, height): every image a photo of this size, as `vllm bench serve`'s synthetic images are
+    # (ANCHORS' vLLM rows: 768x1024); None: documents and photos of the sizes real users send
+    image_size: tuple[int, int] | None = None
     repeat_media: bool = False
     media_pool: int = 4
     prompt_tokens: int = 1000
@@ -117,10 +120,13 @@ def vision_max_tokens(opts: WorkloadOptions, rng: np.random.Generator) -> int:
     return _max_tokens(rng, mean, spread)
 
 
-def _image_part(rng: np.random.Generator, scale: float) -> dict[str, Any]:
-    """A document (PNG, as scans are sent) or a photo (JPEG), at a size real users send."""
+def _image_part(rng: np.random.Generator, scale: float, size: tuple[int, int] | None = None) -> dict[str, Any]:
+    """A document (PNG, as scans are sent) or a photo (JPEG), at a size real users send; with ``size``,
+    a photo of that size."""
     seed = int(rng.integers(2**62))
-    if rng.random() < 0.5:
+    if size is not None:
+        url = media.data_url(media.jpeg_bytes(media.photo(*media.scaled(size, scale), seed)), "image/jpeg")
+    elif rng.random() < 0.5:
         size = _DOCUMENT_SIZES[int(rng.integers(len(_DOCUMENT_SIZES)))]
         url = media.data_url(media.png_bytes(media.document(*media.scaled(size, scale), seed)), "image/png")
     else:
@@ -147,7 +153,7 @@ def _media_index(opts: WorkloadOptions, index: int) -> int:
 
 def seed3img_request(opts: WorkloadOptions, index: int) -> RequestSpec:
     content_rng = _rng(opts, _IMAGES, _media_index(opts, index))
-    parts = [_image_part(content_rng, opts.image_scale) for _ in range(3)]
+    parts = [_image_part(content_rng, opts.image_scale, opts.image_size) for _ in range(3)]
     parts.append({"type": "text", "text": _vision_prompt(content_rng)})
     max_tokens = vision_max_tokens(opts, _rng(opts, _IMAGES, index, 1))
     return RequestSpec([{"role": "user", "content": parts}], max_tokens)

@@ -122,6 +122,20 @@ def test_full_size_images_are_realistic() -> None:
     assert {m[:9] for m, _ in sizes} == {"image/png", "image/jpe"}
 
 
+def test_fixed_size_images_match_the_vllm_rows() -> None:
+    """``--image-size 768x1024``: every image a JPEG photo of that size, as in ANCHORS' vLLM runs."""
+    args = ["--workload", "seed3img", "--concurrency", "1"]
+    opts = workloads.WorkloadOptions.from_args(serve.parse_args([*args, "--image-size", "768x1024"]))
+    for index in range(2):
+        for part in workloads.seed3img_request(opts, index).messages[0]["content"][:3]:
+            url = part["image_url"]["url"]
+            assert url.startswith("data:image/jpeg")
+            assert Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).size == (768, 1024)
+    for bad in ("768", "768x0", "axb"):
+        with pytest.raises(SystemExit):
+            serve.parse_args([*args, "--image-size", bad])
+
+
 def test_mjpeg_avi_decodes() -> None:
     decord = pytest.importorskip("decord")
     frames = media.video_frames(64, 48, 5, seed=2)
