@@ -94,10 +94,10 @@ bench() {  # name, time limit in seconds, args...
 # --num-requests: requests; sessions of 3 turns for multiturn; image requests for mixed
 bench seed3img-c1 45 --workload seed3img --concurrency 1 --num-requests "$(n 8 2)"
 bench seed3img-c32 90 --workload seed3img --concurrency 32 --num-requests "$(n 64 8)"
+quick && { log "QUICK: stopping after two workloads"; kill -TERM $supervisor; wait $supervisor; cp $logs/*.log "$out/" 2>/dev/null; exit 0; }
 # ANCHORS' vLLM rows exactly: 3 photos of 768x1024 (~3,130 prompt tokens; ours average ~3,490), 120 tokens
 bench seed3img-anchor-c32 90 --workload seed3img --concurrency 32 --num-requests "$(n 64 8)" --seed 3 \
   --image-size 768x1024 --max-tokens-spread 0
-quick && { log "QUICK: stopping after two workloads"; kill -TERM $supervisor; wait $supervisor; cp $logs/*.log "$out/" 2>/dev/null; exit 0; }
 bench multiturn-c32 90 --workload multiturn --concurrency 32 --num-requests "$(n 32 4)"
 bench text-c16 30 --workload text --concurrency 16 --num-requests "$(n 32 4)"
 # ANCHORS' isolation rows: 32 text streams of 1,000 in / 256 out, 3-image requests arriving at 6/s; the
