@@ -102,9 +102,12 @@ bench multiturn-c32 90 --workload multiturn --concurrency 32 --num-requests "$(n
 bench text-c16 30 --workload text --concurrency 16 --num-requests "$(n 32 4)"
 # ANCHORS' isolation rows: 32 text streams of 1,000 in / 256 out, 3-image requests arriving at 6/s; the
 # control run sends streams of the same shape for as long without images; seed 1: images seed3img's runs did not cache
-bench mixed 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --seed 1
+# (image requests as ANCHORS' exactly, 3 photos of 768x1024 and 120 tokens, since after session 5's runs)
+anchor_images=(--image-size 768x1024 --max-tokens-spread 0)
+bench mixed 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --seed 1 "${anchor_images[@]}"
 # (seed 2: text prompts of their own; with mixed's, they hit the prefix cache mixed filled, a control too easy)
-bench mixed-text-only 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --seed 2 --vision-off
+bench mixed-text-only 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --seed 2 --vision-off \
+  "${anchor_images[@]}"
 bench text-c1 30 --workload text --concurrency 1 --num-requests "$(n 8 2)"
 
 log "stopping the stack"
