@@ -13,3 +13,12 @@ stop_stack() {
   pkill -f supervisord; sleep 3
   pkill -9 -f "workers\.|gateway|supervisord|nvidia-cuda-mps"; sleep 1
 }
+
+# gpu.sh into OUT/NAME with the given environment (ONLY=... among it), at most 150 s; the processes' logs
+# kept there, then whatever the run left behind stopped.
+stack_into() {  # out, name, env assignments...
+  local out=$1 name=$2; shift 2
+  env "$@" timeout 150 benchmarks/gpu.sh "$out/$name"
+  cp run/8000/logs/*.log "$out/$name/" 2>/dev/null
+  stop_stack
+}

@@ -9,12 +9,7 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 . benchmarks/device.sh
 use_carried_wheels
-stack() {  # name, env assignments..., then gpu.sh runs ONLY's steps into OUT_DIR/name
-  local name=$1; shift
-  env "$@" timeout 150 benchmarks/gpu.sh "$out/$name"
-  cp run/8000/logs/*.log "$out/$name/" 2>/dev/null
-  stop_stack
-}
+stack() { stack_into "$out" "$@"; }  # name, env assignments...
 m7b=/tmp/m7b m2b=/tmp/qwen2-vl-2b-synth
 [ -f $m7b/config.json ] || python3 -m workers.models.synth --size 7b --out $m7b --seed 0 > "$out/synth7b.log" 2>&1 &
 [ -f $m2b/config.json ] || python3 -m workers.models.synth --size 2b --out $m2b --seed 0 > "$out/synth2b.log" 2>&1
