@@ -3,7 +3,7 @@
 # Usage: benchmarks/mps_sweep.sh OUT_DIR ["ENC/DEC ENC/DEC/normal ..."]   (default: "none 60/100 50/70 40/60 30/50")
 # ENC/DEC: the encoders' and the decoder's SM caps in percent; /normal: the encoders keep MPS's normal client
 # priority instead of yielding to the decoder.
-# Each point is benchmarks/gpu.sh with ONLY="seed3img-c32 mixed mixed-text-only" (about 90 s), into
+# Each point is benchmarks/gpu.sh with ONLY="seed3img-c32 mixed mixed-text-only" (about 90 s, at most 150), into
 # OUT_DIR/<point>/; the summary lines go to OUT_DIR/sweep.log. Carry .whl (see benchmarks/gpu.sh).
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/mps_sweep.sh OUT_DIR [points]}")
@@ -12,16 +12,14 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 . benchmarks/device.sh
 for point in $points; do
-  dir="$out/${point//\//-}"
+  name=${point//\//-}
   if [ "$point" = none ]; then
-    CUDA_VISIBLE_DEVICES=0 ONLY="seed3img-c32 mixed mixed-text-only" timeout 120 benchmarks/gpu.sh "$dir"
+    stack_into "$out" "$name" CUDA_VISIBLE_DEVICES=0 ONLY="seed3img-c32 mixed mixed-text-only"
   else
     IFS=/ read -r enc dec priority <<< "$point"
     low=true; [ "${priority:-}" = normal ] && low=false
-    CUDA_VISIBLE_DEVICES=0 MPS=1 MPS_SM="$enc" MPS_DECODER_SM="$dec" MPS_LOW_PRIORITY=$low \
-      ONLY="seed3img-c32 mixed mixed-text-only" timeout 120 benchmarks/gpu.sh "$dir"
+    stack_into "$out" "$name" CUDA_VISIBLE_DEVICES=0 MPS=1 MPS_SM="$enc" MPS_DECODER_SM="$dec" \
+      MPS_LOW_PRIORITY=$low ONLY="seed3img-c32 mixed mixed-text-only"
   fi
-  cp run/8000/logs/*.log "$dir/" 2>/dev/null
-  stop_stack
-  { echo "== $point"; grep -E "^\[(all|stream_kind=text)\]|tpot|itl" "$dir/gpu.log"; } >> "$out/sweep.log"
+  { echo "== $point"; grep -E "^\[(all|stream_kind=text)\]|tpot|itl" "$out/$name/gpu.log"; } >> "$out/sweep.log"
 done
