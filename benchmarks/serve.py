@@ -270,6 +270,40 @@ async def open_loop(count: int, rate: float, seed: int, t0: float, unit: Unit) -
     await asyncio.gather(*tasks)
 
 
+# ---------------------------------------------------------------------------------------- loop lag
+class LoopLag:
+    """How late this client's event loop wakes. A task asks to wake every ``PERIOD_S`` and records by how
+    much it overslept. Chunks are timestamped when the loop gets to them, so a loop lag of a few ms at p99
+    is that much of the reported ITL p99 that belongs to the client, not the server."""
+
+    PERIOD_S = 0.005
+
+    def __init__(self) -> None:
+        self.lags_s: list[float] = []
+        self.task: asyncio.Task[None] | None = None
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.PERIOD_S
+            await asyncio.sleep(self.PERIOD_S)
+            self.lags_s.append(max(0.0, loop.time() - due))
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._watch())
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    def summary(self) -> dict[str, float | None]:
+        p99 = report.percentile(self.lags_s, 99)
+        return {
+            "client_loop_lag_p99_ms": None if p99 is None else 1e3 * p99,
+            "client_loop_lag_max_ms": 1e3 * max(self.lags_s) if self.lags_s else None,
+        }
+
+
 # ---------------------------------------------------------------------------------------- progress
 class Progress:
     """One self-rewriting stderr line (a line every 10 s when stderr is not a terminal)."""
@@ -447,6 +481,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             else args.num_requests * (args.turns if args.workload == "multiturn" else 1)
         )
         progress = Progress(total, args.workload)
+        loop_lag = LoopLag()
         try:
             run = Run(args, opts, model, Client(http, args.url, headers, 0.0), progress, records)
             prefetch.depth = run.prefetch_depth(args.vision_rate if args.workload == "mixed" else args.rate)
@@ -454,6 +489,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             started_at = datetime.datetime.now(datetime.UTC).isoformat()
             run.client.t0 = time.perf_counter()
             progress.start()
+            loop_lag.start()
             runner = {"multiturn": run_multiturn, "mixed": run_mixed}.get(args.workload, run_single)
             stopped_at_limit = False
             try:
@@ -462,6 +498,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 stopped_at_limit = True
             duration = time.perf_counter() - run.client.t0
         finally:
+            loop_lag.stop()
             progress.stop()
             prefetch.close()
     records.sort(key=lambda r: (r["start_s"], r["index"]))
@@ -477,6 +514,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     }
     summary = report.summarize_run(records, duration, group_by)
     summary.update(client_health(records, prefetch.waited_s))
+    summary.update(loop_lag.summary())
     return {"config": config, "summary": summary, "requests": records}
 
 
@@ -590,6 +628,11 @@ def print_summary(summary: dict[str, Any], title: str = "all") -> None:
     for metric in report.LATENCY_METRICS:
         values = " / ".join(fmt(s[f"{stat}_{metric}_ms"]) for stat in ("mean", "p50", "p99"))
         print(f"    {metric:>4} mean / p50 / p99 ms: {values}")
+    if s.get("client_loop_lag_p99_ms") is not None:  # (the whole run's, not a group's)
+        print(
+            f"    client event loop late by p99 {fmt(s['client_loop_lag_p99_ms'])} ms, "
+            f"max {fmt(s['client_loop_lag_max_ms'])} ms (part of the ITL above)"
+        )
     for key, groups in s.get("groups", {}).items():
         for value, group in groups.items():
             print_summary(group, f"{key}={value}")

@@ -89,9 +89,7 @@ class EncoderConfig:
         if any(g < 0 for g in self.gpus):
             raise ValueError(f"{where}.gpus: GPU indices start at 0, got {self.gpus}")
         if self.gpus and self.count and self.count != len(self.gpus):
-            raise ValueError(
-                f"{where}: count = {self.count} but gpus lists {len(self.gpus)} encoders; set one of them"
-            )
+            raise ValueError(f"{where}: count = {self.count} but gpus lists {len(self.gpus)} encoders; set one of them")
         for name in ("mps_encoder_sm_percent", "mps_decoder_sm_percent"):
             if not 1 <= getattr(self, name) <= 100:
                 raise ValueError(f"{where}.{name}: expected 1..100, got {getattr(self, name)}")

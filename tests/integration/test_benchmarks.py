@@ -10,6 +10,7 @@ import itertools
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -120,6 +121,22 @@ def test_full_size_images_are_realistic() -> None:
         else:
             assert 640 <= w <= 1920 and 480 <= h <= 1080
     assert {m[:9] for m, _ in sizes} == {"image/png", "image/jpe"}
+
+
+def test_loop_lag_sees_a_blocked_event_loop() -> None:
+    """The client's own lateness: a loop blocked for 50 ms shows a lag of at least that much."""
+
+    async def run() -> dict[str, float | None]:
+        lag = serve.LoopLag()
+        lag.start()
+        await asyncio.sleep(0.02)
+        time.sleep(0.05)  # what a slow callback (a large JSON, a big image) does to every stream's timing
+        await asyncio.sleep(0.02)
+        lag.stop()
+        return lag.summary()
+
+    summary = asyncio.run(run())
+    assert summary["client_loop_lag_max_ms"] is not None and summary["client_loop_lag_max_ms"] >= 45
 
 
 def test_fixed_size_images_match_the_vllm_rows() -> None:
@@ -286,6 +303,7 @@ def check_document(results: dict[str, Any], workload: str) -> None:
     assert summary["requests"] == len(records) == summary["completed"] + summary["errors"]
     for key in ("requests_per_s", "output_tokens_per_s", "duration_s", "client_payload_wait_s", "max_start_lag_s"):
         assert key in summary
+    assert summary["client_loop_lag_p99_ms"] is not None and summary["client_loop_lag_max_ms"] >= 0
     for metric in report.LATENCY_METRICS:
         for stat in ("mean", "p50", "p99"):
             assert f"{stat}_{metric}_ms" in summary
