@@ -265,12 +265,11 @@ class DecoderRank:
 
     def __init__(self, cfg: Config, rank: int) -> None:
         from workers.decoder.worker import runner_options  # (the worker imports this module)
-        from workers.models.runtime import limit_cpu_threads, resolve_device, resolve_dtype
+        from workers.models.runtime import claim_device, resolve_dtype
         from workers.models.tensor_parallel import load_shard
 
         incarnation = f"{os.getpid()}-{time.time_ns() % 10**9}"
-        device = resolve_device(cfg, rank)
-        limit_cpu_threads(device)
+        device = claim_device(cfg, rank)
         spec = ModelSpec.from_dir(cfg.model_path())
         tp = TensorParallel(rank, cfg.decoder.tensor_parallel, spec.vocab_size)
         model = load_shard(cfg.model_path(), spec, tp, device, resolve_dtype(cfg, device))

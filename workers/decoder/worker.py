@@ -44,7 +44,7 @@ from workers.decoder.tp import StepBroadcast, leader_rendezvous, leave_group
 from workers.kernels import paged_attention, paged_attention_reference
 from workers.models.language import LanguageModel
 from workers.models.paged import PagedKVCache
-from workers.models.runtime import limit_cpu_threads, resolve_device, resolve_dtype
+from workers.models.runtime import claim_device, resolve_dtype
 from workers.models.spec import ModelSpec
 from workers.models.tensor_parallel import TensorParallel, load_shard
 
@@ -95,8 +95,7 @@ class DecoderWorker:
         self.incarnation, _ = worker_identity("decoder")
         path = cfg.model_path()
         self.spec = ModelSpec.from_dir(path)
-        device = resolve_device(cfg)
-        limit_cpu_threads(device)
+        device = claim_device(cfg)
         started = time.monotonic()
         dtype = resolve_dtype(cfg, device)
         world = cfg.decoder.tensor_parallel

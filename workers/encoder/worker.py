@@ -22,7 +22,7 @@ from common.tensor_ref import ShmAttachments, read_tensor
 from common.transport import Channel, EventLoop, worker_identity
 from workers.encoder.backends import VisionBackend, load_vision_backend
 from workers.fetcher.image import Normalization, normalize_patches
-from workers.models.runtime import encoder_gpu, limit_cpu_threads, resolve_device, resolve_dtype
+from workers.models.runtime import claim_device, encoder_gpu, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +32,7 @@ class EncoderWorker:
         self.cfg = cfg
         self.name = f"encoder.{index}"
         self.incarnation, _ = worker_identity(self.name)
-        self.device = resolve_device(cfg, encoder_gpu(cfg, index))
-        limit_cpu_threads(self.device)
-        if self.device.type == "cuda":
-            # Triton launches on the current device: an encoder of cuda:1 left at cuda:0 could not run them.
-            torch.cuda.set_device(self.device)
+        self.device = claim_device(cfg, encoder_gpu(cfg, index))
         self.dtype = resolve_dtype(cfg, self.device)
         started = time.monotonic()
         self.tower = load_vision_backend(cfg, self.device, self.dtype)

@@ -37,12 +37,18 @@ def resolve_device(cfg: Config, gpu: int = 0) -> torch.device:
 GPU_PROCESS_CPU_THREADS = 2
 
 
-def limit_cpu_threads(device: torch.device) -> None:
-    """A GPU process's CPU tensors are bookkeeping (positions, masks, embeddings to upload): an OpenMP team
-    of every core per small op costs more than it saves, and its spinning threads take cores from the
-    fetcher, the gateway and the other GPU processes on the host. CPU processes keep torch's default."""
+def claim_device(cfg: Config, gpu: int = 0) -> torch.device:
+    """The device a GPU process (encoder, decoder rank) works on, made ready for it: on CUDA it becomes
+    the current device (Triton and NCCL launch there, not on cuda:0), and torch's CPU ops get
+    ``GPU_PROCESS_CPU_THREADS`` threads. Such a process's CPU tensors are bookkeeping (positions, masks,
+    embeddings to upload): an OpenMP team of every core per small op costs more than it saves, and its
+    spinning threads take cores from the fetcher, the gateway and the other GPU processes on the host.
+    On a CPU host the model runs on the CPU, so torch keeps its default threads there."""
+    device = resolve_device(cfg, gpu)
     if device.type == "cuda":
+        torch.cuda.set_device(device)
         torch.set_num_threads(GPU_PROCESS_CPU_THREADS)
+    return device
 
 
 def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
