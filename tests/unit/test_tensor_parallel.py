@@ -85,29 +85,25 @@ def unsharded(path: Path) -> torch.Tensor:
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused"])
-def test_two_ranks_give_the_unsharded_logits(tmp_path: Path, fuse: bool) -> None:
+# (ranks, synthetic shape): the tiny shape's 2 kv heads allow 2 ranks; tiny-4kv gives each of 4 ranks one,
+# as the 7b shape on four GPUs.
+SHAPES = {2: "tiny", 4: "tiny-4kv"}
+
+
+@pytest.mark.parametrize(
+    ("world", "fuse"), [(2, False), (2, True), (4, True)], ids=["two-plain", "two-fused", "four-fused"]
+)
+def test_ranks_give_the_unsharded_logits(tmp_path: Path, world: int, fuse: bool) -> None:
     """Plain layers, and the fused ones (concatenated projections of the rank's shard, the fused norm and
     activation paths) with the all-reduces between them."""
-    path = generate_checkpoint(tmp_path / "tiny", "tiny", seed=4)
-    args = (2, str(path), str(tmp_path / "store"), str(tmp_path / "logits"), fuse)
-    mp.start_processes(run_rank, args=args, nprocs=2, start_method="spawn")
+    path = generate_checkpoint(tmp_path / SHAPES[world], SHAPES[world], seed=4)
+    args = (world, str(path), str(tmp_path / "store"), str(tmp_path / "logits"), fuse)
+    mp.start_processes(run_rank, args=args, nprocs=world, start_method="spawn")
     expected = unsharded(path)
-    for rank in range(2):
+    for rank in range(world):
         got = torch.from_numpy(np.load(tmp_path / f"logits-{rank}.npy"))
         assert got.shape == expected.shape  # the full vocabulary on every rank
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # fp32: only the sum order differs
-
-
-def test_four_ranks_give_the_unsharded_logits(tmp_path: Path) -> None:
-    """Tensor parallel 4, each rank with one kv head (the 7b shape's split on four GPUs), fused layers."""
-    path = generate_checkpoint(tmp_path / "tiny-4kv", "tiny-4kv", seed=4)
-    args = (4, str(path), str(tmp_path / "store"), str(tmp_path / "logits"), True)
-    mp.start_processes(run_rank, args=args, nprocs=4, start_method="spawn")
-    expected = unsharded(path)
-    for rank in range(4):
-        got = torch.from_numpy(np.load(tmp_path / f"logits-{rank}.npy"))
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_unshardable_models_are_refused(tmp_path: Path) -> None:
@@ -157,7 +153,7 @@ def follower(model: LanguageModel, tp: TensorParallel, attention: PagedAttention
 
 def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlap: bool) -> None:
     """Rank 0 runs the engine (static graphs: the padded, staged path CUDA graphs replay, uncaptured);
-    rank 1 runs rank 0's steps through its own graphs, as `DecoderRank` does."""
+    the other ranks run rank 0's steps through their own graphs, as `DecoderRank` does."""
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     spec = ModelSpec.from_dir(path)
     tp = TensorParallel(rank, world, spec.vocab_size)
@@ -178,25 +174,20 @@ def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlap:
     leave_group(None)  # as the decoder ranks leave (no CUDA graphs here)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
-def test_an_engine_over_two_ranks_with_graph_steps_generates_what_one_rank_does(tmp_path: Path, overlap: bool) -> None:
-    """Decode and mixed graph steps (static mode), fused layers, broadcast to a second rank — with
+@pytest.mark.parametrize(
+    ("world", "overlap"),
+    [(2, False), (2, True), (4, True)],
+    ids=["two-synchronous", "two-overlapped", "four-overlapped"],
+)
+def test_an_engine_over_ranks_with_graph_steps_generates_what_one_rank_does(
+    tmp_path: Path, world: int, overlap: bool
+) -> None:
+    """Decode and mixed graph steps (static mode), fused layers, broadcast to the other ranks — with
     overlap, decode steps whose input ids follow as a tensor: the same greedy tokens as one rank."""
-    path = generate_checkpoint(tmp_path / "tiny", "tiny", seed=4)
+    path = generate_checkpoint(tmp_path / SHAPES[world], SHAPES[world], seed=4)
     out = tmp_path / "tokens.json"
-    args = (2, str(path), str(tmp_path / "store"), str(out), overlap)
-    mp.start_processes(engine_rank, args=args, nprocs=2, start_method="spawn")
-    model, spec = LanguageModel.from_checkpoint(path, dtype=torch.float32), ModelSpec.from_dir(path)
-    options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS}
-    alone = generate(Engine(model, spec, **ENGINE, **options))  # type: ignore[arg-type]
-    assert json.loads(out.read_text()) == alone
-
-
-def test_an_engine_over_four_ranks_generates_what_one_rank_does(tmp_path: Path) -> None:
-    """Tensor parallel 4 (a kv head per rank), overlapped graph steps broadcast to three followers."""
-    path = generate_checkpoint(tmp_path / "tiny-4kv", "tiny-4kv", seed=4)
-    out = tmp_path / "tokens.json"
-    mp.start_processes(engine_rank, args=(4, str(path), str(tmp_path / "store"), str(out), True), nprocs=4)
+    args = (world, str(path), str(tmp_path / "store"), str(out), overlap)
+    mp.start_processes(engine_rank, args=args, nprocs=world, start_method="spawn")
     model, spec = LanguageModel.from_checkpoint(path, dtype=torch.float32), ModelSpec.from_dir(path)
     options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS}
     alone = generate(Engine(model, spec, **ENGINE, **options))  # type: ignore[arg-type]
