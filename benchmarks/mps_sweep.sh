@@ -3,23 +3,24 @@
 # Usage: benchmarks/mps_sweep.sh OUT_DIR ["ENC/DEC ENC/DEC/normal ..."]   (default: "none 60/100 50/70 40/60 30/50")
 # ENC/DEC: the encoders' and the decoder's SM caps in percent; /normal: the encoders keep MPS's normal client
 # priority instead of yielding to the decoder.
-# Each point is benchmarks/gpu.sh with ONLY="seed3img-c32 mixed mixed-text-only" (about 90 s, at most 150), into
-# OUT_DIR/<point>/; the summary lines go to OUT_DIR/sweep.log. Carry .whl (see benchmarks/gpu.sh).
+# Each point is benchmarks/gpu.sh with ONLY="$WORKLOADS" (default "seed3img-c32 mixed mixed-text-only"; about
+# 90 s, at most 150), into OUT_DIR/<point>/; the summary lines go to OUT_DIR/sweep.log. Carry .whl (see benchmarks/gpu.sh).
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/mps_sweep.sh OUT_DIR [points]}")
 points=${2:-"none 60/100 50/70 40/60 30/50"}
+workloads=${WORKLOADS:-"seed3img-c32 mixed mixed-text-only"}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 . benchmarks/device.sh
 for point in $points; do
   name=${point//\//-}
   if [ "$point" = none ]; then
-    stack_into "$out" "$name" CUDA_VISIBLE_DEVICES=0 ONLY="seed3img-c32 mixed mixed-text-only"
+    stack_into "$out" "$name" CUDA_VISIBLE_DEVICES=0 ONLY="$workloads"
   else
     IFS=/ read -r enc dec priority <<< "$point"
     low=true; [ "${priority:-}" = normal ] && low=false
     stack_into "$out" "$name" CUDA_VISIBLE_DEVICES=0 MPS=1 MPS_SM="$enc" MPS_DECODER_SM="$dec" \
-      MPS_LOW_PRIORITY=$low ONLY="seed3img-c32 mixed mixed-text-only"
+      MPS_LOW_PRIORITY=$low ONLY="$workloads"
   fi
   { echo "== $point"; grep -E "^\[(all|stream_kind=text)\]|tpot|itl" "$out/$name/gpu.log"; } >> "$out/sweep.log"
 done

@@ -2,7 +2,9 @@
 # Where the encoders run, on a two-GPU kind (2b-shaped): seed3img at 32 clients with one encoder per GPU vs
 # one encoder in all (issue 7), and the decoder alone on GPU 0 with vision on GPU 1 ([encoder] gpus = [1]),
 # through seed3img, mixed and its control (issue 5). First, the two-GPU TP test (its ranks dump their
-# stacks if they hang). Usage: benchmarks/placement_check.sh OUT_DIR   (carry .whl; about 6 minutes)
+# stacks if they hang) and a TP 2 stack stopped by supervisord: OUT_DIR/tp2-stop/sigkill.txt lists the
+# ranks it had to kill (none, if they leave the NCCL group in time).
+# Usage: benchmarks/placement_check.sh OUT_DIR   (carry .whl; about 7 minutes)
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/placement_check.sh OUT_DIR}")
 mkdir -p "$out"
@@ -15,6 +17,9 @@ m2b=/tmp/qwen2-vl-2b-synth
 timeout 110 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_tp_gpu.py > "$out/pytest-tp.log" 2>&1
 echo "pytest exit $?" >> "$out/pytest-tp.log"
 wait
+stack tp2-stop TP=2 ONLY="text-c1"
+grep -i sigkill "$out/tp2-stop/supervisord.out" > "$out/tp2-stop/sigkill.txt"
+echo "ranks killed: $(wc -l < "$out/tp2-stop/sigkill.txt")" >> "$out/tp2-stop/sigkill.txt"
 stack vision-gpu ENCODER_GPUS=1 ONLY="seed3img-c32 mixed mixed-text-only"
 stack enc-per-gpu ONLY="seed3img-c32"
 stack enc-one ENCODERS=1 ONLY="seed3img-c32"
