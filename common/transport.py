@@ -131,6 +131,13 @@ class EventLoop:
         self.timers: list[tuple[float, float, Callable[[], None]]] = []  # (next_due, period, fn)
         self.fd_handlers: dict[int, Callable[[], None]] = {}
         self.stopping = False
+        # stop() writes here, so a stop asked from a signal handler ends a wait that would otherwise last
+        # until the next timer (pyzmq resumes its poll after the handler; an encoder's waits last 5 s).
+        self._stop_read, self._stop_write = os.pipe()
+        for fd in (self._stop_read, self._stop_write):
+            os.set_blocking(fd, False)
+        self.poller.register(self._stop_read, zmq.POLLIN)
+        self.fd_handlers[self._stop_read] = self._drain_stop
 
     def on_message(self, channel: Channel, handler: Handler) -> None:
         self.poller.register(channel.sock, zmq.POLLIN)
@@ -140,7 +147,14 @@ class EventLoop:
         self.timers.append((time.monotonic() + period_s, period_s, fn))
 
     def stop(self) -> None:
+        """Safe in a signal handler and from other threads: the loop wakes and ends after its handler."""
         self.stopping = True
+        with contextlib.suppress(BlockingIOError):  # a full pipe already wakes the loop
+            os.write(self._stop_write, b"\0")
+
+    def _drain_stop(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._stop_read, 4096)
 
     def _fire_timers(self) -> float:
         """Run due timers; return seconds until the next one."""
@@ -157,9 +171,6 @@ class EventLoop:
         if max_wait_s is not None:
             wait = min(wait, max_wait_s)
         handled = 0
-        if not self.handlers and not self.fd_handlers:
-            time.sleep(wait)  # zmq's poll returns at once with nothing to poll; wait for the timer
-            return 0
         for sock, _ in self.poller.poll(int(wait * 1000)):
             if isinstance(sock, int):
                 self.fd_handlers[sock]()

@@ -7,6 +7,9 @@ import logging
 import os
 import pickle
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -244,6 +247,45 @@ def test_run_and_stop() -> None:
     loop.run(step)
     assert time.monotonic() - start < 1.0
     assert len(steps) >= 3
+
+
+STOPPED_BY_SIGNAL = """
+import sys, time
+from common.lifecycle import on_terminate
+from common.transport import EventLoop
+loop = EventLoop()
+loop.every(60.0, lambda: None)  # the only timer: without a wake-up the wait would last a minute
+on_terminate(loop.stop)
+print("ready", flush=True)
+loop.run()
+print("stopped", flush=True)
+"""
+
+
+def test_sigterm_ends_a_loop_waiting_for_a_distant_timer_at_once() -> None:
+    # supervisord stops a worker with SIGTERM; an encoder idle between its 5-s reports took 5 s to go.
+    worker = subprocess.Popen([sys.executable, "-c", STOPPED_BY_SIGNAL], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout is not None and worker.stdout.readline() == "ready\n"
+        time.sleep(0.2)  # into the poll's wait
+        start = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=10) == 0
+        assert time.monotonic() - start < 1.0
+        assert worker.stdout.read() == "stopped\n"
+    finally:
+        worker.kill()
+
+
+def test_stop_from_another_thread_ends_the_wait() -> None:
+    loop = EventLoop()
+    loop.every(60.0, lambda: None)
+    stopper = threading.Timer(0.05, loop.stop)
+    start = time.monotonic()
+    stopper.start()
+    loop.run()
+    stopper.join()
+    assert time.monotonic() - start < 1.0
 
 
 def test_wakeup_from_another_thread_is_prompt() -> None:
