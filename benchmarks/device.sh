@@ -8,10 +8,13 @@ use_carried_wheels() {
   fi
 }
 
-# What a stack run cut short by its timeout leaves behind: supervisord, its programs, the MPS daemon.
+# What a stack run cut short by its timeout leaves behind: supervisord, its programs, the MPS daemon. The
+# patterns name those processes' own command lines (ops/vlm.conf), not any line that mentions a module: a
+# device command that ran `python3 -m workers.models.synth` itself was killed by a looser "workers\.".
+STACK_PROCESSES="supervisor\.supervisord -c|bin/python -m (workers\.(cache|encoder|fetcher|decoder)|gateway)( |$)|nvidia-cuda-mps-(control|server)"
 stop_stack() {
-  pkill -f supervisord; sleep 3
-  pkill -9 -f "workers\.|gateway|supervisord|nvidia-cuda-mps"; sleep 1
+  pkill -f "supervisor\.supervisord -c"; sleep 3
+  pkill -9 -f "$STACK_PROCESSES"; sleep 1
 }
 
 # gpu.sh into OUT/NAME with the given environment (ONLY=... among it), at most 150 s; the processes' logs
