@@ -137,6 +137,9 @@ class SamplingParams(Message):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     top_logprobs: int = -1  # -1: no logprobs; 0: the chosen token's; k: also the k most likely
+    # OpenAI's logit_bias as two lists (msgpack maps with int keys are refused on decode)
+    logit_bias_ids: list[int] = dataclasses.field(default_factory=list)
+    logit_bias_values: list[float] = dataclasses.field(default_factory=list)
 
 
 @message

@@ -385,6 +385,8 @@ def sampling_params(chat: GenerationOptions) -> SamplingParams:
         frequency_penalty=chat.frequency_penalty,
         repetition_penalty=chat.repetition_penalty,
         top_logprobs=chat.top_logprobs_asked,
+        logit_bias_ids=[token for token, _ in chat.logit_bias_pairs],
+        logit_bias_values=[bias for _, bias in chat.logit_bias_pairs],
     )
 
 

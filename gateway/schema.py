@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.errors import ApiError
 
@@ -56,6 +57,10 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias (OpenAI's own limit is lower)
+_TOKEN_ID = re.compile(r"[0-9]{1,9}")
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -84,6 +89,21 @@ class GenerationOptions(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     return_token_ids: bool = False
     user: str | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias and len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+        for key in bias or {}:
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(f"keys are token ids (decimal integers as strings), got {key!r}")
+        return bias
+
+    @property
+    def logit_bias_pairs(self) -> list[tuple[int, float]]:
+        return [(int(key), value) for key, value in (self.logit_bias or {}).items()]
 
     @property
     def token_limit(self) -> int | None:
@@ -100,6 +120,14 @@ class ChatCompletionRequest(GenerationOptions):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Read only to refuse them: each would change the answer, so ignoring it would mislead the client.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
 
     @property
     def token_limit(self) -> int | None:
@@ -159,7 +187,33 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     request: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
     if request.top_logprobs is not None and not request.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    _refuse_what_we_cannot_honour(request)
     return request
+
+
+def _refuse_what_we_cannot_honour(request: ChatCompletionRequest) -> None:
+    kind = (request.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise ApiError(
+            400,
+            f"response_format {kind!r} is not supported: this server does not constrain its output to JSON; "
+            "leave response_format out (or use type 'text') and ask for the format in the prompt",
+            code="unsupported_value",
+            param="response_format",
+        )
+    for offered, choice, name in (("tools", "tool_choice", "tool"), ("functions", "function_call", "function")):
+        asked = getattr(request, choice)
+        if (getattr(request, offered) and asked != "none") or asked not in (None, "none", "auto"):
+            raise ApiError(
+                400,
+                f"{name} calling is not supported (Qwen2-VL's chat template has no tools); "
+                f'leave out {offered} and {choice}, or send {choice}: "none"',
+                code="unsupported_value",
+                param=offered if getattr(request, offered) else choice,
+            )
+    if request.audio is not None or any(m != "text" for m in request.modalities or []):
+        raise ApiError(400, "only text output is supported: leave out audio and modalities other than 'text'",
+                       code="unsupported_value", param="modalities")  # fmt: skip
 
 
 def _is_branch_name(part: object) -> bool:

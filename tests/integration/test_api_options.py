@@ -111,6 +111,31 @@ def test_repetition_penalty_matches_transformers(client: OpenAI, hf: HfChat) -> 
     assert expected != create(client, temperature=0, max_tokens=48).choices[0].token_ids  # it mattered
 
 
+def test_logit_bias_matches_transformers(client: OpenAI, hf: HfChat) -> None:
+    free = create(client, temperature=0, max_tokens=16).choices[0].token_ids
+    # forbid the first token, discourage the second, favour one the answer never used
+    unused = next(t for t in range(100, 1000) if t not in free)
+    bias = {free[0]: -100, free[1]: -5, unused: 3}
+    inputs = hf.inputs(MESSAGES)
+    with torch.inference_mode():
+        out = hf.model.generate(
+            **inputs, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+            sequence_bias=[[[token], float(value)] for token, value in bias.items()],
+        )  # fmt: skip
+    expected = out[0, inputs["input_ids"].shape[1] :].tolist()
+    reply = create(client, temperature=0, max_tokens=16, logit_bias={str(t): v for t, v in bias.items()})
+    assert reply.choices[0].token_ids == expected
+    assert expected != free and free[0] not in expected  # it mattered
+
+
+def test_options_that_change_nothing_here_are_accepted(client: OpenAI) -> None:
+    plain = create(client, temperature=0, max_tokens=6).choices[0].token_ids
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    text = {"type": "text"}
+    reply = create(client, temperature=0, max_tokens=6, tools=tools, tool_choice="none", response_format=text)
+    assert reply.choices[0].token_ids == plain
+
+
 @pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
 def test_presence_and_frequency_penalties_discourage_repeats(client: OpenAI, penalty: str) -> None:
     free = create(client, temperature=0, max_tokens=48).choices[0].token_ids

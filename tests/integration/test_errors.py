@@ -66,6 +66,15 @@ CASES = {
     ),
     "bad_base64": (chat(image("data:image/png;base64,@@@not-base64@@@")), 400, ("base64",)),
     "unsupported_scheme": (chat(image("ftp://example.com/cat.png")), 400, ("scheme",)),
+    # options that would change the answer are refused by name, never ignored
+    "json_response_format": (chat("hi", response_format={"type": "json_object"}), 400, ("response_format",)),
+    "tools": (chat("hi", tools=[{"type": "function", "function": {"name": "f"}}]), 400, ("tool calling",)),
+    "tool_choice_required": (chat("hi", tool_choice="required"), 400, ("tool calling",)),
+    "legacy_functions": (chat("hi", functions=[{"name": "f"}]), 400, ("function calling",)),
+    "audio_output": (chat("hi", modalities=["text", "audio"]), 400, ("text output",)),
+    "logit_bias_key": (chat("hi", logit_bias={"the": 5}), 400, ("logit_bias", "token ids")),
+    "logit_bias_value": (chat("hi", logit_bias={"5": 101}), 400, ("logit_bias",)),
+    "logit_bias_outside_vocabulary": (chat("hi", logit_bias={"999999999": 1}), 400, ("logit_bias", "[0,")),
 }
 
 

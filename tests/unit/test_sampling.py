@@ -139,6 +139,43 @@ def test_neutral_penalties_change_nothing() -> None:
     assert sample_batch(extended, mixed).token_ids[:64] == sample_batch(logits, plain).token_ids
 
 
+# --------------------------------------------------------------------------- logit bias
+
+
+def test_logit_bias_is_added_to_the_logits() -> None:
+    assert greedy([1.0, 9.0, 8.0, 8.5], logit_bias=((1, -0.6),)) == 3  # 8.4 < 8.5
+    assert greedy([1.0, 9.0, 8.0, 8.5], logit_bias=((1, -0.4),)) == 1  # 8.6 > 8.5
+    assert greedy([1.0, 9.0, 8.0], logit_bias=((0, 100.0),)) == 0
+    assert greedy([1.0, 9.0, 8.0], logit_bias=((2, 0.6), (2, 0.6))) == 2  # named twice: both count
+    assert greedy([1.0, 9.0, 8.0], logit_bias=((-1, 50.0), (3, 50.0), (10**9, 50.0))) == 1  # outside: ignored
+
+
+def test_logit_bias_comes_after_penalties_and_before_bans() -> None:
+    # penalty first: 4 / 2 + 1.5 = 3.5 > 3 picks token 0; the bias first would give (4 + 1.5) / 2 = 2.75 < 3
+    assert greedy([4.0, 3.0], repetition_penalty=2.0, prompt_ids=[0], logit_bias=((0, 1.5),)) == 0
+    assert greedy([4.0, 3.0], repetition_penalty=2.0, prompt_ids=[0], logit_bias=((0, 0.9),)) == 1
+    assert greedy([4.0, 3.0, 0.0], logit_bias=((2, 100.0),), banned=(2,)) == 0  # a ban wins over any bias
+
+
+def test_logit_bias_shapes_sampling_and_leaves_other_rows_alone() -> None:
+    logits = torch.zeros(6)
+    forbidden = tuple((t, -100.0) for t in (0, 1, 2))
+    seen = Counter(draws(logits, 600, logit_bias=forbidden))
+    assert set(seen) == {3, 4, 5}
+    rows = [SamplingRow(1.0, seed=7, logit_bias=((4, 100.0),)), SamplingRow(1.0, seed=7)]
+    both = sample_batch(torch.zeros(2, 6), rows).token_ids
+    assert both[0] == 4
+    assert both[1] == sample_batch(torch.zeros(1, 6), [SamplingRow(1.0, seed=7)]).token_ids[0]
+
+
+def test_logit_bias_leaves_logprobs_raw() -> None:
+    logits = logits_of(PROBS).unsqueeze(0)
+    result = sample_batch(logits, [SamplingRow(0.0, logit_bias=((3, 100.0),), top_logprobs=1)])
+    assert result.token_ids == [3]
+    assert result.logprobs[0] == pytest.approx(math.log(PROBS[3]), abs=1e-5)
+    assert result.top_logprobs[0][0][0] == 0  # the raw distribution's favourite
+
+
 # --------------------------------------------------------------------------- temperature
 
 
@@ -356,6 +393,7 @@ def test_empty_batch() -> None:
         {"temperature": 1.0, "frequency_penalty": math.inf},
         {"temperature": 1.0, "top_logprobs": MAX_TOP_LOGPROBS + 1},
         {"temperature": 1.0, "top_logprobs": -2},
+        {"temperature": 1.0, "logit_bias": ((1, math.nan),)},
     ],
 )
 def test_invalid_options_raise(options: dict[str, object]) -> None:

@@ -56,6 +56,7 @@ def sampling_row(
         seed=params.seed,
         step=len(output_ids),
         banned=tuple(banned or ()),
+        logit_bias=tuple(zip(params.logit_bias_ids, params.logit_bias_values, strict=True)),
         top_logprobs=params.top_logprobs,
         prompt_ids=prompt_ids,
         output_ids=output_ids,
@@ -159,6 +160,9 @@ class Engine:
             raise PromptError(f"the prompt is {len(ids)} tokens but the model's context is {self.max_model_len}")
         if max(ids) >= self.spec.vocab_size or min(ids) < 0:
             raise PromptError(f"prompt token ids must lie in [0, {self.spec.vocab_size})")
+        bias_ids = request.sampling.logit_bias_ids
+        if bias_ids and (max(bias_ids) >= self.spec.vocab_size or min(bias_ids) < 0):
+            raise PromptError(f"logit_bias token ids must lie in [0, {self.spec.vocab_size})")
         try:  # bad sampling options are refused here, not in the middle of a batched step
             sampling_row(request.sampling, ids, [])
         except ValueError as exc:

@@ -10,9 +10,10 @@ Per row, in this order:
 1. penalties on the raw logits: repetition (HF/vLLM: ``l > 0 ? l / p : l * p`` over prompt and
    generated tokens), then frequency and presence (OpenAI: ``l -= f * count``, ``l -= p * (count > 0)``
    over generated tokens only) — the order and arithmetic of vLLM, in float32;
-2. ``banned`` tokens set to -inf;
-3. greedy rows (temperature < ``GREEDY_BELOW``) take the argmax, the lowest id among ties;
-4. other rows: ``logits / temperature``, then top-k, top-p (on the distribution left by top-k) and
+2. ``logit_bias`` added (OpenAI's: a value per token id, e.g. -100 to all but forbid it);
+3. ``banned`` tokens set to -inf;
+4. greedy rows (temperature < ``GREEDY_BELOW``) take the argmax, the lowest id among ties;
+5. other rows: ``logits / temperature``, then top-k, top-p (on the distribution left by top-k) and
    min-p, then one draw by the Gumbel-max trick.
 
 Filters act as a per-row *cutoff value*: a token survives if its scaled logit is >= the cutoff.
@@ -66,6 +67,7 @@ class SamplingRow:
     seed: int | None = None  # same seed + same history => same token, whatever else is in the batch
     step: int = 0  # index of the token being sampled within this sequence's output
     banned: tuple[int, ...] = ()  # e.g. EOS/stop ids before min_tokens; ids outside the vocabulary are ignored
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); ids outside are ignored
     top_logprobs: int = -1  # -1: none; 0: the chosen token's only; k > 0: also the k most likely
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
@@ -85,6 +87,8 @@ class SamplingRow:
         for name in ("presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if not all(math.isfinite(bias) for _, bias in self.logit_bias):
+            raise ValueError("logit_bias values must be finite")
         if not -1 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must lie in [-1, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
 
@@ -174,6 +178,7 @@ def _pairs(columns: list[list[int]], vocab: int, device: torch.device) -> torch.
 def _needs_changes(rows: Sequence[SamplingRow]) -> bool:
     return any(
         r.banned
+        or r.logit_bias
         or (r.repetition_penalty != 1.0 and (r.prompt_ids or r.output_ids))
         or ((r.frequency_penalty or r.presence_penalty) and r.output_ids)
         for r in rows
@@ -217,6 +222,19 @@ def _apply_frequency_presence(
     scores[r, t] = scores[r, t] - frequency[r] * c.to(scores.dtype) - presence[r]
 
 
+def _apply_logit_bias(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    pairs = [(i, token, bias) for i, row in enumerate(rows) for token, bias in row.logit_bias]
+    if not pairs:
+        return
+    index = torch.tensor([[i for i, _, _ in pairs], [t for _, t, _ in pairs]], dtype=torch.int64)
+    bias = torch.tensor([b for _, _, b in pairs], dtype=torch.float32)
+    inside = (index[1] >= 0) & (index[1] < scores.shape[1])  # on the CPU, so no device sync
+    if bool(inside.any()):
+        r, t = upload(index[:, inside], scores.device)
+        # accumulate: a token named twice gets both biases, in any order, the same sum
+        scores.index_put_((r, t), upload(bias[inside], scores.device), accumulate=True)
+
+
 def _apply_bans(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     rows_col = [i for i, row in enumerate(rows) for _ in row.banned]
     tokens = [t for row in rows for t in row.banned]
@@ -226,7 +244,7 @@ def _apply_bans(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 
 def _adjust_(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Penalties, then bans, in place on float32 ``scores`` (row i belongs to ``rows[i]``)."""
+    """Penalties, logit biases, then bans, in place on float32 ``scores`` (row i belongs to ``rows[i]``)."""
     if any(r.repetition_penalty != 1.0 or r.frequency_penalty or r.presence_penalty for r in rows):
         params = torch.tensor(
             [[r.repetition_penalty, r.frequency_penalty, r.presence_penalty] for r in rows], dtype=torch.float32
@@ -234,6 +252,7 @@ def _adjust_(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         params = upload(params, scores.device)
         _apply_repetition(scores, rows, params[:, 0])
         _apply_frequency_presence(scores, rows, params[:, 1], params[:, 2])
+    _apply_logit_bias(scores, rows)
     _apply_bans(scores, rows)
 
 
