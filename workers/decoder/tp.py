@@ -204,7 +204,11 @@ def leader_rendezvous(cfg: Config, incarnation: str, num_blocks: int, device: to
             left = deadline - time.monotonic()
             if left <= 0 or not channel.sock.poll(int(left * 1000)):
                 missing = sorted(set(range(1, world)) - set(joined))
-                raise RuntimeError(f"decoder ranks {missing} did not join within {cfg.decoder.tp_timeout_s}s")
+                raise RuntimeError(
+                    f"decoder ranks {missing} did not join within {cfg.decoder.tp_timeout_s}s: each runs as "
+                    "`python -m workers.decoder --rank K`, which the supervisord config that ./ops/serve renders "
+                    "(python -m common.deploy) starts and the static ops/vlm.conf does not"
+                )
             peer, msg = channel.recv()
             if isinstance(msg, TPJoin) and 1 <= msg.rank < world:
                 joined[msg.rank] = peer
