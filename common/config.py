@@ -103,8 +103,19 @@ class CacheConfig:
     pool_bytes: int = 256 * 1024 * 1024
     # GPU hosts: the pool in GPU memory (CUDA IPC), so embeddings go encoder -> decoder without the host.
     device_pool: bool = False
+    # Behind a GPU pool: a host shared-memory tier that evicted embeddings move to instead of being lost.
+    spill_bytes: int = 0
     lease_ttl_s: float = 120.0
     pending_ttl_s: float = 60.0
+
+    def validate(self, where: str) -> None:
+        if self.pool_bytes < 0 or self.spill_bytes < 0:
+            raise ValueError(f"{where}: pool_bytes and spill_bytes must be >= 0")
+        if self.spill_bytes and not self.device_pool:
+            raise ValueError(
+                f"{where}.spill_bytes: a spill tier backs a GPU pool (device_pool = true); the host pool "
+                "itself is host memory, so raise pool_bytes instead"
+            )
 
 
 @dataclass

@@ -78,7 +78,7 @@ class Gateway:
             {**self.counters, "requests_in_flight": len(self.pipeline.requests)},
             counters=set(self.counters),
         )
-        cache_counters = {"hits", "misses", "pending_hits", "commits", "evictions", "failed", "full"}
+        cache_counters = {"hits", "misses", "pending_hits", "commits", "evictions", "spills", "failed", "full"}
         lines += render_values("vlm_cache", await self.pipeline.cache_stats(), counters=cache_counters)
         decoder_counters = {k for k in self.pipeline.decoder_stats if not k.startswith(("kv_", "requests_"))}
         decoder_counters |= {"requests_finished"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import random
@@ -12,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import Config
+from common.config import Config, load_config
 from workers.cache import store as store_mod
-from workers.cache.store import ALIGN, Allocator, EmbeddingStore, PoolFull
+from workers.cache.store import ALIGN, MAIN, SPILL, Allocator, EmbeddingStore, PoolFull, Spill
 
 B = ALIGN  # one allocation block
 
@@ -403,6 +404,98 @@ def test_store_random_property() -> None:
         for e in s.entries.values():
             for r in e.leases:
                 assert e.content_hash in s.leases[r][0]
+
+
+# --------------------------------------------------------------------------- the spill tier
+
+
+def test_evicted_entries_move_to_the_spill_tier_and_still_hit() -> None:
+    s = EmbeddingStore(2 * B, spill_bytes=4 * B)
+    ready(s, "a")
+    ready(s, "b")
+    s.reserve("c", B, "bfloat16", [1])  # a is the least recently used: it moves, it is not lost
+    a = s.entries["a"]
+    assert a.tier == SPILL and s.entries["c"].tier == MAIN
+    assert s.take_spills() == [Spill("a", src=0, dst=0, nbytes=B)]
+    assert s.take_spills() == []  # taken once
+    assert s.entries["c"].offset == 0  # a's old bytes: hence the copy must come before the answer
+    assert s.lookup("a") is a and s.counters["hits"] == 1
+    assert s.counters["spills"] == 1 and s.counters["evictions"] == 0
+    snap = s.snapshot()
+    assert snap["spilled_entries"] == 1 and snap["spill_bytes_used"] == B and snap["bytes_used"] == 2 * B
+
+
+def test_a_full_spill_tier_drops_its_own_least_recently_used_unleased_entries() -> None:
+    s = EmbeddingStore(B, spill_bytes=2 * B)
+    for h in "abc":
+        ready(s, h)  # each pushes the previous one into the spill tier
+    assert [s.entries[h].tier for h in "abc"] == [SPILL, SPILL, MAIN]
+    s.lease("r", ["a"], ttl_s=60)  # a is older than b but leased: b goes
+    ready(s, "d")
+    assert set(s.entries) == {"a", "c", "d"} and s.entries["c"].tier == SPILL
+    assert s.counters["evictions"] == 1 and s.counters["spills"] == 3
+    s.lease("r", ["c"], ttl_s=60)
+    ready(s, "e")  # the spill tier holds only leased entries: d cannot move there and is gone
+    assert set(s.entries) == {"a", "c", "e"} and s.counters["evictions"] == 2
+
+
+def test_an_entry_larger_than_the_spill_tier_is_evicted_as_without_one() -> None:
+    s = EmbeddingStore(4 * B, spill_bytes=2 * B)
+    ready(s, "big", 3 * B)
+    ready(s, "next", 2 * B)
+    assert "big" not in s.entries and s.take_spills() == [] and s.counters["evictions"] == 1
+
+
+def test_store_with_a_spill_tier_random_property() -> None:
+    """Random traffic: within each tier entries never overlap, the byte counts match, and every spill
+    moves an entry's bytes from where it was to where it now is."""
+    rng = random.Random(11)
+    s = EmbeddingStore(24 * B, spill_bytes=40 * B)
+    for _ in range(3000):
+        op, h = rng.random(), f"h{rng.randint(0, 60)}"
+        if op < 0.4 and s.lookup(h) is None:
+            before = {k: (e.tier, e.offset) for k, e in s.entries.items()}
+            with contextlib.suppress(PoolFull):
+                s.reserve(h, rng.randint(1, 6 * B), "bfloat16", [1])
+            for move in s.take_spills():  # each a copy the daemon must make: to where the entry now is
+                assert before[move.content_hash] == (MAIN, move.src)
+                entry = s.entries[move.content_hash]
+                assert (entry.tier, entry.offset) == (SPILL, move.dst)
+        elif op < 0.7:
+            s.commit(h)
+        elif op < 0.85:
+            s.lease(f"r{rng.randint(0, 5)}", [h], ttl_s=60)
+        else:
+            s.release(f"r{rng.randint(0, 5)}")
+        for tier, used in ((MAIN, "bytes_used"), (SPILL, "spill_bytes_used")):
+            spans = sorted((e.offset, e.offset + aligned(e.nbytes)) for e in s.entries.values() if e.tier == tier)
+            for (_, end), (start, _) in itertools.pairwise(spans):
+                assert end <= start
+            assert s.snapshot()[used] == sum(b - a for a, b in spans)
+        assert all(e.ready for e in s.entries.values() if e.tier == SPILL)  # only committed entries move
+    assert s.counters["spills"] > 100  # the traffic exercised the tier
+
+
+def test_copy_spills_moves_the_bytes(tmp_path: Path) -> None:
+    from common.tensor_ref import ShmPool
+    from workers.cache.daemon import copy_spills
+
+    main, spill = (ShmPool(f"vlm-test-{tmp_path.name}-{kind}", 8 * B, create=True) for kind in ("main", "spill"))
+    try:
+        main.buffer[B : 2 * B] = torch.arange(B, dtype=torch.int64).to(torch.uint8)
+        copy_spills([Spill("x", src=B, dst=5 * B, nbytes=B)], main, spill)
+        assert torch.equal(spill.buffer[5 * B : 6 * B], main.buffer[B : 2 * B])
+        assert int(spill.buffer[: 5 * B].count_nonzero()) == 0
+    finally:
+        main.unlink()
+        spill.unlink()
+
+
+def test_a_spill_tier_without_a_gpu_pool_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "vlm.toml"
+    config.write_text("[cache]\nspill_bytes = 1048576\n")
+    with pytest.raises(ValueError, match=r"spill_bytes: a spill tier backs a GPU pool"):
+        load_config(config, env={})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without a GPU")

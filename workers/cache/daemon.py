@@ -23,7 +23,7 @@ from common.protocol import (
 )
 from common.tensor_ref import SHM_DIR, CudaPool, ShmPool
 from common.transport import Channel, EventLoop, worker_identity
-from workers.cache.store import EmbeddingStore, Entry, PoolFull
+from workers.cache.store import MAIN, EmbeddingStore, Entry, PoolFull, Spill
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +36,20 @@ class CacheDaemon:
         name = f"{pool_prefix(cfg)}{self.incarnation}"
         self.pool: ShmPool | CudaPool
         self.cuda_handle: CudaIpcHandle | None = None
+        self.spill: ShmPool | None = None
         if cfg.cache.device_pool:
             if not torch.cuda.is_available():
                 raise ValueError("[cache] device_pool = true needs a CUDA GPU; set it to false on this host")
-            # On the decoder's GPU (0): encoders on other GPUs write to it over NVLink/PCIe peer access.
+            # On the decoder's GPU (0), where the embeddings are read: encoders on other GPUs write to it
+            # over NVLink/PCIe peer access (checked on two H200s). One pool, not one per GPU: no other
+            # GPU has a reader (tensor-parallel ranks get the embedded rows from rank 0).
             self.pool = CudaPool.create(name, cfg.cache.pool_bytes, torch.device("cuda", 0))
             self.cuda_handle = self.pool.handle()
+            if cfg.cache.spill_bytes:
+                self.spill = ShmPool(f"{name}-spill", cfg.cache.spill_bytes, create=True)
         else:
             self.pool = ShmPool(name, cfg.cache.pool_bytes, create=True)
-        self.store = EmbeddingStore(cfg.cache.pool_bytes)
+        self.store = EmbeddingStore(cfg.cache.pool_bytes, cfg.cache.spill_bytes if self.spill else 0)
         self.ctx = zmq.Context()
         self.channel = Channel(self.ctx, zmq.ROUTER, cfg.endpoint("cache"), bind=True)
         self.waiters: dict[str, tuple[bytes, CacheAcquire]] = {}
@@ -52,10 +57,11 @@ class CacheDaemon:
         self.loop.on_message(self.channel, self.handle)
         self.loop.every(0.5, self.expire)
         log.info(
-            "cache ready: pool %s of %.1f MiB in %s at %s",
+            "cache ready: pool %s of %.1f MiB in %s%s at %s",
             self.pool.name,
             cfg.cache.pool_bytes / 2**20,
             "GPU memory (CUDA IPC)" if self.cuda_handle else "shared memory",
+            f", spill tier of {cfg.cache.spill_bytes / 2**20:.1f} MiB in shared memory" if self.spill else "",
             self.channel.address,
         )
 
@@ -63,8 +69,9 @@ class CacheDaemon:
         try:
             self.loop.run()
         finally:
-            if isinstance(self.pool, ShmPool):
-                self.pool.unlink()
+            for pool in (self.pool, self.spill):
+                if isinstance(pool, ShmPool):
+                    pool.unlink()
             self.channel.close()
 
     # ------------------------------------------------------------------ messages
@@ -108,17 +115,21 @@ class CacheDaemon:
             return CacheLookupResult(
                 msg.call_id, "error", status=503, message=f"embedding cache is full ({exc}); retry shortly"
             )
+        if self.spill is not None:  # before the answer: the slot may be bytes that were just spilled
+            copy_spills(self.store.take_spills(), self.pool, self.spill)
         return CacheLookupResult(msg.call_id, "reserved", self.ref(entry))
 
     def ref(self, entry: Entry) -> TensorRef:
+        on_gpu = entry.tier == MAIN and self.cuda_handle is not None
+        pool = self.pool if entry.tier == MAIN or self.spill is None else self.spill
         return TensorRef(
-            kind="shm" if self.cuda_handle is None else "cuda_ipc",
+            kind="cuda_ipc" if on_gpu else "shm",
             dtype=entry.dtype,
             shape=entry.shape,
-            shm_name=self.pool.name,
+            shm_name=pool.name,
             offset=entry.offset,
             pool_incarnation=self.incarnation,
-            cuda=self.cuda_handle,
+            cuda=self.cuda_handle if on_gpu else None,
         )
 
     def answer_waiters(self) -> None:
@@ -145,6 +156,13 @@ class CacheDaemon:
     def expire(self) -> None:
         if self.store.expire(self.cfg.cache.pending_ttl_s):
             self.answer_waiters()
+
+
+def copy_spills(spills: list[Spill], main: ShmPool | CudaPool, spill: ShmPool) -> None:
+    """Each spilled entry's bytes from the main pool into the spill tier (GPU to host: a synchronous copy,
+    done before the main bytes can be written again)."""
+    for move in spills:
+        spill.buffer[move.dst : move.dst + move.nbytes].copy_(main.buffer[move.src : move.src + move.nbytes])
 
 
 def pool_prefix(cfg: Config) -> str:

@@ -1,10 +1,12 @@
 """The embedding store: a byte pool, a content-hash index, leases, and LRU eviction by bytes.
 
-Pure bookkeeping (no sockets), so it is unit-tested directly. Memory is one shared-memory
-pool owned by the cache daemon; encoders write into slots reserved here, consumers read by
-offset. An entry is ``pending`` from reservation until the encoder commits it, then
-``ready``. Ready entries that no request leases are evicted least-recently-used first when a
-reservation needs room; pending and leased ones never are.
+Pure bookkeeping (no sockets), so it is unit-tested directly. Memory is the cache daemon's pool
+(host shared memory, or GPU memory) and, behind a GPU pool, an optional spill tier in host shared
+memory; encoders write into slots reserved here, consumers read by offset. An entry is ``pending``
+from reservation until the encoder commits it, then ``ready``. Ready entries that no request leases
+are evicted least-recently-used first when a reservation needs room; pending and leased ones never
+are. With a spill tier, an entry evicted from the pool moves there (the daemon copies its bytes,
+`take_spills`) and is still a hit; only what the spill tier must evict in turn is gone.
 """
 
 from __future__ import annotations
@@ -31,6 +33,21 @@ class Entry:
     ready: bool = False
     created: float = field(default_factory=time.monotonic)
     leases: set[str] = field(default_factory=set)
+    tier: int = 0  # MAIN or SPILL: which pool ``offset`` is in
+
+
+MAIN, SPILL = 0, 1
+
+
+@dataclass(frozen=True)
+class Spill:
+    """An entry moved out of the main pool: its bytes go from ``src`` there to ``dst`` in the spill tier,
+    copied by the daemon before it answers anyone, since the main bytes are already given to another."""
+
+    content_hash: str
+    src: int
+    dst: int
+    nbytes: int
 
 
 class Allocator:
@@ -68,12 +85,14 @@ class Allocator:
 
 
 class EmbeddingStore:
-    def __init__(self, pool_bytes: int) -> None:
+    def __init__(self, pool_bytes: int, spill_bytes: int = 0) -> None:
         self.allocator = Allocator(pool_bytes)
+        self.spill_allocator = Allocator(spill_bytes)
         self.entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order: oldest first
         self.leases: dict[str, tuple[set[str], float]] = {}  # request_id -> (hashes, expiry)
+        self.spills: list[Spill] = []  # moves the daemon has yet to copy (take_spills)
         self.counters: dict[str, float] = dict.fromkeys(
-            ("hits", "misses", "pending_hits", "commits", "evictions", "failed", "full"), 0.0
+            ("hits", "misses", "pending_hits", "commits", "evictions", "spills", "failed", "full"), 0.0
         )
 
     # ------------------------------------------------------------------ lookup / reserve
@@ -85,18 +104,18 @@ class EmbeddingStore:
         return entry
 
     def can_reserve(self, nbytes: int) -> bool:
-        return self._plan_evictions(nbytes) is not None
+        return self._plan_evictions(nbytes, MAIN) is not None
 
     def reserve(self, content_hash: str, nbytes: int, dtype: str, shape: list[int]) -> Entry:
-        """Make a pending entry, evicting LRU unleased entries for room. Raises ``PoolFull``, and
-        then evicts nothing: dropping entries that would not make room only loses work."""
-        victims = self._plan_evictions(nbytes)
+        """Make a pending entry in the main pool, evicting LRU unleased entries for room (into the spill
+        tier where one is). Raises ``PoolFull``, and then evicts nothing: dropping entries that would not
+        make room only loses work."""
+        victims = self._plan_evictions(nbytes, MAIN)
         if victims is None:
             self.counters["full"] += 1
             raise PoolFull(f"{nbytes} B needed, {self.allocator.free_bytes} B free and not enough evictable")
         for victim in victims:
-            self._drop(victim)
-            self.counters["evictions"] += 1
+            self._evict(victim)
         offset = self.allocator.allocate(nbytes)
         if offset is None:  # _plan_evictions simulated exactly this; reaching here is a bug
             raise RuntimeError("allocator disagrees with its eviction plan")
@@ -105,12 +124,38 @@ class EmbeddingStore:
         self.counters["misses"] += 1
         return entry
 
-    def _plan_evictions(self, nbytes: int) -> list[Entry] | None:
-        """The LRU prefix of evictable entries whose release makes ``nbytes`` fit (None: nothing does)."""
-        trial = Allocator(self.allocator.size)
-        trial.free = list(self.allocator.free)
+    def take_spills(self) -> list[Spill]:
+        """The moves made since the last call, for the daemon to copy now (oldest first)."""
+        spills, self.spills = self.spills, []
+        return spills
+
+    def _evict(self, victim: Entry) -> None:
+        """Out of the main pool: into the spill tier if room can be made there, else gone. ("evictions"
+        counts the entries gone from the cache, "spills" those moved.)"""
+        room = self._plan_evictions(victim.nbytes, SPILL) if self.spill_allocator.size else None
+        if room is None:
+            self._drop(victim)
+            self.counters["evictions"] += 1
+            return
+        for spilled in room:
+            self._drop(spilled)
+            self.counters["evictions"] += 1
+        dst = self.spill_allocator.allocate(victim.nbytes)
+        if dst is None:  # as in reserve: the plan simulated exactly this
+            raise RuntimeError("spill allocator disagrees with its eviction plan")
+        self.allocator.release(victim.offset, victim.nbytes)
+        self.spills.append(Spill(victim.content_hash, victim.offset, dst, victim.nbytes))
+        victim.offset, victim.tier = dst, SPILL
+        self.counters["spills"] += 1
+
+    def _plan_evictions(self, nbytes: int, tier: int) -> list[Entry] | None:
+        """The LRU prefix of the tier's evictable entries whose release makes ``nbytes`` fit there (None:
+        nothing does)."""
+        allocator = self.allocator if tier == MAIN else self.spill_allocator
+        trial = Allocator(allocator.size)
+        trial.free = list(allocator.free)
         victims: list[Entry] = []
-        candidates = (e for e in self.entries.values() if self._evictable(e))
+        candidates = (e for e in self.entries.values() if e.tier == tier and self._evictable(e))
         while trial.allocate(nbytes) is None:
             victim = next(candidates, None)
             if victim is None:
@@ -166,14 +211,19 @@ class EmbeddingStore:
 
     def _drop(self, entry: Entry) -> None:
         self.entries.pop(entry.content_hash, None)
-        self.allocator.release(entry.offset, entry.nbytes)
+        (self.allocator if entry.tier == MAIN else self.spill_allocator).release(entry.offset, entry.nbytes)
+        if entry.tier == SPILL and self.spills:  # spilled and dropped before the daemon copied it: no copy
+            self.spills = [move for move in self.spills if move.content_hash != entry.content_hash]
 
     def snapshot(self) -> dict[str, float]:
         return {
             **self.counters,
             "entries": float(len(self.entries)),
             "pending_entries": float(sum(not e.ready for e in self.entries.values())),
+            "spilled_entries": float(sum(e.tier == SPILL for e in self.entries.values())),
             "bytes_used": float(self.allocator.size - self.allocator.free_bytes),
             "bytes_total": float(self.allocator.size),
+            "spill_bytes_used": float(self.spill_allocator.size - self.spill_allocator.free_bytes),
+            "spill_bytes_total": float(self.spill_allocator.size),
             "leased_requests": float(len(self.leases)),
         }
