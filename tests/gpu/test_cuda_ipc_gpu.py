@@ -13,7 +13,7 @@ import torch
 
 from common.config import Config
 from common.protocol import CacheLookup, TensorRef, decode, encode
-from common.tensor_ref import CudaPool, ShmAttachments
+from common.tensor_ref import CudaPool, ShmAttachments, gather_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -61,6 +61,8 @@ def test_a_full_gpu_pool_spills_to_the_host_tier_and_answers_from_there() -> Non
         kept = daemon.lookup(CacheLookup("c4", "h1", nbytes, "uint8", [nbytes]))
         assert kept.slot is not None and kept.slot.kind == "cuda_ipc" and torch.all(views.view(kept.slot) == 2)
         assert daemon.store.counters["spills"] == 1 and daemon.store.counters["evictions"] == 0
+        rows = gather_rows([moved.slot, kept.slot], views)  # one request's rows from both tiers, as the decoder
+        assert rows.is_cuda and rows[:nbytes].eq(1).all() and rows[nbytes:].eq(2).all()
     finally:
         if daemon.spill is not None:
             daemon.spill.unlink()

@@ -14,6 +14,7 @@ from common.tensor_ref import (
     ShmAttachments,
     ShmPool,
     dtype_name,
+    gather_rows,
     inline_ref,
     nbytes_of,
     read_tensor,
@@ -177,6 +178,21 @@ def test_shm_attachments_attach_by_name_once(pool: ShmPool) -> None:
     assert list(att.pools) == [pool.name]
     att.forget_except("another-pool")
     assert att.pools == {}
+
+
+def test_gather_rows_copies_the_rows_of_several_refs_in_order(pool: ShmPool) -> None:
+    a = shm_ref(pool, "bfloat16", [2, 3], offset=0)
+    b = shm_ref(pool, "bfloat16", [1, 3], offset=4096)
+    pool.view(a).copy_(torch.ones(2, 3))
+    pool.view(b).copy_(torch.full((1, 3), 2.0))
+    inline = inline_ref(torch.full((2, 3), 3.0, dtype=torch.bfloat16))
+    rows = gather_rows([a, inline, b], ShmAttachments())
+    assert rows.tolist() == [[1.0] * 3] * 2 + [[3.0] * 3] * 2 + [[2.0] * 3]
+    pool.view(a).zero_()  # a copy: the pool may reuse its bytes once the rows are gathered
+    assert rows[0, 0].item() == 1.0
+    one = gather_rows([b], ShmAttachments())
+    pool.view(b).zero_()
+    assert one[0, 0].item() == 2.0  # one ref is copied too
 
 
 def test_shm_ref_exactly_at_the_end_fits(pool: ShmPool) -> None:

@@ -36,7 +36,7 @@ from common.protocol import (
     TokenBatch,
     WorkerStatus,
 )
-from common.tensor_ref import ShmAttachments, read_tensor
+from common.tensor_ref import ShmAttachments, gather_rows
 from common.transport import Channel, EventLoop, worker_identity
 from workers.decoder.batch import Sequence
 from workers.decoder.engine import Engine, PromptError
@@ -282,7 +282,7 @@ class DecoderWorker:
                     self.fail(rid, msg.status, "media_unavailable", msg.message)
                     return
                 try:
-                    waiting.seq.media_embeds = torch.cat([read_tensor(r, self.pools).clone() for r in msg.refs])
+                    waiting.seq.media_embeds = gather_rows(msg.refs, self.pools)
                 except (OSError, ValueError, RuntimeError) as exc:  # (RuntimeError: a GPU pool that cannot be mapped)
                     self.fail(rid, 503, "media_unavailable", f"cannot read media embeddings: {exc}")
                     return
