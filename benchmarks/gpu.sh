@@ -101,7 +101,9 @@ quick && { log "QUICK: stopping after two workloads"; kill -TERM $supervisor; wa
 # ANCHORS' vLLM rows exactly: 3 photos of 768x1024 (~3,130 prompt tokens; ours average ~3,490), 120 tokens
 bench seed3img-anchor-c32 90 --workload seed3img --concurrency 32 --num-requests "$(n "$c32_requests" 8)" --seed 3 \
   --image-size 768x1024 --max-tokens-spread 0
-bench multiturn-c32 90 --workload multiturn --concurrency 32 --num-requests "$(n 32 4)"
+# (seed 5: a session's first turn is seed3img's request of the same index; with seed 0 all 32 first turns
+# were cache hits of seed3img-c32's images and prefixes)
+bench multiturn-c32 90 --workload multiturn --concurrency 32 --num-requests "$(n 32 4)" --seed 5
 bench text-c16 30 --workload text --concurrency 16 --num-requests "$(n 32 4)"
 # ANCHORS' isolation rows: 32 text streams of 1,000 in / 256 out, 3-image requests arriving at 6/s; the
 # control run sends streams of the same shape for as long without images; seed 1: images seed3img's runs did not cache
@@ -111,7 +113,7 @@ bench mixed 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests 
 # (seed 2: text prompts of their own; with mixed's, they hit the prefix cache mixed filled, a control too easy)
 bench mixed-text-only 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --seed 2 --vision-off \
   "${anchor_images[@]}"
-bench text-c1 30 --workload text --concurrency 1 --num-requests "$(n 8 2)"
+bench text-c1 30 --workload text --concurrency 1 --num-requests "$(n 8 2)" --seed 6  # (not text-c16's prompts)
 
 log "stopping the stack"
 kill -TERM $supervisor; wait $supervisor
