@@ -25,3 +25,13 @@ stack_into() {  # out, name, env assignments...
   cp run/8000/logs/*.log "$out/$name/" 2>/dev/null
   stop_stack
 }
+
+# The check scripts' start: OUT_DIR made absolute and created as $out, the checkout's root as the working
+# directory, the carried wheels installed; then `stack NAME ENV...` runs gpu.sh into $out/NAME.
+begin_check() {  # the script's $0, OUT_DIR
+  out=$(realpath -m "$2")
+  mkdir -p "$out"
+  cd "$(dirname "$1")/.." || exit 1
+  use_carried_wheels
+}
+stack() { stack_into "$out" "$@"; }  # name, env assignments...

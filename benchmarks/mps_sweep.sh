@@ -6,12 +6,10 @@
 # Each point is benchmarks/gpu.sh with ONLY="$WORKLOADS" (default "seed3img-c32 mixed mixed-text-only"; about
 # 90 s, at most 150), into OUT_DIR/<point>/; the summary lines go to OUT_DIR/sweep.log. Carry .whl (see benchmarks/gpu.sh).
 set -uo pipefail
-out=$(realpath -m "${1:?usage: benchmarks/mps_sweep.sh OUT_DIR [points]}")
+. "$(dirname "$0")/device.sh"
+begin_check "$0" "${1:?usage: benchmarks/mps_sweep.sh OUT_DIR [points]}"
 points=${2:-"none 60/100 50/70 40/60 30/50"}
 workloads=${WORKLOADS:-"seed3img-c32 mixed mixed-text-only"}
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
-. benchmarks/device.sh
 for point in $points; do
   name=${point//\//-}
   if [ "$point" = none ]; then

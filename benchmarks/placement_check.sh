@@ -6,12 +6,8 @@
 # ranks it had to kill (none, if they leave the NCCL group in time).
 # Usage: benchmarks/placement_check.sh OUT_DIR   (carry .whl; about 7 minutes)
 set -uo pipefail
-out=$(realpath -m "${1:?usage: benchmarks/placement_check.sh OUT_DIR}")
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
-. benchmarks/device.sh
-use_carried_wheels
-stack() { stack_into "$out" "$@"; }  # name, env assignments...
+. "$(dirname "$0")/device.sh"
+begin_check "$0" "${1:?usage: benchmarks/placement_check.sh OUT_DIR}"
 m2b=/tmp/qwen2-vl-2b-synth
 [ -f $m2b/config.json ] || python3 -m workers.models.synth --size 2b --out $m2b --seed 0 > "$out/synth2b.log" 2>&1 &
 timeout 110 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_tp_gpu.py > "$out/pytest-tp.log" 2>&1

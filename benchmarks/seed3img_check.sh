@@ -4,12 +4,8 @@
 # its greedy answers compared with the host pool's; mixed under MPS with the encoders at 40% of the SMs.
 # Usage: benchmarks/seed3img_check.sh OUT_DIR   (carry .whl; about 7 minutes)
 set -uo pipefail
-out=$(realpath -m "${1:?usage: benchmarks/seed3img_check.sh OUT_DIR}")
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
-. benchmarks/device.sh
-use_carried_wheels
-stack() { stack_into "$out" "$@"; }  # name, env assignments...
+. "$(dirname "$0")/device.sh"
+begin_check "$0" "${1:?usage: benchmarks/seed3img_check.sh OUT_DIR}"
 stack one-gpu CUDA_VISIBLE_DEVICES=0 C32_REQUESTS=256 ONLY="seed3img-anchor-c32 seed3img-c32"
 stack enc-per-gpu C32_REQUESTS=256 ONLY="parity seed3img-anchor-c32"
 stack vision-gpu-devpool ENCODER_GPUS=1 DEVICE_POOL=1 C32_REQUESTS=256 ONLY="parity seed3img-anchor-c32"

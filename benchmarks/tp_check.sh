@@ -4,12 +4,8 @@
 # it hangs), and seed3img with one encoder per GPU vs one encoder (2b).
 # Usage: benchmarks/tp_check.sh OUT_DIR     (carry .whl; about 8 minutes with the checkpoints' generation)
 set -uo pipefail
-out=$(realpath -m "${1:?usage: benchmarks/tp_check.sh OUT_DIR}")
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
-. benchmarks/device.sh
-use_carried_wheels
-stack() { stack_into "$out" "$@"; }  # name, env assignments...
+. "$(dirname "$0")/device.sh"
+begin_check "$0" "${1:?usage: benchmarks/tp_check.sh OUT_DIR}"
 m7b=/tmp/m7b m2b=/tmp/qwen2-vl-2b-synth
 [ -f $m7b/config.json ] || python3 -m workers.models.synth --size 7b --out $m7b --seed 0 > "$out/synth7b.log" 2>&1 &
 [ -f $m2b/config.json ] || python3 -m workers.models.synth --size 2b --out $m2b --seed 0 > "$out/synth2b.log" 2>&1

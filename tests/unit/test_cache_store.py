@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import random
@@ -374,21 +373,24 @@ def test_snapshot_is_consistent() -> None:
     assert all(isinstance(v, float) for v in snap.values())
 
 
-def test_store_random_property() -> None:
-    """Random store traffic: entries never overlap and bytes_used always matches the entries."""
+@pytest.mark.parametrize(("pool", "spill"), [(64 * B, 0), (24 * B, 40 * B)], ids=["one pool", "spill tier"])
+def test_store_random_property(pool: int, spill: int) -> None:
+    """Random store traffic: within each tier entries never overlap and the byte counts match them;
+    can_reserve tells the truth; every spill moves an entry's bytes from where it was to where it is."""
     rng = random.Random(7)
-    s = EmbeddingStore(64 * B)
+    s = EmbeddingStore(pool, spill_bytes=spill)
     for step in range(3000):
-        op = rng.random()
-        h = f"h{rng.randint(0, 40)}"
-        if op < 0.4:
-            if s.lookup(h) is None:
-                nbytes = rng.randint(1, 12 * B)
-                could = s.can_reserve(nbytes)
-                try:
-                    s.reserve(h, nbytes, "bfloat16", [1])
-                except PoolFull:
-                    assert not could, "a reservation failed though can_reserve said yes"
+        op, h = rng.random(), f"h{rng.randint(0, 50)}"
+        if op < 0.4 and s.lookup(h) is None:
+            nbytes = rng.randint(1, 8 * B)
+            could, before = s.can_reserve(nbytes), {k: (e.tier, e.offset) for k, e in s.entries.items()}
+            try:
+                s.reserve(h, nbytes, "bfloat16", [1])
+            except PoolFull:
+                assert not could, "a reservation failed though can_reserve said yes"
+            for move in s.take_spills():  # each a copy the daemon must make: to where the entry now is
+                assert before[move.content_hash] == (MAIN, move.src)
+                assert (s.entries[move.content_hash].tier, s.entries[move.content_hash].offset) == (SPILL, move.dst)
         elif op < 0.7:
             s.commit(h)
         elif op < 0.8:
@@ -397,13 +399,16 @@ def test_store_random_property() -> None:
             s.lease(f"r{rng.randint(0, 5)}", [h], ttl_s=60)
         else:
             s.release(f"r{rng.randint(0, 5)}")
-        spans = sorted((e.offset, e.offset + aligned(e.nbytes)) for e in s.entries.values())
-        for (_, end), (start, _) in itertools.pairwise(spans):
-            assert end <= start, f"entries overlap at step {step}"
-        assert s.snapshot()["bytes_used"] == sum(b - a for a, b in spans)
+        for tier, used in ((MAIN, "bytes_used"), (SPILL, "spill_bytes_used")):
+            spans = sorted((e.offset, e.offset + aligned(e.nbytes)) for e in s.entries.values() if e.tier == tier)
+            for (_, end), (start, _) in itertools.pairwise(spans):
+                assert end <= start, f"entries overlap at step {step}"
+            assert s.snapshot()[used] == sum(b - a for a, b in spans)
+        assert all(e.ready for e in s.entries.values() if e.tier == SPILL)  # only committed entries move
         for e in s.entries.values():
             for r in e.leases:
                 assert e.content_hash in s.leases[r][0]
+    assert (s.counters["spills"] > 100) == bool(spill)  # the traffic exercised the tier where there is one
 
 
 # --------------------------------------------------------------------------- the spill tier
@@ -444,36 +449,6 @@ def test_an_entry_larger_than_the_spill_tier_is_evicted_as_without_one() -> None
     ready(s, "big", 3 * B)
     ready(s, "next", 2 * B)
     assert "big" not in s.entries and s.take_spills() == [] and s.counters["evictions"] == 1
-
-
-def test_store_with_a_spill_tier_random_property() -> None:
-    """Random traffic: within each tier entries never overlap, the byte counts match, and every spill
-    moves an entry's bytes from where it was to where it now is."""
-    rng = random.Random(11)
-    s = EmbeddingStore(24 * B, spill_bytes=40 * B)
-    for _ in range(3000):
-        op, h = rng.random(), f"h{rng.randint(0, 60)}"
-        if op < 0.4 and s.lookup(h) is None:
-            before = {k: (e.tier, e.offset) for k, e in s.entries.items()}
-            with contextlib.suppress(PoolFull):
-                s.reserve(h, rng.randint(1, 6 * B), "bfloat16", [1])
-            for move in s.take_spills():  # each a copy the daemon must make: to where the entry now is
-                assert before[move.content_hash] == (MAIN, move.src)
-                entry = s.entries[move.content_hash]
-                assert (entry.tier, entry.offset) == (SPILL, move.dst)
-        elif op < 0.7:
-            s.commit(h)
-        elif op < 0.85:
-            s.lease(f"r{rng.randint(0, 5)}", [h], ttl_s=60)
-        else:
-            s.release(f"r{rng.randint(0, 5)}")
-        for tier, used in ((MAIN, "bytes_used"), (SPILL, "spill_bytes_used")):
-            spans = sorted((e.offset, e.offset + aligned(e.nbytes)) for e in s.entries.values() if e.tier == tier)
-            for (_, end), (start, _) in itertools.pairwise(spans):
-                assert end <= start
-            assert s.snapshot()[used] == sum(b - a for a, b in spans)
-        assert all(e.ready for e in s.entries.values() if e.tier == SPILL)  # only committed entries move
-    assert s.counters["spills"] > 100  # the traffic exercised the tier
 
 
 def test_copy_spills_moves_the_bytes(tmp_path: Path) -> None:
