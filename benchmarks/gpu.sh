@@ -10,7 +10,8 @@
 #        ENCODERS=N for N encoder processes instead of one per GPU, ENCODER_GPUS=1 (a comma list) to place
 #        the encoders on those GPUs: with the decoder on GPU 0, ENCODER_GPUS=1 gives vision its own GPU,
 #        DECODING_BUDGET=512 for the decoder's tokens per step while streams decode,
-#        C32_REQUESTS=256 for longer seed3img runs at 32 clients than the default 64)
+#        C32_REQUESTS=256 for longer seed3img runs at 32 clients than the default 64, MIXED_REQUESTS=200 for a
+#        longer mixed and control than the default 60 image requests)
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/gpu.sh OUT_DIR}")
 mkdir -p "$out"
@@ -76,6 +77,7 @@ fi
 
 quick() { [ "${QUICK:-0}" = 1 ]; }
 c32_requests=${C32_REQUESTS:-64}  # the seed3img runs at 32 clients: 64 is two rounds, 256 a steady state
+mixed_requests=${MIXED_REQUESTS:-60}  # mixed's image requests (at 6/s): 60 is a 10-s run, noisy by several points
 n() { if quick; then echo "$2"; else echo "$1"; fi; }
 bench() {  # name, time limit in seconds, args...
   local name=$1 limit=$2; shift 2
@@ -109,9 +111,9 @@ bench text-c16 30 --workload text --concurrency 16 --num-requests "$(n 32 4)"
 # control run sends streams of the same shape for as long without images; seed 1: images seed3img's runs did not cache
 # (image requests as ANCHORS' exactly, 3 photos of 768x1024 and 120 tokens, since after session 5's runs)
 anchor_images=(--image-size 768x1024 --max-tokens-spread 0)
-bench mixed 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --seed 1 "${anchor_images[@]}"
+bench mixed 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n "$mixed_requests" 6)" --seed 1 "${anchor_images[@]}"
 # (seed 2: text prompts of their own; with mixed's, they hit the prefix cache mixed filled, a control too easy)
-bench mixed-text-only 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n 60 6)" --seed 2 --vision-off \
+bench mixed-text-only 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n "$mixed_requests" 6)" --seed 2 --vision-off \
   "${anchor_images[@]}"
 bench text-c1 30 --workload text --concurrency 1 --num-requests "$(n 8 2)" --seed 6  # (not text-c16's prompts)
 
