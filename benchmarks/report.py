@@ -1,12 +1,15 @@
 """Summary statistics and the PNG plot of a run's per-request records.
 
 Records are the plain dicts ``serve`` writes (times in seconds, relative to the run start), so a
-saved results file can be re-summarised or re-plotted: ``python -m benchmarks.report results.json``.
+saved results file can be re-summarised or re-plotted: ``python -m benchmarks.report results.json``
+(or ``.json.gz``, as results are committed). With ``--control CONTROL.json`` it compares instead: how
+the text streams of a ``mixed`` run fared against the same streams alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -178,16 +181,49 @@ def plot(records: Sequence[Record], path: Path, title: str, group_by: str | None
     plt.close(fig)
 
 
+def load_results(path: Path) -> dict[str, Any]:
+    """A results file as ``serve`` wrote it, or gzipped (``.json.gz``)."""
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
+
+
+def isolation(mixed: dict[str, Any], control: dict[str, Any], kind: str = "text") -> dict[str, float | None]:
+    """The ``kind`` streams of a mixed run against a control run of such streams alone (issue 5's
+    acceptance 6: the share of throughput they keep, and how much their ITL p99 grows)."""
+
+    def streams(run: dict[str, Any]) -> dict[str, Any]:
+        summary: dict[str, Any] = run["summary"]
+        return summary.get("groups", {}).get("stream_kind", {}).get(kind, summary)
+
+    m, c = streams(mixed), streams(control)
+
+    def ratio(key: str) -> float | None:
+        return m[key] / c[key] if m.get(key) is not None and c.get(key) else None
+
+    return {
+        "throughput_share": ratio("output_tokens_per_s"),
+        "itl_p99_ratio": ratio("p99_itl_ms"),
+        "ttft_mean_ratio": ratio("mean_ttft_ms"),
+        **{f"mixed_{k}": m.get(k) for k in ("output_tokens_per_s", "p99_itl_ms", "mean_ttft_ms")},
+        **{f"control_{k}": c.get(k) for k in ("output_tokens_per_s", "p99_itl_ms", "mean_ttft_ms")},
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Re-summarise and re-plot a benchmarks.serve results file.")
     parser.add_argument("results", type=Path)
     parser.add_argument("--group-by", default=None, help="a request tag to split by (e.g. stream_kind, turn)")
+    parser.add_argument("--control", type=Path, default=None, help="compare a mixed run's text streams with this")
     args = parser.parse_args(argv)
-    data = json.loads(args.results.read_text())
+    data = load_results(args.results)
+    if args.control is not None:
+        print(json.dumps(isolation(data, load_results(args.control)), indent=2))
+        return
     records = data["requests"]
     group_by = [args.group_by] if args.group_by else data["config"].get("group_by", [])
     summary = summarize_run(records, data["summary"]["duration_s"], group_by)
-    plot(records, args.results.with_suffix(".png"), str(args.results), group_by[0] if group_by else None)
+    plot(records, args.results.with_name(args.results.name.split(".")[0] + ".png"), str(args.results),
+         group_by[0] if group_by else None)  # fmt: skip
     print(json.dumps(summary, indent=2))
 
 

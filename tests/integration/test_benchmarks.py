@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import io
 import itertools
 import json
@@ -47,6 +48,29 @@ def test_time_per_output_token_divides_by_tokens_not_chunks() -> None:
     assert report.time_per_output_token(1.0, 1.9, 10) == pytest.approx(0.1)
     assert report.time_per_output_token(1.0, 1.0, 1) is None  # a single token has no decode phase
     assert report.time_per_output_token(None, 2.0, 10) is None
+
+
+def test_isolation_compares_a_mixed_runs_text_streams_with_the_control(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stream = {"itl_s": [0.01] * 9 + [0.03], "e2e_s": 1.0, "tpot_s": 0.01, "output_tokens": 11, "prompt_tokens": 5}
+    slow = {**stream, "itl_s": [0.01] * 9 + [0.06]}
+    mixed = [record(start_s=0.0, end_s=2.0, ttft_s=0.2, tags={"stream_kind": "text"}, **slow)]
+    mixed.append(record(start_s=0.0, end_s=1.0, ttft_s=0.5, tags={"stream_kind": "vision"}, **stream))
+    control = [record(start_s=0.0, end_s=1.0, ttft_s=0.1, tags={"stream_kind": "text"}, **stream)]
+    paths = []
+    for name, records, duration in (("mixed.json.gz", mixed, 2.0), ("control.json", control, 1.0)):
+        run = {"config": {"group_by": ["stream_kind"]}, "requests": records}
+        run["summary"] = report.summarize_run(records, duration, ["stream_kind"])
+        raw = json.dumps(run).encode()
+        (tmp_path / name).write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)  # as committed
+        paths.append(str(tmp_path / name))
+    report.main([paths[0], "--control", paths[1]])
+    result = json.loads(capsys.readouterr().out)
+    assert result["throughput_share"] == pytest.approx(0.5)  # 11 tokens over 2 s against over 1 s
+    p99 = report.percentile(slow["itl_s"], 99), report.percentile(stream["itl_s"], 99)
+    assert result["itl_p99_ratio"] == pytest.approx(p99[0] / p99[1])
+    assert result["ttft_mean_ratio"] == pytest.approx(2.0)  # the vision stream's 0.5 s does not count
 
 
 def test_summary_counts_failures_and_splits_groups() -> None:
