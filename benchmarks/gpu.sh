@@ -10,6 +10,7 @@
 #        ENCODERS=N for N encoder processes instead of one per GPU, ENCODER_GPUS=1 (a comma list) to place
 #        the encoders on those GPUs: with the decoder on GPU 0, ENCODER_GPUS=1 gives vision its own GPU,
 #        DECODING_BUDGET=512 for the decoder's tokens per step while streams decode,
+#        DEVICE_POOL=1 SPILL_BYTES=N [POOL_BYTES=N] for the pool's host spill tier (a small pool spills),
 #        C32_REQUESTS=256 for longer seed3img runs at 32 clients than the default 64, MIXED_REQUESTS=200 for a
 #        longer mixed and control than the default 60 image requests)
 set -uo pipefail
@@ -17,10 +18,14 @@ out=$(realpath -m "${1:?usage: benchmarks/gpu.sh OUT_DIR}")
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLM_CONFIG="$PWD/benchmarks/gpu.toml"
-if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${DECODING_BUDGET:-}" ]; then  # variants of gpu.toml
+if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
+  || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${DECODING_BUDGET:-}${SPILL_BYTES:-}${POOL_BYTES:-}" ]; then  # variants of gpu.toml
   cp benchmarks/gpu.toml /tmp/gpu-variant.toml
   # DEVICE_POOL=1: the embedding pool in GPU memory, handed over by CUDA IPC
   [ "${DEVICE_POOL:-0}" = 1 ] && sed -i "/^\[cache\]/a device_pool = true" /tmp/gpu-variant.toml
+  # SPILL_BYTES=N (with DEVICE_POOL=1): the host tier behind it; POOL_BYTES=N sizes the GPU pool (small: spills)
+  [ -n "${SPILL_BYTES:-}" ] && sed -i "/^\[cache\]/a spill_bytes = ${SPILL_BYTES}" /tmp/gpu-variant.toml
+  [ -n "${POOL_BYTES:-}" ] && sed -i "/^pool_bytes/d; /^\[cache\]/a pool_bytes = ${POOL_BYTES}" /tmp/gpu-variant.toml
   # MPS=1 [MPS_SM=percent]: the CUDA MPS daemon, encoders capped at MPS_SM% of the SMs
   [ "${MPS:-0}" = 1 ] || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}" ] && printf '\n[encoder]\n' >> /tmp/gpu-variant.toml
   [ "${MPS:-0}" = 1 ] && printf 'mps = true\nmps_encoder_sm_percent = %s\nmps_decoder_sm_percent = %s\nmps_encoder_low_priority = %s\n' \
