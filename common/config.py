@@ -27,6 +27,13 @@ class ServerConfig:
     served_model_name: str = ""
     request_timeout_s: float = 300.0
     max_request_bytes: int = 64 * 1024 * 1024
+    # Completion requests handled at once (bodies, media and queues included); past it a 503 at once,
+    # before the body is read, rather than a queue (and memory) without end.
+    max_requests_in_flight: int = 512
+
+    def validate(self, where: str) -> None:
+        if self.max_requests_in_flight < 1:
+            raise ValueError(f"{where}.max_requests_in_flight: expected >= 1, got {self.max_requests_in_flight}")
 
 
 @dataclass

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from gateway.pipeline import Pipeline
 from gateway.prompt import Prompt, PromptBuilder
 from gateway.schema import GenerationOptions, parse_chat_request, parse_completion_request
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 log = logging.getLogger(__name__)
 
 Events = asyncio.Queue[TokenDelta | RequestError]
@@ -38,8 +39,10 @@ class Gateway:
         self.latency = GatewayMetrics()
         self.pipeline = Pipeline(cfg, self.latency.media_prepare)
         self.counters: dict[str, float] = dict.fromkeys(
-            ("requests_total", "requests_failed", "requests_disconnected", "tokens_generated"), 0.0
+            ("requests_total", "requests_failed", "requests_disconnected", "requests_refused_busy", "tokens_generated"),
+            0.0,
         )
+        self.in_flight = 0  # completion requests being handled, from their first byte to their last
 
     def app(self) -> web.Application:
         middlewares = [api_key_middleware(self.cfg.server.api_keys)] if self.cfg.server.api_keys else []
@@ -86,6 +89,27 @@ class Gateway:
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._admitted(request, self._chat_completions)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._admitted(request, self._completions)
+
+    async def _admitted(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A request past ``[server] max_requests_in_flight`` is answered 503 at once, before its body is
+        read: a flood must not queue (and hold bodies of up to max_request_bytes) without end. OpenAI's
+        clients retry a 503 after the Retry-After."""
+        limit = self.cfg.server.max_requests_in_flight
+        if self.in_flight >= limit:
+            self.counters["requests_refused_busy"] += 1
+            message = f"the server is at its limit of {limit} requests in flight; retry shortly"
+            return ApiError(503, message, code="server_busy", retry_after_s=1).response()
+        self.in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
             chat = parse_chat_request(await self._json(request))
             self._check_model(chat)
@@ -94,7 +118,7 @@ class Gateway:
             return exc.response()
         return await self._serve(request, chat, prompt, CHAT)
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
         try:
             options = parse_completion_request(await self._json(request))
             self._check_model(options)

@@ -15,16 +15,25 @@ _TYPES = {
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, object]:
         kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        return web.json_response(self.body(), status=self.status, headers=headers)

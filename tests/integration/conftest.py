@@ -93,13 +93,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from serve(tmp_path_factory, "test", "[cache]\npending_ttl_s = 30.0\n")
 
 
-def serve(tmp_path_factory: pytest.TempPathFactory, name: str, extra_toml: str = "") -> Iterator[Stack]:
-    """``./ops/serve`` on a free port with loopback media allowed, plus ``extra_toml`` (whole sections);
-    stopped with SIGTERM afterwards. Its output goes to ``run/serve-<name>.log``."""
+def serve(
+    tmp_path_factory: pytest.TempPathFactory, name: str, extra_toml: str = "", server_toml: str = ""
+) -> Iterator[Stack]:
+    """``./ops/serve`` on a free port with loopback media allowed, plus ``extra_toml`` (whole sections) and
+    ``server_toml`` (lines of [server]); stopped with SIGTERM afterwards. Its output goes to
+    ``run/serve-<name>.log``."""
     port = free_port()
     config = tmp_path_factory.mktemp(name) / "vlm.toml"
     config.write_text(
-        f"[server]\nport = {port}\nrequest_timeout_s = 120.0\n"
+        f"[server]\nport = {port}\nrequest_timeout_s = 120.0\n{server_toml}"
         "[fetcher]\nallow_private_addresses = true\nhttp_timeout_s = 5.0\nencode_timeout_s = 30.0\n" + extra_toml
     )
     env = {**os.environ, "VLM_CONFIG": str(config)}
