@@ -30,10 +30,13 @@ class ServerConfig:
     # Completion requests handled at once (bodies, media and queues included); past it a 503 at once,
     # before the body is read, rather than a queue (and memory) without end.
     max_requests_in_flight: int = 512
+    max_request_bytes_in_flight: int = 1024 * 1024 * 1024  # their bodies together (one alone may be larger)
 
     def validate(self, where: str) -> None:
         if self.max_requests_in_flight < 1:
             raise ValueError(f"{where}.max_requests_in_flight: expected >= 1, got {self.max_requests_in_flight}")
+        if self.max_request_bytes_in_flight < 1:
+            raise ValueError(f"{where}.max_request_bytes_in_flight: expected >= 1")
 
 
 @dataclass

@@ -43,6 +43,7 @@ class Gateway:
             0.0,
         )
         self.in_flight = 0  # completion requests being handled, from their first byte to their last
+        self.in_flight_bytes = 0  # their bodies' declared sizes
 
     def app(self) -> web.Application:
         middlewares = [api_key_middleware(self.cfg.server.api_keys)] if self.cfg.server.api_keys else []
@@ -95,19 +96,28 @@ class Gateway:
         return await self._admitted(request, self._completions)
 
     async def _admitted(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """A request past ``[server] max_requests_in_flight`` is answered 503 at once, before its body is
-        read: a flood must not queue (and hold bodies of up to max_request_bytes) without end. OpenAI's
-        clients retry a 503 after the Retry-After."""
-        limit = self.cfg.server.max_requests_in_flight
-        if self.in_flight >= limit:
+        """A request past ``[server] max_requests_in_flight``, or whose body would take the bodies in flight
+        past ``max_request_bytes_in_flight``, is answered 503 at once, before its body is read: a flood
+        must not queue (and hold bodies of up to max_request_bytes each) without end. OpenAI's clients
+        retry a 503 after the Retry-After. (One request alone is always let in, up to max_request_bytes.)"""
+        server = self.cfg.server
+        size = request.content_length or 0
+        if self.in_flight >= server.max_requests_in_flight:
+            busy = f"at its limit of {server.max_requests_in_flight} requests in flight"
+        elif self.in_flight and self.in_flight_bytes + size > server.max_request_bytes_in_flight:
+            busy = f"holding {self.in_flight_bytes} B of requests, and this one's {size} B would pass its limit"
+        else:
+            busy = ""
+        if busy:
             self.counters["requests_refused_busy"] += 1
-            message = f"the server is at its limit of {limit} requests in flight; retry shortly"
-            return ApiError(503, message, code="server_busy", retry_after_s=1).response()
+            return ApiError(503, f"the server is {busy}; retry shortly", code="server_busy", retry_after_s=1).response()
         self.in_flight += 1
+        self.in_flight_bytes += size
         try:
             return await handler(request)
         finally:
             self.in_flight -= 1
+            self.in_flight_bytes -= size
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:

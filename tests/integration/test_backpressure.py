@@ -1,5 +1,5 @@
-"""A server at its limit of requests in flight answers 503 at once, with Retry-After, and serves again
-once a request leaves."""
+"""A server at its limit of requests (or request bytes) in flight answers 503 at once, with Retry-After,
+and serves again once requests leave."""
 
 from __future__ import annotations
 
@@ -7,52 +7,72 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
 from openai import OpenAI
 
 from tests.integration.conftest import Stack, serve
+from tests.media import data_url, make_image
+
+LIMITS = "max_requests_in_flight = 2\nmax_request_bytes_in_flight = 100000\n"
 
 
 @pytest.fixture(scope="module")
 def busy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from serve(tmp_path_factory, "one-in-flight", server_toml="max_requests_in_flight = 1\n")
+    yield from serve(tmp_path_factory, "two-in-flight", server_toml=LIMITS)
 
 
-def ask(stack: Stack, **options: object) -> object:
+def ask(stack: Stack, content: Any = "Tell me a long story.", **options: Any) -> Any:
     client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
     return client.chat.completions.create(
         model=client.models.list().data[0].id,
-        messages=[{"role": "user", "content": "Tell me a long story."}],
+        messages=[{"role": "user", "content": content}],
         extra_body={"ignore_eos": True},
-        **options,  # type: ignore[arg-type]
+        **options,
     )
 
 
-def test_a_request_past_the_limit_is_refused_at_once_and_the_server_recovers(busy_stack: Stack) -> None:
-    streaming = ask(busy_stack, max_tokens=4000, stream=True)
-    next(iter(streaming))  # type: ignore[call-overload]  # the first chunk: this request is in flight
+def in_flight(stack: Stack) -> Any:
+    """A streaming request that stays in flight while its client does not read it."""
+    stream = ask(stack, max_tokens=4000, stream=True)
+    next(iter(stream))  # its first chunk: the gateway is serving it
+    return stream
+
+
+def refused(stack: Stack, content: Any = "hi") -> openai.InternalServerError:
     started = time.monotonic()
-    with pytest.raises(openai.InternalServerError, match="limit of 1 requests in flight") as refused:
-        ask(busy_stack, max_tokens=2)
-    assert refused.value.status_code == 503 and time.monotonic() - started < 5
-    assert refused.value.response.headers["Retry-After"] == "1"
-    body = b'{"messages": [{"role": "user", "content": "hi"}]}'  # the raw route too, body unread
+    with pytest.raises(openai.InternalServerError) as raised:
+        ask(stack, content, max_tokens=2)
+    assert raised.value.status_code == 503 and time.monotonic() - started < 5
+    assert raised.value.response.headers["Retry-After"] == "1"
+    return raised.value
+
+
+def test_requests_past_the_limits_are_refused_at_once_and_the_server_recovers(busy_stack: Stack) -> None:
+    big = [{"type": "image_url", "image_url": {"url": data_url(make_image(256, 256, seed=9))}}]
+    big.append({"type": "text", "text": "What is it?"})  # a body of ~200 kB
+    first = in_flight(busy_stack)
+    assert "would pass its limit" in refused(busy_stack, big).message  # 100 kB of bodies at most
+    second = in_flight(busy_stack)  # a small one still fits
+    assert "limit of 2 requests in flight" in refused(busy_stack).message
+    body = b'{"prompt": "hi"}'  # the text route too, its body unread
     request = urllib.request.Request(
         busy_stack.base_url + "/v1/completions", body, {"Content-Type": "application/json"}
     )
     with pytest.raises(urllib.error.HTTPError) as raw:
         urllib.request.urlopen(request, timeout=30)
     assert raw.value.code == 503
-    streaming.close()  # type: ignore[attr-defined]  # the client leaves; its slot frees as the gateway sees it
+    first.close()  # the clients leave; their slots free as the gateway sees them go
+    second.close()
     deadline = time.monotonic() + 30
     while True:
         try:
-            reply = ask(busy_stack, max_tokens=2)
+            alone = ask(busy_stack, big, max_tokens=2)  # alone, a body over the bytes limit is served
             break
         except openai.InternalServerError:
-            assert time.monotonic() < deadline, "still refusing 30 s after the only request left"
+            assert time.monotonic() < deadline, "still refusing 30 s after the requests in flight left"
             time.sleep(0.2)
-    assert reply.choices[0].finish_reason == "length"  # type: ignore[attr-defined]
-    assert busy_stack.metrics()["vlm_gateway_requests_refused_busy_total"] >= 2
+    assert alone.choices[0].finish_reason == "length"
+    assert busy_stack.metrics()["vlm_gateway_requests_refused_busy_total"] >= 3
