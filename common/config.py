@@ -44,6 +44,13 @@ class ModelConfig:
     path: str = ""  # empty: the built-in demo checkpoint
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda if available, else cpu
+    # auto: what a request leaves unset comes from generation_config.json's sampling keys (as vLLM does);
+    # ignore: OpenAI's defaults
+    generation_config: str = "auto"
+
+    def validate(self, where: str) -> None:
+        if self.generation_config not in ("auto", "ignore"):
+            raise ValueError(f"{where}.generation_config: expected 'auto' or 'ignore', got {self.generation_config!r}")
 
 
 @dataclass

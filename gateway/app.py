@@ -18,6 +18,7 @@ from aiohttp import web
 from common.config import Config
 from common.protocol import GenerateRequest, RequestError, SamplingParams, TokenDelta
 from gateway.choice import ChoiceStream, ChoiceUpdate
+from gateway.defaults import sampling_defaults, with_defaults
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics, render_values
 from gateway.pipeline import Pipeline
@@ -36,6 +37,9 @@ class Gateway:
         model_dir = cfg.model_path()
         self.model_name = cfg.server.served_model_name or model_dir.name
         self.prompts = PromptBuilder(model_dir)
+        self.defaults = sampling_defaults(model_dir) if cfg.model.generation_config == "auto" else {}
+        if self.defaults:
+            log.info("sampling defaults from %s/generation_config.json: %s", model_dir, self.defaults)
         self.latency = GatewayMetrics()
         self.pipeline = Pipeline(cfg, self.latency.media_prepare)
         self.counters: dict[str, float] = dict.fromkeys(
@@ -177,7 +181,7 @@ class Gateway:
         self, chat: GenerationOptions, prompt: Prompt, completion_id: str, events: Events
     ) -> list[ChoiceStream]:
         """One pipeline request per choice; seeded choices get seeds seed, seed+1, ... so they differ."""
-        sampling = sampling_params(chat)
+        sampling = sampling_params(with_defaults(chat, self.defaults))
         stops = [chat.stop] if isinstance(chat.stop, str) else list(chat.stop or [])
         choices = []
         for index in range(chat.n):
