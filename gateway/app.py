@@ -50,11 +50,14 @@ class Gateway:
         self.in_flight_bytes = 0  # their bodies' declared sizes
 
     def app(self) -> web.Application:
-        middlewares = [api_key_middleware(self.cfg.server.api_keys)] if self.cfg.server.api_keys else []
+        middlewares = [error_shapes(self.cfg.server.max_request_bytes)]
+        if self.cfg.server.api_keys:
+            middlewares.append(api_key_middleware(self.cfg.server.api_keys))
         app = web.Application(client_max_size=self.cfg.server.max_request_bytes, middlewares=middlewares)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.on_startup.append(self._on_startup)
@@ -69,8 +72,19 @@ class Gateway:
 
     # ------------------------------------------------------------------ routes
     async def models(self, _request: web.Request) -> web.Response:
-        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "vlm-serve"}
-        return web.json_response({"object": "list", "data": [card]})
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's ``models.retrieve``."""
+        name = request.match_info["model"]
+        if name != self.model_name:
+            return ApiError(
+                404, f"model {name!r} does not exist; this server serves {self.model_name!r}", code="model_not_found"
+            ).response()
+        return web.json_response(self._card())
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "vlm-serve"}
 
     async def health(self, _request: web.Request) -> web.Response:
         body = {"decoder": self.pipeline.decoder_live(), "fetchers": self.pipeline.fetchers.live_peers()}
@@ -387,6 +401,34 @@ class SseWriter:
     async def chunk(self, index: int, text: str | dict[str, Any], finish: str | None, extra: dict[str, Any]) -> None:
         choice = {"index": index, **self.flavor.delta(text), "finish_reason": finish, "logprobs": None, **extra}
         await self.send({**self.header(), "choices": [choice]})
+
+
+ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics"
+
+
+def error_shapes(max_request_bytes: int) -> Any:
+    """What aiohttp itself refuses (a path or method not served, a body over the limit) in OpenAI's error
+    shape (JSON), not aiohttp's text."""
+
+    @web.middleware
+    async def shape(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPMethodNotAllowed as exc:
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            message = f"{request.method} is not allowed on {request.path}; allowed: {allowed}"
+            return ApiError(405, message, code="method_not_allowed").response()
+        except web.HTTPNotFound:
+            message = f"{request.method} {request.path} is not served here; the routes are {ROUTES}"
+            return ApiError(404, message, code="not_found").response()
+        except web.HTTPRequestEntityTooLarge:
+            message = (
+                f"the request body is over the server's limit of {max_request_bytes} B ([server] max_request_bytes); "
+                "send large images by URL rather than inline"
+            )
+            return ApiError(413, message, code="request_too_large").response()
+
+    return shape
 
 
 def api_key_middleware(keys: list[str]) -> Any:

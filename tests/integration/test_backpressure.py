@@ -16,7 +16,7 @@ from openai import OpenAI
 from tests.integration.conftest import Stack, serve
 from tests.media import data_url, make_image
 
-LIMITS = "max_requests_in_flight = 2\nmax_request_bytes_in_flight = 100000\n"
+LIMITS = "max_requests_in_flight = 2\nmax_request_bytes_in_flight = 100000\nmax_request_bytes = 400000\n"
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,14 @@ def refused(stack: Stack, content: Any = "hi") -> openai.InternalServerError:
     assert raised.value.status_code == 503 and time.monotonic() - started < 5
     assert raised.value.response.headers["Retry-After"] == "1"
     return raised.value
+
+
+def test_a_body_over_max_request_bytes_gets_a_413_in_openais_shape(busy_stack: Stack) -> None:
+    huge = [{"type": "image_url", "image_url": {"url": data_url(make_image(512, 512, seed=3))}}]  # ~800 kB
+    with pytest.raises(openai.APIStatusError) as raised:
+        ask(busy_stack, huge, max_tokens=2)
+    assert raised.value.status_code == 413
+    assert "max_request_bytes" in raised.value.message and "by URL" in raised.value.message
 
 
 def test_requests_past_the_limits_are_refused_at_once_and_the_server_recovers(busy_stack: Stack) -> None:

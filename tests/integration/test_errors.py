@@ -10,17 +10,18 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import openai
 import pytest
 
 from tests.integration.conftest import MediaServer, Stack
 from tests.media import data_url, make_image
 
 
-def post(stack: Stack, body: bytes | dict[str, Any], timeout: float = 60) -> tuple[int, dict[str, Any], bytes]:
+def post(
+    stack: Stack, body: bytes | dict[str, Any], timeout: float = 60, path: str = "/v1/chat/completions"
+) -> tuple[int, dict[str, Any], bytes]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(
-        stack.base_url + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
-    )
+    request = urllib.request.Request(stack.base_url + path, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             raw = response.read()
@@ -76,6 +77,23 @@ CASES = {
     "logit_bias_value": (chat("hi", logit_bias={"5": 101}), 400, ("logit_bias",)),
     "logit_bias_outside_vocabulary": (chat("hi", logit_bias={"999999999": 1}), 400, ("logit_bias", "[0,")),
 }
+
+
+def test_routes_it_does_not_serve_answer_in_openais_shape(stack: Stack) -> None:
+    status, body, _ = post(stack, {"input": "hi"}, path="/v1/embeddings")
+    assert_error(status, body, 404, "not served", "/v1/chat/completions")
+    request = urllib.request.Request(stack.base_url + "/v1/chat/completions")  # a GET
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=30)
+    assert_error(raised.value.code, json.loads(raised.value.read()), 405, "not allowed", "POST")
+
+
+def test_models_retrieve(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+    name = client.models.list().data[0].id
+    assert client.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-17")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
