@@ -236,8 +236,9 @@ class Engine:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> list[Scheduled]:
         batch: list[Scheduled] = []
-        decoding = any(seq.num_tokens - seq.num_computed == 1 for seq in self.running.values())
-        budget = self.decoding_budget if decoding else self.prefill_budget
+        budget = self.prefill_budget
+        if self.decoding_budget != budget and any(s.num_tokens - s.num_computed == 1 for s in self.running.values()):
+            budget = self.decoding_budget  # (the scan only when the option is on: this runs every step)
         for seq in list(self.running.values()):  # decodes and unfinished prefills, oldest first
             if seq.request_id not in self.running:
                 continue  # preempted by an older sequence in this loop
