@@ -76,11 +76,10 @@ class Gateway:
 
     async def model(self, request: web.Request) -> web.Response:
         """OpenAI's ``models.retrieve``."""
-        name = request.match_info["model"]
-        if name != self.model_name:
-            return ApiError(
-                404, f"model {name!r} does not exist; this server serves {self.model_name!r}", code="model_not_found"
-            ).response()
+        try:
+            self._check_model(request.match_info["model"])
+        except ApiError as exc:
+            return exc.response()
         return web.json_response(self._card())
 
     def _card(self) -> dict[str, Any]:
@@ -140,7 +139,7 @@ class Gateway:
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
             chat = parse_chat_request(await self._json(request))
-            self._check_model(chat)
+            self._check_model(chat.model)
             prompt = await asyncio.get_running_loop().run_in_executor(None, self.prompts.build, chat.messages)
         except ApiError as exc:
             return exc.response()
@@ -149,7 +148,7 @@ class Gateway:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         try:
             options = parse_completion_request(await self._json(request))
-            self._check_model(options)
+            self._check_model(options.model)
             prompt = await asyncio.get_running_loop().run_in_executor(None, self.prompts.encode_text, options.prompt)
         except ApiError as exc:
             return exc.response()
@@ -182,11 +181,12 @@ class Gateway:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
 
-    def _check_model(self, options: GenerationOptions) -> None:
-        if options.model not in (None, self.model_name):
+    def _check_model(self, name: str | None) -> None:
+        """A request may leave the model out; one it names must be this server's."""
+        if name not in (None, self.model_name):
             raise ApiError(
                 404,
-                f"model {options.model!r} does not exist; this server serves {self.model_name!r}",
+                f"model {name!r} does not exist; this server serves {self.model_name!r}",
                 code="model_not_found",
                 param="model",
             )
@@ -451,6 +451,7 @@ def api_key_middleware(keys: list[str]) -> Any:
 
 def sampling_params(chat: GenerationOptions) -> SamplingParams:
     max_tokens = chat.token_limit or 1024
+    bias = chat.logit_bias_pairs
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=chat.temperature,
@@ -465,8 +466,8 @@ def sampling_params(chat: GenerationOptions) -> SamplingParams:
         frequency_penalty=chat.frequency_penalty,
         repetition_penalty=chat.repetition_penalty,
         top_logprobs=chat.top_logprobs_asked,
-        logit_bias_ids=[token for token, _ in chat.logit_bias_pairs],
-        logit_bias_values=[bias for _, bias in chat.logit_bias_pairs],
+        logit_bias_ids=[token for token, _ in bias],
+        logit_bias_values=[value for _, value in bias],
     )
 
 
