@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from openai import OpenAI
@@ -185,6 +186,17 @@ def _healthy(base_url: str, processes: list[subprocess.Popen[bytes]], timeout_s:
             pass
         time.sleep(0.5)
     raise TimeoutError("hand-started stack not healthy")
+
+
+def checkpoint_with_generation(source: Path, target: Path, changes: dict[str, Any]) -> Path:
+    """A copy of the checkpoint at ``source`` (its files linked) whose generation_config.json has ``changes``."""
+    target.mkdir()
+    for item in source.iterdir():
+        if item.name != "generation_config.json":
+            (target / item.name).symlink_to(item)
+    generation = json.loads((source / "generation_config.json").read_text())
+    (target / "generation_config.json").write_text(json.dumps({**generation, **changes}))
+    return target
 
 
 @contextlib.contextmanager

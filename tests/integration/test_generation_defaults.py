@@ -5,9 +5,7 @@ repetition penalty (3.0 here, so that it shows)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,26 +14,16 @@ from openai import OpenAI
 
 from benchmarks.hf_chat import HfChat
 from common.config import load_config
-from tests.integration.conftest import Stack, hand_started_stack
+from tests.integration.conftest import Stack, checkpoint_with_generation, hand_started_stack
 
 MESSAGES = [{"role": "user", "content": "Write a few words about rivers and mountains."}]
 SAMPLING = {"do_sample": True, "temperature": 0.01, "top_p": 0.001, "top_k": 1, "repetition_penalty": 3.0}
 
 
-def checkpoint_with_sampling(source: Path, target: Path, settings: str) -> Path:
-    target.mkdir()
-    for item in source.iterdir():
-        if item.name != "generation_config.json":
-            (target / item.name).symlink_to(item)
-    generation = json.loads((source / "generation_config.json").read_text())
-    (target / "generation_config.json").write_text(json.dumps({**generation, **SAMPLING}))
-    return target
-
-
 @pytest.fixture(scope="module")
 def sampling_server(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("defaults-stack")
-    model = checkpoint_with_sampling(load_config(stack.config_path).model_path(), root / "model", "")
+    model = checkpoint_with_generation(load_config(stack.config_path).model_path(), root / "model", SAMPLING)
     with hand_started_stack(root, model, "[cache]\npool_bytes = 16777216\n") as base_url:
         yield base_url
 

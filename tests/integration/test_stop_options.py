@@ -7,16 +7,14 @@ EOS certain — so each option visibly changes where generation stops.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from openai import OpenAI
 
 from common.config import load_config
-from tests.integration.conftest import Stack, hand_started_stack
+from tests.integration.conftest import Stack, checkpoint_with_generation, hand_started_stack
 
 PROMPT = [{"role": "user", "content": "Count to ten, please."}]
 PROCESSES = [
@@ -40,22 +38,12 @@ def first_token(stack: Stack) -> int:
     return reply.choices[0].token_ids[0]  # type: ignore[attr-defined]
 
 
-def checkpoint_with_eos(source: Path, target: Path, eos: int) -> Path:
-    target.mkdir()
-    for item in source.iterdir():
-        if item.name != "generation_config.json":
-            (target / item.name).symlink_to(item)
-    generation = json.loads((source / "generation_config.json").read_text())
-    generation["eos_token_id"] = [eos]
-    (target / "generation_config.json").write_text(json.dumps(generation))
-    return target
-
-
 @pytest.fixture(scope="module")
 def eos_server(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     eos = first_token(stack)
     root = tmp_path_factory.mktemp("eos-stack")
-    model = checkpoint_with_eos(load_config(stack.config_path).model_path(), root / "model", eos)
+    source = load_config(stack.config_path).model_path()
+    model = checkpoint_with_generation(source, root / "model", {"eos_token_id": [eos]})
     with hand_started_stack(root, model, "[cache]\npool_bytes = 16777216\n") as base_url:
         yield base_url, eos
 
