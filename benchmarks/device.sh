@@ -35,3 +35,14 @@ begin_check() {  # the script's $0, OUT_DIR
   use_carried_wheels
 }
 stack() { stack_into "$out" "$@"; }  # name, env assignments...
+
+# $out/NAME packed into $SHIP/NAME.tgz where SHIP is set (the device tool's $OUT): each part comes back
+# as soon as it is done, even if a later one runs the call past its limit.
+ship() {  # name
+  [ -n "${SHIP:-}" ] && tar czf "$SHIP/$1.tgz" -C "$out" "$1"
+}
+
+# The 2b-shaped synthetic checkpoint where gpu.sh makes it, if it is not there yet.
+synth_2b() {
+  [ -f /tmp/qwen2-vl-2b-synth/config.json ] || python3 -m workers.models.synth --size 2b --out /tmp/qwen2-vl-2b-synth --seed 0
+}
