@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -103,6 +104,45 @@ def flex_row(heads: int, head_dim: int, frame: int, frames: int, useful: float) 
     return {"kernel": "flex", "head_dim": head_dim, "ms": ms, "useful_tflops": useful / ms / 1e9}
 
 
+def layout_check(heads: int, head_dim: int, frame: int) -> dict[str, str]:
+    """Whether cuDNN's attention takes v as a strided view of the qkv projection (as the tower passed it
+    before its rotary kernel copied v out) and as a contiguous tensor; only cuDNN allowed, no fallback."""
+    qkv = torch.randn(frame, 3, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k = qkv[:, 0].contiguous(), qkv[:, 1].contiguous()
+    grid = torch.tensor([[1, 1, frame]])
+    verdicts = {}
+    for name, v in (("strided_v", qkv[:, 2]), ("contiguous_v", qkv[:, 2].contiguous())):
+        try:
+            with sdpa_choice((ATTENTION_CANDIDATES["cudnn"],)):
+                segment_attention(q, k, v, grid)
+            verdicts[name] = "ok"
+        except RuntimeError as err:
+            verdicts[name] = str(err).splitlines()[0][:200]
+    return verdicts
+
+
+def new_shape_ms(heads: int, head_dim: int, frame: int) -> dict[str, list[float]]:
+    """Each kernel's first call on each of five frame lengths it has not seen (cuDNN builds a plan per
+    shape), then the same lengths again: what images of every size cost against a repeated size."""
+    out = {}
+    for name, backend in ATTENTION_CANDIDATES.items():
+        times = []
+        for length in [frame + 28 * (i + 1) for i in range(5)] * 2:
+            q, k, v = (torch.randn(length, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            grid = torch.tensor([[1, 1, length]])
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            try:
+                with sdpa_choice((backend,)):
+                    segment_attention(q, k, v, grid)
+                torch.cuda.synchronize()
+            except RuntimeError:
+                break
+            times.append(round(1e3 * (time.perf_counter() - started), 3))
+        out[name] = times
+    return out
+
+
 def fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> e4m3 values and fp32 per-row scales [M, 1] with x ~= values * scales."""
     scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
@@ -154,11 +194,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     spec = ImageProcessorSpec.from_dir(args.model)
     tower = VisionTower.from_checkpoint(args.model, device="cuda", dtype=torch.bfloat16)
-    tower.tune_attention()
+    tuned = tower.tune_attention()
+    print(f"tune_attention: {tuned}, backends {[b.name for b in tower.backends]}", flush=True)
     tower.warm_up()
     patches, grid = preprocess_image(decode_image(jpeg(*ANCHOR, seed=3), 10**9), spec)
     pixels = torch.from_numpy(patches).to("cuda", torch.bfloat16)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "grid": list(grid), "tower": []}
+    result["tune_attention_ms"] = tuned
+    result["backends"] = [b.name for b in tower.backends]
     for batch in (3, 8):
         ms = cuda_time_ms(lambda b=batch: encode_images(tower, [pixels] * b, [list(grid)] * b), 5)
         rate = 1e3 * batch / ms
@@ -170,6 +213,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {ms:8.2f} ms  {name[:110]}")
     vs = tower.spec
     frame = grid[1] * grid[2]
+    result["layout"] = layout_check(vs.num_heads, vs.head_dim, frame)
+    result["new_shape_ms"] = new_shape_ms(vs.num_heads, vs.head_dim, frame)
+    print("cuDNN and v's layout:", result["layout"], flush=True)
+    print("first calls on new lengths, then again:", result["new_shape_ms"], flush=True)
     result["attention"] = attention_rows(vs.num_heads, vs.head_dim, frame, 3)
     for row in result["attention"]:
         print("attention", json.dumps(row), flush=True)

@@ -336,6 +336,19 @@ def test_vision_tower_validates_inputs(hub_checkpoint: Checkpoint) -> None:
         tower(torch.randn(4, patch_dim + 1), torch.tensor([[1, 2, 2]]))
 
 
+def test_patch_embed_as_linear_equals_the_conv(hub_checkpoint: Checkpoint) -> None:
+    """CUDA runs the patch embedding as a matmul over each flattened patch row (the conv's kernel was slow):
+    the same map as the reference's Conv3d, to rounding, here in float64 on the CPU."""
+    embed = hub_checkpoint.vision.patch_embed
+    rows = torch.randn(12, hub_checkpoint.spec.vision.patch_dim, generator=torch.Generator().manual_seed(5))
+    original = embed.proj.weight
+    try:
+        embed.proj.weight = torch.nn.Parameter(original.double(), requires_grad=False)
+        torch.testing.assert_close(embed.as_linear(rows.double()), embed.as_conv(rows.double()), rtol=1e-12, atol=1e-12)
+    finally:
+        embed.proj.weight = original
+
+
 def test_segment_attention_matches_block_diagonal_reference() -> None:
     grid = torch.tensor([[2, 2, 4], [1, 4, 2], [3, 2, 2]])
     n = int(grid.prod(dim=1).sum())
