@@ -32,7 +32,13 @@ from benchmarks.engine import cuda_time_ms
 from benchmarks.vision import jpeg
 from workers.encoder.worker import encode_images
 from workers.fetcher.image import ImageProcessorSpec, decode_image, preprocess_image
-from workers.models.vision import ATTENTION_CANDIDATES, VisionTower, sdpa_choice, segment_attention
+from workers.models.vision import (
+    ATTENTION_CANDIDATES,
+    VisionTower,
+    padded_segment_attention,
+    sdpa_choice,
+    segment_attention,
+)
 
 ANCHOR = (768, 1024)
 CATEGORIES = (  # first match wins; names lower-cased
@@ -88,6 +94,11 @@ def attention_rows(heads: int, head_dim: int, frame: int, frames: int) -> list[d
                 rows.append({"kernel": name, "head_dim": padded, "error": str(err)[:200]})
                 continue
             rows.append({"kernel": name, "head_dim": padded, "ms": ms, "useful_tflops": useful / ms / 1e9})
+    q, k, v = (torch.randn(frame * frames, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    grid = torch.tensor([[1, 1, frame]] * frames)
+    with sdpa_choice((ATTENTION_CANDIDATES["cudnn"],)):
+        ms = cuda_time_ms(lambda: padded_segment_attention(q, k, v, grid), 10)
+    rows.append({"kernel": "cudnn-padded", "head_dim": head_dim, "ms": ms, "useful_tflops": useful / ms / 1e9})
     rows.append(flex_row(heads, head_dim, frame, frames, useful))
     return rows
 
@@ -123,9 +134,12 @@ def layout_check(heads: int, head_dim: int, frame: int) -> dict[str, str]:
 
 def new_shape_ms(heads: int, head_dim: int, frame: int) -> dict[str, list[float]]:
     """Each kernel's first call on each of five frame lengths it has not seen (cuDNN builds a plan per
-    shape), then the same lengths again: what images of every size cost against a repeated size."""
+    shape), then the same lengths again: what images of every size cost against a repeated size. The
+    padded cuDNN path (the tower's when cuDNN is picked) builds one per bucket: two here."""
     out = {}
-    for name, backend in ATTENTION_CANDIDATES.items():
+    kernels = [(name, backend, segment_attention) for name, backend in ATTENTION_CANDIDATES.items()]
+    kernels.append(("cudnn-padded", ATTENTION_CANDIDATES["cudnn"], padded_segment_attention))
+    for name, backend, attend in kernels:
         times = []
         for length in [frame + 28 * (i + 1) for i in range(5)] * 2:
             q, k, v = (torch.randn(length, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -134,7 +148,7 @@ def new_shape_ms(heads: int, head_dim: int, frame: int) -> dict[str, list[float]
             started = time.perf_counter()
             try:
                 with sdpa_choice((backend,)):
-                    segment_attention(q, k, v, grid)
+                    attend(q, k, v, grid)
                 torch.cuda.synchronize()
             except RuntimeError:
                 break

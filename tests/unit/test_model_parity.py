@@ -32,6 +32,9 @@ from workers.models.spec import ModelSpec
 from workers.models.vision import (
     VisionTower,
     cu_seqlens_from_grid,
+    frame_bucket,
+    frame_chunks,
+    padded_segment_attention,
     segment_attention,
     segment_attention_reference,
 )
@@ -357,6 +360,37 @@ def test_segment_attention_matches_block_diagonal_reference() -> None:
     torch.testing.assert_close(
         segment_attention(q, k, v, grid), segment_attention_reference(q, k, v, cu_seqlens_from_grid(grid))
     )
+
+
+@pytest.mark.parametrize("head_dim", [8, 80])
+def test_padded_segment_attention_equals_the_unpadded(head_dim: int) -> None:
+    """The cuDNN path pads frames to bucket lengths and masks the padded keys through an extra coordinate;
+    the real rows must come out as without padding. Frames of 4 and 300 patches (padded), 256 (a bucket
+    already), and an 11-frame video (batches of 8, 2 and 1). float64, so only summation order differs."""
+    grid = torch.tensor([[1, 2, 2], [1, 12, 25], [1, 16, 16], [11, 2, 4]])
+    n = int(grid.prod(dim=1).sum())
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(n, 2, head_dim, generator=gen, dtype=torch.float64) * 4 for _ in range(3))
+    got = padded_segment_attention(q, k, v, grid)
+    torch.testing.assert_close(got, segment_attention(q, k, v, grid), rtol=1e-9, atol=1e-9)
+
+
+def test_frame_buckets_are_few_and_waste_little() -> None:
+    buckets = {frame_bucket(n) for n in range(1, 16385)}
+    assert len(buckets) <= 16 * 6 + 1  # 16 per octave above 256 patches
+    for n in range(1, 16385):
+        bucket = frame_bucket(n)
+        assert bucket >= n and bucket % 256 == 0
+        assert n < 4096 or bucket <= n * 1.0625  # large frames, where attention's cost is, waste <= 6.25%
+    assert frame_bucket(3996) == 4096 and frame_bucket(4784) == 4864  # 768x1024, 1280x720
+
+
+def test_frame_chunks_are_powers_of_two_up_to_eight() -> None:
+    for frames in range(1, 40):
+        chunks = frame_chunks(frames)
+        assert sum(chunks) == frames
+        assert all(c in (1, 2, 4, 8) for c in chunks)
+    assert frame_chunks(11) == [8, 2, 1]
 
 
 # --- M-RoPE -----------------------------------------------------------------------------------------

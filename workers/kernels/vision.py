@@ -27,7 +27,7 @@ def vision_rotary_qk_reference(
 def vision_rotary_qk(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton on CUDA tensors (q, k and v each contiguous), the reference otherwise (v a view of qkv)."""
+    """Triton on CUDA tensors, the reference otherwise; v is a view of qkv either way."""
     if use_triton(qkv, cos, sin):
         return vision_rotary_qk_triton(qkv, cos, sin, heads)
     return vision_rotary_qk_reference(qkv, cos, sin, heads)

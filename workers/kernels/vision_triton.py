@@ -20,7 +20,6 @@ def _rotary_qk_kernel(
     sin_ptr,
     q_ptr,
     k_ptr,
-    v_ptr,
     n_rows,
     stride_qkv,
     HEADS: tl.constexpr,
@@ -30,8 +29,7 @@ def _rotary_qk_kernel(
     ROWS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """ROWS patches, every head: q and k out = x * cos + rotate_half(x) * sin in fp32, as the reference; v
-    copied out as it is, so that all three leave contiguous (cuDNN's attention refuses a strided v)."""
+    """ROWS patches, every head of q and k: out = x * cos + rotate_half(x) * sin in fp32, as the reference."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     heads = tl.arange(0, HEADS_P2)
     cols = tl.arange(0, HALF_P2)
@@ -48,20 +46,16 @@ def _rotary_qk_kernel(
     dim = 2 * HALF
     within = heads[None, :, None] * dim + cols[None, None, :]  # offset of a head's first half in q (or k)
     dtype = q_ptr.dtype.element_ty
-    for part in tl.static_range(3):  # 0: q, 1: k, 2: v
+    for part in tl.static_range(2):  # 0: q, 1: k
         src = qkv_ptr + rows64[:, None, None] * stride_qkv + part * HEADS * dim + within
-        lo = tl.load(src, mask=mask, other=0.0)
-        hi = tl.load(src + HALF, mask=mask, other=0.0)
-        if part < 2:
-            lo32 = lo.to(tl.float32)
-            hi32 = hi.to(tl.float32)
-            # Launched with fp fusion off: each product is rounded before the sum, as torch's separate ops do.
-            lo = to_dtype(lo32 * cos_lo - hi32 * sin_lo, dtype, INTERPRETED)
-            hi = to_dtype(hi32 * cos_hi + lo32 * sin_hi, dtype, INTERPRETED)
-        out_ptr = q_ptr if part == 0 else (k_ptr if part == 1 else v_ptr)
-        dst = out_ptr + rows64[:, None, None] * (HEADS * dim) + within
-        tl.store(dst, lo, mask=mask)
-        tl.store(dst + HALF, hi, mask=mask)
+        lo = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        hi = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        # Launched with fp fusion off: each product is rounded before the sum, as torch's separate ops do.
+        out_lo = lo * cos_lo - hi * sin_lo
+        out_hi = hi * cos_hi + lo * sin_hi
+        dst = (q_ptr if part == 0 else k_ptr) + rows64[:, None, None] * (HEADS * dim) + within
+        tl.store(dst, to_dtype(out_lo, dtype, INTERPRETED), mask=mask)
+        tl.store(dst + HALF, to_dtype(out_hi, dtype, INTERPRETED), mask=mask)
 
 
 @triton.jit
@@ -94,7 +88,7 @@ def plan_rotary(
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
     q = torch.empty((n, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty_like(q)
-    v = torch.empty_like(q)
+    v = qkv.view(n, 3, heads, head_dim)[:, 2]
     half = head_dim // 2
     step = Launch(
         _rotary_qk_kernel,
@@ -105,7 +99,6 @@ def plan_rotary(
             "sin_ptr": sin.contiguous(),
             "q_ptr": q,
             "k_ptr": k,
-            "v_ptr": v,
             "n_rows": n,
             "stride_qkv": qkv.stride(0),
         },

@@ -102,6 +102,72 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid_th
     return torch.cat(out, dim=0)
 
 
+# cuDNN's attention compiles a kernel plan per shape: 57-74 ms per new frame length on the H200, against
+# 0.35-0.6 ms per call once built (`benchmarks.vit_profile`, session 7). Images come in every size, so the
+# cuDNN path pads each frame to one of a few lengths and masks the padding.
+BUCKET_FLOOR = 256
+# A padded key's extra coordinate: q's is 1, so its score is -MASK_SCORE * scale (-1,831 at head_dim 80),
+# whose softmax weight is exactly 0 in fp32. Real keys' extra coordinate is 0 and adds exactly nothing.
+MASK_SCORE = 16384.0
+
+
+def frame_bucket(length: int) -> int:
+    """The length a frame of ``length`` patches is padded to: a multiple of 1/16 of the power of two below it
+    (at most ~6% more rows), and of 256 at least. 16 lengths per octave: few plans, little waste."""
+    step = max(BUCKET_FLOOR, 1 << max(0, length.bit_length() - 5))
+    return -(-length // step) * step
+
+
+def frame_chunks(frames: int, largest: int = 8) -> list[int]:
+    """An item's frames split into powers of two up to ``largest`` (a video of 11 frames: 8, 2, 1), so that
+    the batch sizes, and with them cuDNN's plans, stay few."""
+    chunks = []
+    while frames:
+        size = min(largest, 1 << (frames.bit_length() - 1))
+        chunks.append(size)
+        frames -= size
+    return chunks
+
+
+def padded_segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """`segment_attention` with every frame padded to `frame_bucket` length, for cuDNN (see BUCKET_FLOOR).
+
+    The head size grows by one coordinate (rounded up to a multiple of 8) that masks the padded keys: no
+    mask tensor is read, and the real rows' scores are the unpadded ones, scaled by the original head size."""
+    out = []
+    start = 0
+    for t, h, w in grid_thw.tolist():
+        for frames in frame_chunks(t):
+            count = frames * h * w
+            parts = (x[start : start + count] for x in (q, k, v))
+            out.append(_attend_padded(*parts, frames, h * w))
+            start += count
+    return torch.cat(out, dim=0)
+
+
+def _attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frames: int, length: int) -> torch.Tensor:
+    heads, dim = q.shape[1:]
+    padded = frame_bucket(length)
+    padded_dim = -(-(dim + 1) // 8) * 8
+    qkv = q.new_zeros(3, frames, padded, heads, padded_dim)
+    for i, x in enumerate((q, k, v)):
+        qkv[i, :, :length, :, :dim] = x.view(frames, length, heads, dim)
+    qkv[0, :, :, :, dim] = 1.0
+    qkv[1, :, length:, :, dim] = -MASK_SCORE
+    qp, kp, vp = (qkv[i].transpose(1, 2) for i in range(3))  # [frames, heads, padded, padded_dim]
+    attn = F.scaled_dot_product_attention(qp, kp, vp, scale=dim**-0.5)
+    return attn[:, :, :length, :dim].transpose(1, 2).reshape(frames * length, heads, dim)
+
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def attention_for(backends: Sequence[SDPBackend]) -> Attend:
+    """The frames padded to few lengths where cuDNN comes first (its plans are per shape), as they are else."""
+    cudnn_first = bool(backends) and backends[0] == SDPBackend.CUDNN_ATTENTION
+    return padded_segment_attention if cudnn_first else segment_attention
+
+
 def sdpa_choice(backends: Sequence[SDPBackend]) -> contextlib.AbstractContextManager[object]:
     """SDPA restricted to ``backends``, tried in that order (empty: torch's own choice)."""
     return sdpa_kernel(list(backends), set_priority=True) if backends else contextlib.nullcontext()
@@ -118,23 +184,24 @@ ATTENTION_CANDIDATES = {
 def time_attention(
     backend: SDPBackend, heads: int, head_dim: int, tokens: int, device: torch.device, dtype: torch.dtype
 ) -> float:
-    """Milliseconds of one frame's attention with only ``backend`` allowed (inf where it cannot run).
-
-    Timed by the wall clock on frames of lengths it has not seen, as images of every size arrive: a
-    kernel that prepares itself per shape (cuDNN builds an execution plan) pays for that here too."""
-    q, k, v = (torch.randn(tokens + 64, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
-    lengths = [tokens + 16 * i for i in range(1, 4)]
+    """Milliseconds of one frame's attention with only ``backend`` allowed (inf where it cannot run), as the
+    tower runs it (`attention_for`): on new lengths, as images of every size arrive, after a warm-up whose
+    length shares their `frame_bucket`. cuDNN then pays its per-shape plan once per bucket, not per length."""
+    attend = attention_for((backend,))
+    first = frame_bucket(tokens) + 1  # just above a bucket's edge: the next 255 lengths share its bucket
+    lengths = [first + 16 * i for i in range(4)]  # the first warms up
+    q, k, v = (torch.randn(lengths[-1], heads, head_dim, device=device, dtype=dtype) for _ in range(3))
     try:
         with sdpa_choice((backend,)):
-            segment_attention(q[:tokens], k[:tokens], v[:tokens], torch.tensor([[1, 1, tokens]]))  # warm-up
-            torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            for n in lengths:
-                segment_attention(q[:n], k[:n], v[:n], torch.tensor([[1, 1, n]]))
+            for i, n in enumerate(lengths):
+                if i == 1:
+                    torch.cuda.synchronize(device)
+                    started = time.perf_counter()
+                attend(q[:n], k[:n], v[:n], torch.tensor([[1, 1, n]]))
             torch.cuda.synchronize(device)
     except RuntimeError:
         return float("inf")
-    return 1e3 * (time.perf_counter() - started) / len(lengths)
+    return 1e3 * (time.perf_counter() - started) / (len(lengths) - 1)
 
 
 def segment_attention_reference(
@@ -185,9 +252,11 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(spec.embed_dim, 3 * spec.embed_dim, bias=True)
         self.proj = nn.Linear(spec.embed_dim, spec.embed_dim, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grid_thw: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
         q, k, v = vision_rotary_qk(self.qkv(x), cos, sin, self.num_heads)  # one Triton kernel on CUDA
-        out = segment_attention(q, k, v, grid_thw)  # SDPA's kernel: the tower's `backends`, set around all blocks
+        out = attend(q, k, v, grid_thw)  # SDPA's kernel: the tower's `backends`, set around all blocks
         return self.proj(out.reshape(x.shape[0], -1))
 
 
@@ -212,8 +281,10 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(spec)
         self.mlp = VisionMlp(spec)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, grid_thw)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grid_thw: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, grid_thw, attend)
         return x + self.mlp(self.norm2(x))
 
 
@@ -314,9 +385,10 @@ class VisionTower(nn.Module):
         positions = vision_rotary_positions(grid_thw, self.spec.spatial_merge_size).to(self.device)
         cos, sin = vision_rotary_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
         x = self.patch_embed(pixel_values.to(self.device))
+        attend = attention_for(self.backends)
         with sdpa_choice(self.backends):  # set once per forward, around every block
             for block in self.blocks:
-                x = block(x, cos, sin, grid_thw)
+                x = block(x, cos, sin, grid_thw, attend)
         return self.merger(x)
 
     def _validate(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
