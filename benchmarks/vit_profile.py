@@ -32,13 +32,14 @@ from benchmarks.engine import cuda_time_ms
 from benchmarks.vision import jpeg
 from workers.encoder.worker import encode_images
 from workers.fetcher.image import ImageProcessorSpec, decode_image, preprocess_image
-from workers.models.vision import (
+from workers.models.frame_attention import (
     ATTENTION_CANDIDATES,
-    VisionTower,
-    padded_segment_attention,
+    PaddedFrames,
+    SegmentFrames,
     sdpa_choice,
     segment_attention,
 )
+from workers.models.vision import VisionTower
 
 ANCHOR = (768, 1024)
 CATEGORIES = (  # first match wins; names lower-cased
@@ -94,11 +95,18 @@ def attention_rows(heads: int, head_dim: int, frame: int, frames: int) -> list[d
                 rows.append({"kernel": name, "head_dim": padded, "error": str(err)[:200]})
                 continue
             rows.append({"kernel": name, "head_dim": padded, "ms": ms, "useful_tflops": useful / ms / 1e9})
-    q, k, v = (torch.randn(frame * frames, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    # As the tower runs them, from the qkv projection, rotary included: padded cuDNN against FlashAttention-2.
+    qkv = torch.randn(frame * frames, 3 * heads * head_dim, device="cuda", dtype=torch.bfloat16)
+    cos = torch.ones(frame * frames, head_dim, device="cuda")
+    sin = torch.zeros_like(cos)
     grid = torch.tensor([[1, 1, frame]] * frames)
-    with sdpa_choice((ATTENTION_CANDIDATES["cudnn"],)):
-        ms = cuda_time_ms(lambda: padded_segment_attention(q, k, v, grid), 10)
-    rows.append({"kernel": "cudnn-padded", "head_dim": head_dim, "ms": ms, "useful_tflops": useful / ms / 1e9})
+    for name, backend, attend in (
+        ("cudnn-padded+rotary", "cudnn", PaddedFrames.plan(grid, heads, head_dim, qkv)),
+        ("flash+rotary", "flash", SegmentFrames(grid)),
+    ):
+        with sdpa_choice((ATTENTION_CANDIDATES[backend],)):
+            ms = cuda_time_ms(lambda a=attend: a(qkv, cos, sin, heads), 10)
+        rows.append({"kernel": name, "head_dim": head_dim, "ms": ms, "useful_tflops": useful / ms / 1e9})
     rows.append(flex_row(heads, head_dim, frame, frames, useful))
     return rows
 
@@ -132,13 +140,21 @@ def layout_check(heads: int, head_dim: int, frame: int) -> dict[str, str]:
     return verdicts
 
 
+def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """The padded cuDNN path on q, k, v (rotary by identity tables), planned per call as a forward does."""
+    n, heads, dim = q.shape
+    qkv = torch.cat([q, k, v], dim=1).view(n, 3 * heads * dim)
+    cos = torch.ones(n, dim, device=q.device)
+    return PaddedFrames.plan(grid, heads, dim, qkv)(qkv, cos, torch.zeros_like(cos), heads)
+
+
 def new_shape_ms(heads: int, head_dim: int, frame: int) -> dict[str, list[float]]:
     """Each kernel's first call on each of five frame lengths it has not seen (cuDNN builds a plan per
     shape), then the same lengths again: what images of every size cost against a repeated size. The
     padded cuDNN path (the tower's when cuDNN is picked) builds one per bucket: two here."""
     out = {}
     kernels = [(name, backend, segment_attention) for name, backend in ATTENTION_CANDIDATES.items()]
-    kernels.append(("cudnn-padded", ATTENTION_CANDIDATES["cudnn"], padded_segment_attention))
+    kernels.append(("cudnn-padded", ATTENTION_CANDIDATES["cudnn"], padded_attention))
     for name, backend, attend in kernels:
         times = []
         for length in [frame + 28 * (i + 1) for i in range(5)] * 2:

@@ -11,8 +11,9 @@ import torch
 
 from tests.gpu.test_kernels_gpu import _SKIP_REASON
 from workers.kernels import vision as vision_kernels
+from workers.models.frame_attention import ATTENTION_CANDIDATES, time_attention
 from workers.models.spec import VisionSpec
-from workers.models.vision import ATTENTION_CANDIDATES, VisionTower, time_attention
+from workers.models.vision import VisionTower
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")]
 CUDA = torch.device("cuda")

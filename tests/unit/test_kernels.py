@@ -487,6 +487,25 @@ def test_vision_rotary_qk(heads: int, head_dim: int, grid: list[list[int]], dtyp
         assert actual.shape == expected.shape and torch.equal(actual, expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vision_rotary_qk_into_a_padded_layout(dtype: torch.dtype) -> None:
+    """The cuDNN path's rotary: rows scattered into a padded [3, rows, heads, padded_dim] layout, v copied too,
+    every other element (padding, the masking coordinate) left as it was."""
+    from workers.models.vision import vision_rotary_cos_sin, vision_rotary_positions
+
+    heads, head_dim, grid = 16, 80, [[1, 4, 6], [2, 2, 2]]
+    cos, sin = vision_rotary_cos_sin(vision_rotary_positions(torch.tensor(grid), 2), head_dim, 10000.0)
+    n = cos.shape[0]
+    qkv = (torch.randn(n, 3 * heads * head_dim, generator=torch.Generator().manual_seed(22)) * 3).to(dtype)
+    dest = torch.randperm(2 * n, generator=torch.Generator().manual_seed(23))[:n]
+    before = torch.randn(3, 2 * n, heads, 88, generator=torch.Generator().manual_seed(24)).to(dtype)
+    got, expected = before.clone(), before.clone()
+    vision.vision_rotary_qk_into_triton(qkv, cos, sin, heads, got, dest)
+    vision.vision_rotary_qk_into(qkv, cos, sin, heads, expected, dest)  # the reference: these are CPU tensors
+    assert torch.equal(got, expected)
+    assert torch.equal(expected[:, dest, :, :head_dim][2], qkv.view(n, 3, heads, head_dim)[:, 2])
+
+
 def test_vision_rotary_qk_rejects_mismatched_tables() -> None:
     with pytest.raises(ValueError, match="cos must be fp32"):
         vision.vision_rotary_qk_triton(torch.zeros(4, 3 * 2 * 8), torch.zeros(4, 8).half(), torch.zeros(4, 8), 2)

@@ -19,6 +19,14 @@ import torch
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRMSNorm
 
 from tests.unit import hf_reference as hf
+from workers.models.frame_attention import (
+    PaddedFrames,
+    SegmentFrames,
+    frame_bucket,
+    frame_chunks,
+    segment_attention,
+    segment_attention_reference,
+)
 from workers.models.language import (
     KVCache,
     LanguageModel,
@@ -29,15 +37,7 @@ from workers.models.language import (
 )
 from workers.models.mrope import decode_positions, expand_media_placeholders, rope_positions
 from workers.models.spec import ModelSpec
-from workers.models.vision import (
-    VisionTower,
-    cu_seqlens_from_grid,
-    frame_bucket,
-    frame_chunks,
-    padded_segment_attention,
-    segment_attention,
-    segment_attention_reference,
-)
+from workers.models.vision import VisionTower, cu_seqlens_from_grid, vision_rotary_cos_sin, vision_rotary_positions
 from workers.models.weights import CheckpointWeights, canonical_key, load_language_state, load_vision_state
 
 IM_START = 151644
@@ -363,16 +363,20 @@ def test_segment_attention_matches_block_diagonal_reference() -> None:
 
 
 @pytest.mark.parametrize("head_dim", [8, 80])
-def test_padded_segment_attention_equals_the_unpadded(head_dim: int) -> None:
+def test_padded_frames_attend_as_the_unpadded(head_dim: int) -> None:
     """The cuDNN path pads frames to bucket lengths and masks the padded keys through an extra coordinate;
-    the real rows must come out as without padding. Frames of 4 and 300 patches (padded), 256 (a bucket
-    already), and an 11-frame video (batches of 8, 2 and 1). float64, so only summation order differs."""
-    grid = torch.tensor([[1, 2, 2], [1, 12, 25], [1, 16, 16], [11, 2, 4]])
-    n = int(grid.prod(dim=1).sum())
-    gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(n, 2, head_dim, generator=gen, dtype=torch.float64) * 4 for _ in range(3))
-    got = padded_segment_attention(q, k, v, grid)
-    torch.testing.assert_close(got, segment_attention(q, k, v, grid), rtol=1e-9, atol=1e-9)
+    the real rows must come out as without padding, rotary included. Frames of 4 and 300 patches (padded),
+    256 (a bucket already), and an 11-frame video (batches of 8, 2 and 1). Here the CPU's reference rotary
+    writes the padded layout; tests/unit/test_kernels.py checks the Triton kernel writes the same."""
+    grid = torch.tensor([[1, 2, 2], [1, 12, 26], [1, 16, 16], [11, 2, 4]])
+    heads, n = 2, int(grid.prod(dim=1).sum())
+    qkv = torch.randn(n, 3 * heads * head_dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 4
+    cos, sin = (t.to(torch.float64) for t in vision_rotary_cos_sin(vision_rotary_positions(grid, 2), head_dim, 1e4))
+    padded = PaddedFrames.plan(grid, heads, head_dim, qkv)
+    assert padded.qkv.shape[1] == 256 + 512 + 256 + 11 * 256  # the frames' buckets
+    got = padded(qkv, cos, sin, heads)
+    torch.testing.assert_close(got, SegmentFrames(grid)(qkv, cos, sin, heads), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(padded(qkv, cos, sin, heads), got, rtol=0, atol=0)  # reusable by every block
 
 
 def test_frame_buckets_are_few_and_waste_little() -> None:

@@ -38,6 +38,39 @@ def vision_rotary_qk_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from workers.kernels import vision_triton
 
+    _check_rotary_inputs(qkv, cos, sin, heads)
+    return vision_triton.launch_rotary(qkv, cos, sin, heads)
+
+
+def vision_rotary_qk_into(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, padded: torch.Tensor, dest: torch.Tensor
+) -> None:
+    """Rotated q and k, and v, written into rows ``dest`` of ``padded`` [3, rows, heads, padded_dim] (their
+    first head_dim coordinates; the rest untouched): Triton on CUDA tensors, the reference otherwise."""
+    if use_triton(qkv, cos, sin, padded, dest):
+        vision_rotary_qk_into_triton(qkv, cos, sin, heads, padded, dest)
+        return
+    for part, x in zip(padded, vision_rotary_qk_reference(qkv, cos, sin, heads), strict=True):
+        part[dest, :, : x.shape[-1]] = x
+
+
+def vision_rotary_qk_into_triton(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, padded: torch.Tensor, dest: torch.Tensor
+) -> None:
+    from workers.kernels import vision_triton
+
+    head_dim = _check_rotary_inputs(qkv, cos, sin, heads)
+    if padded.ndim != 4 or padded.shape[0] != 3 or padded.shape[2] != heads or padded.shape[3] < head_dim:
+        raise ValueError(f"padded must be [3, rows, {heads}, >= {head_dim}], got {tuple(padded.shape)}")
+    if padded.stride(3) != 1 or padded.dtype != qkv.dtype:
+        raise ValueError(f"padded must be {qkv.dtype} with its last dimension contiguous")
+    if dest.shape != (qkv.shape[0],) or dest.dtype != torch.int64:
+        raise ValueError(f"dest must be int64 [{qkv.shape[0]}], got {dest.dtype} {tuple(dest.shape)}")
+    vision_triton.launch_rotary_into(qkv, cos, sin, heads, padded, dest)
+
+
+def _check_rotary_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> int:
+    """head_dim, once qkv and the tables are shaped as the kernel needs."""
     n = qkv.shape[0]
     if qkv.ndim != 2 or qkv.shape[1] % (3 * heads) or (qkv.shape[1] // (3 * heads)) % 2:
         raise ValueError(f"qkv must be [N, 3 * {heads} * head_dim] with an even head_dim, got {tuple(qkv.shape)}")
@@ -45,7 +78,7 @@ def vision_rotary_qk_triton(
     for name, table in (("cos", cos), ("sin", sin)):
         if table.shape != (n, head_dim) or table.dtype != torch.float32:
             raise ValueError(f"{name} must be fp32 [{n}, {head_dim}], got {table.dtype} {tuple(table.shape)}")
-    return vision_triton.launch_rotary(qkv, cos, sin, heads)
+    return head_dim
 
 
 def quick_gelu_reference(x: torch.Tensor) -> torch.Tensor:

@@ -7,18 +7,23 @@ consecutive). The merger relies on that order: it concatenates every ``merge**2`
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
-from workers.kernels.vision import quick_gelu, vision_rotary_qk
+from workers.kernels.vision import quick_gelu
+from workers.models.frame_attention import (
+    ATTENTION_CANDIDATES,
+    FrameAttention,
+    attention_for,
+    sdpa_choice,
+    time_attention,
+)
 from workers.models.spec import ModelSpec, VisionSpec
 from workers.models.weights import CheckpointWeights, check_state, load_vision_state
 
@@ -83,140 +88,6 @@ def cu_seqlens_from_grid(grid_thw: torch.Tensor) -> torch.Tensor:
     return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int64)
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-    """Non-causal attention restricted to each frame of each item. q/k/v: [N, heads, head_dim].
-
-    All frames of one item have the same length, so each item is one batched SDPA call (batch = t)
-    instead of one call per frame.
-    """
-    out = []
-    start = 0
-    for t, h, w in grid_thw.tolist():
-        count = t * h * w
-        qs, ks, vs = (x[start : start + count].view(t, h * w, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
-        # Explicit scale: SDPA's internally derived 1/sqrt(d) can differ from d**-0.5 in the last bit,
-        # which the reference passes, and bf16 then drifts from it block by block.
-        attn = F.scaled_dot_product_attention(qs, ks, vs, scale=q.shape[-1] ** -0.5)
-        out.append(attn.transpose(1, 2).reshape(count, *q.shape[1:]))
-        start += count
-    return torch.cat(out, dim=0)
-
-
-# cuDNN's attention compiles a kernel plan per shape: 57-74 ms per new frame length on the H200, against
-# 0.35-0.6 ms per call once built (`benchmarks.vit_profile`, session 7). Images come in every size, so the
-# cuDNN path pads each frame to one of a few lengths and masks the padding.
-BUCKET_FLOOR = 256
-# A padded key's extra coordinate: q's is 1, so its score is -MASK_SCORE * scale (-1,831 at head_dim 80),
-# whose softmax weight is exactly 0 in fp32. Real keys' extra coordinate is 0 and adds exactly nothing.
-MASK_SCORE = 16384.0
-
-
-def frame_bucket(length: int) -> int:
-    """The length a frame of ``length`` patches is padded to: a multiple of 1/16 of the power of two below it
-    (at most ~6% more rows), and of 256 at least. 16 lengths per octave: few plans, little waste."""
-    step = max(BUCKET_FLOOR, 1 << max(0, length.bit_length() - 5))
-    return -(-length // step) * step
-
-
-def frame_chunks(frames: int, largest: int = 8) -> list[int]:
-    """An item's frames split into powers of two up to ``largest`` (a video of 11 frames: 8, 2, 1), so that
-    the batch sizes, and with them cuDNN's plans, stay few."""
-    chunks = []
-    while frames:
-        size = min(largest, 1 << (frames.bit_length() - 1))
-        chunks.append(size)
-        frames -= size
-    return chunks
-
-
-def padded_segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-    """`segment_attention` with every frame padded to `frame_bucket` length, for cuDNN (see BUCKET_FLOOR).
-
-    The head size grows by one coordinate (rounded up to a multiple of 8) that masks the padded keys: no
-    mask tensor is read, and the real rows' scores are the unpadded ones, scaled by the original head size."""
-    out = []
-    start = 0
-    for t, h, w in grid_thw.tolist():
-        for frames in frame_chunks(t):
-            count = frames * h * w
-            parts = (x[start : start + count] for x in (q, k, v))
-            out.append(_attend_padded(*parts, frames, h * w))
-            start += count
-    return torch.cat(out, dim=0)
-
-
-def _attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frames: int, length: int) -> torch.Tensor:
-    heads, dim = q.shape[1:]
-    padded = frame_bucket(length)
-    padded_dim = -(-(dim + 1) // 8) * 8
-    qkv = q.new_zeros(3, frames, padded, heads, padded_dim)
-    for i, x in enumerate((q, k, v)):
-        qkv[i, :, :length, :, :dim] = x.view(frames, length, heads, dim)
-    qkv[0, :, :, :, dim] = 1.0
-    qkv[1, :, length:, :, dim] = -MASK_SCORE
-    qp, kp, vp = (qkv[i].transpose(1, 2) for i in range(3))  # [frames, heads, padded, padded_dim]
-    attn = F.scaled_dot_product_attention(qp, kp, vp, scale=dim**-0.5)
-    return attn[:, :, :length, :dim].transpose(1, 2).reshape(frames * length, heads, dim)
-
-
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def attention_for(backends: Sequence[SDPBackend]) -> Attend:
-    """The frames padded to few lengths where cuDNN comes first (its plans are per shape), as they are else."""
-    cudnn_first = bool(backends) and backends[0] == SDPBackend.CUDNN_ATTENTION
-    return padded_segment_attention if cudnn_first else segment_attention
-
-
-def sdpa_choice(backends: Sequence[SDPBackend]) -> contextlib.AbstractContextManager[object]:
-    """SDPA restricted to ``backends``, tried in that order (empty: torch's own choice)."""
-    return sdpa_kernel(list(backends), set_priority=True) if backends else contextlib.nullcontext()
-
-
-# SDPA kernels a CUDA tower may use, each tried alone by `VisionTower.tune_attention`.
-ATTENTION_CANDIDATES = {
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-}
-
-
-def time_attention(
-    backend: SDPBackend, heads: int, head_dim: int, tokens: int, device: torch.device, dtype: torch.dtype
-) -> float:
-    """Milliseconds of one frame's attention with only ``backend`` allowed (inf where it cannot run), as the
-    tower runs it (`attention_for`): on new lengths, as images of every size arrive, after a warm-up whose
-    length shares their `frame_bucket`. cuDNN then pays its per-shape plan once per bucket, not per length."""
-    attend = attention_for((backend,))
-    first = frame_bucket(tokens) + 1  # just above a bucket's edge: the next 255 lengths share its bucket
-    lengths = [first + 16 * i for i in range(4)]  # the first warms up
-    q, k, v = (torch.randn(lengths[-1], heads, head_dim, device=device, dtype=dtype) for _ in range(3))
-    try:
-        with sdpa_choice((backend,)):
-            for i, n in enumerate(lengths):
-                if i == 1:
-                    torch.cuda.synchronize(device)
-                    started = time.perf_counter()
-                attend(q[:n], k[:n], v[:n], torch.tensor([[1, 1, n]]))
-            torch.cuda.synchronize(device)
-    except RuntimeError:
-        return float("inf")
-    return 1e3 * (time.perf_counter() - started) / (len(lengths) - 1)
-
-
-def segment_attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
-) -> torch.Tensor:
-    """Same as `segment_attention`, spelled out with a block-diagonal mask and an explicit softmax."""
-    n = q.shape[0]
-    segment = torch.bucketize(torch.arange(n, device=q.device), cu_seqlens[1:].to(q.device), right=True)
-    allowed = segment[:, None] == segment[None, :]
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
-
-
 # --- modules (attribute names match the checkpoint's `visual.*` keys) ------------------------------
 
 
@@ -252,11 +123,8 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(spec.embed_dim, 3 * spec.embed_dim, bias=True)
         self.proj = nn.Linear(spec.embed_dim, spec.embed_dim, bias=True)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grid_thw: torch.Tensor, attend: Attend
-    ) -> torch.Tensor:
-        q, k, v = vision_rotary_qk(self.qkv(x), cos, sin, self.num_heads)  # one Triton kernel on CUDA
-        out = attend(q, k, v, grid_thw)  # SDPA's kernel: the tower's `backends`, set around all blocks
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: FrameAttention) -> torch.Tensor:
+        out = attend(self.qkv(x), cos, sin, self.num_heads)  # SDPA's kernel: the tower's `backends`
         return self.proj(out.reshape(x.shape[0], -1))
 
 
@@ -281,10 +149,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(spec)
         self.mlp = VisionMlp(spec)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grid_thw: torch.Tensor, attend: Attend
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, grid_thw, attend)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: FrameAttention) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, attend)
         return x + self.mlp(self.norm2(x))
 
 
@@ -385,10 +251,10 @@ class VisionTower(nn.Module):
         positions = vision_rotary_positions(grid_thw, self.spec.spatial_merge_size).to(self.device)
         cos, sin = vision_rotary_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
         x = self.patch_embed(pixel_values.to(self.device))
-        attend = attention_for(self.backends)
+        attend = attention_for(self.backends, grid_thw, self.spec.num_heads, self.spec.head_dim, x)
         with sdpa_choice(self.backends):  # set once per forward, around every block
             for block in self.blocks:
-                x = block(x, cos, sin, grid_thw, attend)
+                x = block(x, cos, sin, attend)
         return self.merger(x)
 
     def _validate(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,200 @@
+"""The vision tower's attention: every frame of every image or video attends to itself alone.
+
+Two ways to run it, both starting from a block's qkv projection (rotary applied on the way):
+- `SegmentFrames`: one SDPA call per item on its frames as they are (FlashAttention-2, or what
+  `VisionTower.tune_attention` picked), the CPU's path too;
+- `PaddedFrames`: for cuDNN's attention, which compiles a kernel plan per shape: 57-74 ms per new frame
+  length on the H200 against 0.35-0.6 ms per call once built (`benchmarks.vit_profile`, session 7), and
+  runs a 768x1024 frame in 0.23 ms against FlashAttention-2's 0.34. Images come in every size, so each
+  frame is padded to one of a few lengths (`frame_bucket`), and the padding is masked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from workers.kernels.vision import vision_rotary_qk, vision_rotary_qk_into
+
+BUCKET_FLOOR = 256
+# A padded key's extra coordinate: q's is 1, so its score is -MASK_SCORE * scale (-1,831 at head_dim 80),
+# whose softmax weight is exactly 0 in fp32. Real keys' extra coordinate is 0 and adds exactly nothing.
+MASK_SCORE = 16384.0
+
+# SDPA kernels a CUDA tower may use, each tried alone by `VisionTower.tune_attention`.
+ATTENTION_CANDIDATES = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+
+
+class FrameAttention(Protocol):
+    """One forward's attention, called by every block: qkv [N, 3 * heads * head_dim] -> [N, heads, head_dim]."""
+
+    def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor: ...
+
+
+def attention_for(
+    backends: Sequence[SDPBackend], grid_thw: torch.Tensor, heads: int, head_dim: int, like: torch.Tensor
+) -> FrameAttention:
+    """Padded frames where cuDNN comes first (its plans are per shape), the frames as they are else."""
+    if backends and backends[0] == SDPBackend.CUDNN_ATTENTION:
+        return PaddedFrames.plan(grid_thw, heads, head_dim, like)
+    return SegmentFrames(grid_thw)
+
+
+def sdpa_choice(backends: Sequence[SDPBackend]) -> contextlib.AbstractContextManager[object]:
+    """SDPA restricted to ``backends``, tried in that order (empty: torch's own choice)."""
+    return sdpa_kernel(list(backends), set_priority=True) if backends else contextlib.nullcontext()
+
+
+@dataclass
+class SegmentFrames:
+    grid_thw: torch.Tensor
+
+    def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+        q, k, v = vision_rotary_qk(qkv, cos, sin, heads)  # one Triton kernel on CUDA
+        return segment_attention(q, k, v, self.grid_thw)
+
+
+def frame_bucket(length: int) -> int:
+    """The length a frame of ``length`` patches is padded to: a multiple of 1/16 of the power of two below it
+    (at most ~6% more rows), and of 256 at least. 16 lengths per octave: few plans, little waste."""
+    step = max(BUCKET_FLOOR, 1 << max(0, length.bit_length() - 5))
+    return -(-length // step) * step
+
+
+def frame_chunks(frames: int, largest: int = 8) -> list[int]:
+    """An item's frames split into powers of two up to ``largest`` (a video of 11 frames: 8, 2, 1), so that
+    the batch sizes, and with them cuDNN's plans, stay few."""
+    chunks = []
+    while frames:
+        size = min(largest, 1 << (frames.bit_length() - 1))
+        chunks.append(size)
+        frames -= size
+    return chunks
+
+
+@dataclass
+class PaddedChunk:
+    row: int  # its first patch row
+    padded_row: int  # its first row in the padded layout
+    frames: int
+    length: int  # patches per frame
+    padded: int  # rows per frame in the padded layout
+
+
+@dataclass
+class PaddedFrames:
+    """One forward's q, k and v laid out for cuDNN: each chunk of an item's frames (`frame_chunks`) padded
+    to its `frame_bucket` length. The head size grows by one coordinate (rounded up to a multiple of 8)
+    that masks the padded keys, so no mask tensor is read and the real rows' scores are the unpadded ones.
+    Built once per forward with what no block changes (the padding, the masking coordinate); each block's
+    rotary kernel writes its rows straight into place, so the padding costs no copies."""
+
+    qkv: torch.Tensor  # [3, padded rows, heads, padded_dim]
+    dest: torch.Tensor  # [N] int64: each patch row's row in the padded layout
+    chunks: list[PaddedChunk]
+    head_dim: int
+
+    @classmethod
+    def plan(cls, grid_thw: torch.Tensor, heads: int, head_dim: int, like: torch.Tensor) -> PaddedFrames:
+        chunks, dest = [], []
+        row = padded_row = 0
+        for t, h, w in grid_thw.tolist():
+            length = h * w
+            padded = frame_bucket(length)
+            for frames in frame_chunks(t):
+                chunks.append(PaddedChunk(row, padded_row, frames, length, padded))
+                starts = torch.arange(frames) * padded + padded_row
+                dest.append((starts[:, None] + torch.arange(length)).flatten())
+                row += frames * length
+                padded_row += frames * padded
+        padded_dim = -(-(head_dim + 1) // 8) * 8
+        qkv = torch.zeros(3, padded_row, heads, padded_dim, device=like.device, dtype=like.dtype)
+        rows = torch.cat(dest).to(like.device)
+        qkv[0, :, :, head_dim] = 1.0
+        qkv[1, :, :, head_dim] = -MASK_SCORE
+        qkv[1, rows, :, head_dim] = 0.0  # the real keys
+        return cls(qkv, rows, chunks, head_dim)
+
+    def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+        vision_rotary_qk_into(qkv, cos, sin, heads, self.qkv, self.dest)
+        dim = self.head_dim
+        out = qkv.new_empty(qkv.shape[0], heads, dim)
+        for c in self.chunks:
+            rows = slice(c.padded_row, c.padded_row + c.frames * c.padded)
+            q, k, v = (x[rows].view(c.frames, c.padded, heads, -1).transpose(1, 2) for x in self.qkv)
+            attn = F.scaled_dot_product_attention(q, k, v, scale=dim**-0.5)  # [frames, heads, padded, padded_dim]
+            real = out[c.row : c.row + c.frames * c.length].view(c.frames, c.length, heads, dim)
+            real.copy_(attn[:, :, : c.length, :dim].transpose(1, 2))
+        return out
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """Non-causal attention restricted to each frame of each item. q/k/v: [N, heads, head_dim].
+
+    All frames of one item have the same length, so each item is one batched SDPA call (batch = t)
+    instead of one call per frame.
+    """
+    out = []
+    start = 0
+    for t, h, w in grid_thw.tolist():
+        count = t * h * w
+        qs, ks, vs = (x[start : start + count].view(t, h * w, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        # Explicit scale: SDPA's internally derived 1/sqrt(d) can differ from d**-0.5 in the last bit,
+        # which the reference passes, and bf16 then drifts from it block by block.
+        attn = F.scaled_dot_product_attention(qs, ks, vs, scale=q.shape[-1] ** -0.5)
+        out.append(attn.transpose(1, 2).reshape(count, *q.shape[1:]))
+        start += count
+    return torch.cat(out, dim=0)
+
+
+def time_attention(
+    backend: SDPBackend, heads: int, head_dim: int, tokens: int, device: torch.device, dtype: torch.dtype
+) -> float:
+    """Milliseconds of one frame's attention with only ``backend`` allowed (inf where it cannot run), as the
+    tower runs it (`attention_for`, rotary included): on new lengths, as images of every size arrive, after
+    a warm-up whose length shares their `frame_bucket`, so cuDNN pays its plan once per bucket as it does
+    in service. The padded layout is planned outside the clock: a forward plans it once for all blocks."""
+    first = frame_bucket(tokens) + 1  # just above a bucket's edge: the next 255 lengths share its bucket
+    lengths = [first + 16 * i for i in range(4)]  # the first warms up
+    qkv = torch.randn(lengths[-1], 3 * heads * head_dim, device=device, dtype=dtype)
+    cos = torch.ones(lengths[-1], head_dim, device=device)
+    sin = torch.zeros_like(cos)
+    calls = [
+        (attention_for((backend,), torch.tensor([[1, 1, n]]), heads, head_dim, qkv), qkv[:n], cos[:n], sin[:n])
+        for n in lengths
+    ]
+    try:
+        with sdpa_choice((backend,)):
+            for i, (attend, *inputs) in enumerate(calls):
+                if i == 1:
+                    torch.cuda.synchronize(device)
+                    started = time.perf_counter()
+                attend(*inputs, heads)
+            torch.cuda.synchronize(device)
+    except RuntimeError:
+        return float("inf")
+    return 1e3 * (time.perf_counter() - started) / (len(lengths) - 1)
+
+
+def segment_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
+) -> torch.Tensor:
+    """Same as `segment_attention`, spelled out with a block-diagonal mask and an explicit softmax."""
+    n = q.shape[0]
+    segment = torch.bucketize(torch.arange(n, device=q.device), cu_seqlens[1:].to(q.device), right=True)
+    allowed = segment[:, None] == segment[None, :]
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
