@@ -365,15 +365,16 @@ def test_segment_attention_matches_block_diagonal_reference() -> None:
 @pytest.mark.parametrize("head_dim", [8, 80])
 def test_padded_frames_attend_as_the_unpadded(head_dim: int) -> None:
     """The cuDNN path pads frames to bucket lengths and masks the padded keys through an extra coordinate;
-    the real rows must come out as without padding, rotary included. Frames of 4 and 300 patches (padded),
-    256 (a bucket already), and an 11-frame video (batches of 8, 2 and 1). Here the CPU's reference rotary
+    the real rows must come out as without padding, rotary included. Frames of 4 and 312 patches (padded),
+    256 (a bucket already), an 11-frame video (batches of 8, 2 and 1), and one of 2,112 (above
+    CUDNN_MIN_FRAME: no kernel restriction). Here the CPU's reference rotary
     writes the padded layout; tests/unit/test_kernels.py checks the Triton kernel writes the same."""
-    grid = torch.tensor([[1, 2, 2], [1, 12, 26], [1, 16, 16], [11, 2, 4]])
+    grid = torch.tensor([[1, 2, 2], [1, 12, 26], [1, 16, 16], [11, 2, 4], [1, 32, 66]])
     heads, n = 2, int(grid.prod(dim=1).sum())
     qkv = torch.randn(n, 3 * heads * head_dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 4
     cos, sin = (t.to(torch.float64) for t in vision_rotary_cos_sin(vision_rotary_positions(grid, 2), head_dim, 1e4))
     padded = PaddedFrames.plan(grid, heads, head_dim, qkv)
-    assert padded.qkv.shape[1] == 256 + 512 + 256 + 11 * 256  # the frames' buckets
+    assert padded.qkv.shape[1] == 256 + 512 + 256 + 11 * 256 + 2304  # the frames' buckets
     got = padded(qkv, cos, sin, heads)
     torch.testing.assert_close(got, SegmentFrames(grid)(qkv, cos, sin, heads), rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(padded(qkv, cos, sin, heads), got, rtol=0, atol=0)  # reusable by every block
