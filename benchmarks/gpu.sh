@@ -26,12 +26,10 @@ if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
   # SPILL_BYTES=N (with DEVICE_POOL=1): the host tier behind it; POOL_BYTES=N sizes the GPU pool (small: spills)
   [ -n "${SPILL_BYTES:-}" ] && sed -i "/^\[cache\]/a spill_bytes = ${SPILL_BYTES}" /tmp/gpu-variant.toml
   [ -n "${POOL_BYTES:-}" ] && sed -i "/^pool_bytes/d; /^\[cache\]/a pool_bytes = ${POOL_BYTES}" /tmp/gpu-variant.toml
-  # MPS=1 [MPS_SM=percent]: the CUDA MPS daemon, encoders capped at MPS_SM% of the SMs
-  [ "${MPS:-0}" = 1 ] || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}" ] && printf '\n[encoder]\n' >> /tmp/gpu-variant.toml
-  [ "${MPS:-0}" = 1 ] && printf 'mps = true\nmps_encoder_sm_percent = %s\nmps_decoder_sm_percent = %s\nmps_encoder_low_priority = %s\n' \
-    "${MPS_SM:-100}" "${MPS_DECODER_SM:-100}" "${MPS_LOW_PRIORITY:-true}" >> /tmp/gpu-variant.toml
-  [ -n "${ENCODERS:-}" ] && printf 'count = %s\n' "$ENCODERS" >> /tmp/gpu-variant.toml
-  [ -n "${ENCODER_GPUS:-}" ] && printf 'gpus = [%s]\n' "$ENCODER_GPUS" >> /tmp/gpu-variant.toml
+  # MPS=1 [MPS_SM=percent]: the CUDA MPS daemon, encoders capped at MPS_SM% of the SMs (gpu.toml: off)
+  [ "${MPS:-0}" = 1 ] && sed -i "s/^mps = false.*/mps = true\nmps_encoder_sm_percent = ${MPS_SM:-100}\nmps_decoder_sm_percent = ${MPS_DECODER_SM:-100}\nmps_encoder_low_priority = ${MPS_LOW_PRIORITY:-true}/" /tmp/gpu-variant.toml
+  [ -n "${ENCODERS:-}" ] && sed -i "/^\[encoder\]/a count = ${ENCODERS}" /tmp/gpu-variant.toml
+  [ -n "${ENCODER_GPUS:-}" ] && sed -i "/^\[encoder\]/a gpus = [${ENCODER_GPUS}]" /tmp/gpu-variant.toml
   # TP=N: a tensor-parallel decoder over N GPUs (needs N GPUs; one encoder per GPU comes with them)
   [ "${TP:-1}" != 1 ] && sed -i "/^\[decoder\]/a tensor_parallel = ${TP}" /tmp/gpu-variant.toml
   # DECODING_BUDGET=512: the decoder's tokens per step while any stream decodes

@@ -86,8 +86,9 @@ class EncoderConfig:
     max_batch_patches: int = 16384  # patches (before merging) per forward; a larger single image goes alone
     backend: str = "torch"  # "torch", "onnxruntime" or "tensorrt" (workers/encoder/backends.py)
     # CUDA MPS on GPU hosts: encoders and the decoder share each GPU's SMs concurrently instead of
-    # time-slicing; the encoders may use at most this share of the SMs (100: no cap).
-    mps: bool = False
+    # time-slicing; the encoders may use at most this share of the SMs (100: no cap). "auto": on where it
+    # was measured to pay (one H200: seed3img +18-24% requests/s; see `mps_wanted`), off elsewhere.
+    mps: bool | str = "auto"
     mps_encoder_sm_percent: int = 100
     # The decoder ranks' cap: decoding is bound by memory bandwidth, which fewer SMs can still saturate,
     # so a cap here can leave SMs to the encoders without slowing decoding much (100: no cap).
@@ -107,6 +108,8 @@ class EncoderConfig:
             raise ValueError(f"{where}.gpus: GPU indices start at 0, got {self.gpus}")
         if self.gpus and self.count and self.count != len(self.gpus):
             raise ValueError(f"{where}: count = {self.count} but gpus lists {len(self.gpus)} encoders; set one of them")
+        if not (isinstance(self.mps, bool) or self.mps == "auto"):  # (1 == True, so not `in (True, ...)`)
+            raise ValueError(f'{where}.mps: expected true, false or "auto", got {self.mps!r}')
         for name in ("mps_encoder_sm_percent", "mps_decoder_sm_percent"):
             if not 1 <= getattr(self, name) <= 100:
                 raise ValueError(f"{where}.{name}: expected 1..100, got {getattr(self, name)}")

@@ -190,6 +190,17 @@ def test_bool_settings_accept_booleans(tmp_path: Path) -> None:
     assert off.fetcher.allow_private_addresses is False
 
 
+@pytest.mark.parametrize(("value", "expected"), [("true", True), ("false", False), ('"auto"', "auto")])
+def test_mps_takes_a_boolean_or_auto(tmp_path: Path, value: str, expected: bool | str) -> None:
+    assert load_config(write(tmp_path, f"[encoder]\nmps = {value}\n"), env={}).encoder.mps == expected
+
+
+@pytest.mark.parametrize("value", ['"yes"', "1", '"on"'])
+def test_mps_refuses_anything_else(tmp_path: Path, value: str) -> None:
+    with pytest.raises(ValueError, match=r"mps: expected true, false or \"auto\""):
+        load_config(write(tmp_path, f"[encoder]\nmps = {value}\n"), env={})
+
+
 # --------------------------------------------------------------------------- endpoints
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.config import Config
-from common.deploy import REPO, MpsPlan, encoder_count, render
+from common.deploy import REPO, MpsPlan, encoder_count, mps_wanted, render
 from workers.models.runtime import encoder_gpu, resolve_device
 
 
@@ -78,6 +78,29 @@ def test_mps_daemon_runs_first_per_deployment_and_caps_the_encoders(tmp_path: Pa
     assert 'CUDA_MPS_CLIENT_PRIORITY="1"' in parser["program:encoder"]["environment"]
     assert "CLIENT_PRIORITY" not in parser["program:decoder"]["environment"]
     assert parser["group:vlm"]["programs"].startswith("mps,")
+
+
+def test_mps_auto_is_on_only_where_it_was_measured_to_pay() -> None:
+    cfg = Config()
+    assert cfg.encoder.mps == "auto"
+    assert mps_wanted(cfg, has_gpu=True, has_daemon=True) == (True, "auto: an encoder shares the decoder's GPU")
+    assert mps_wanted(cfg, has_gpu=False, has_daemon=True)[0] is False  # a CPU host
+    assert mps_wanted(cfg, has_gpu=True, has_daemon=False) == (
+        False,
+        "auto: nvidia-cuda-mps-control is not on PATH",
+    )
+    for change in ({"gpus": [1]}, {"tensor_parallel": 2}, {"device_pool": True}):
+        other = Config()
+        other.encoder.gpus = change.get("gpus", [])
+        other.decoder.tensor_parallel = change.get("tensor_parallel", 1)
+        other.cache.device_pool = change.get("device_pool", False)
+        assert mps_wanted(other, has_gpu=True, has_daemon=True)[0] is False, change
+        other.encoder.mps = True  # asked for by name: on wherever there is a GPU
+        assert mps_wanted(other, has_gpu=True, has_daemon=True)[0] is True, change
+    cfg.encoder.gpus = [0, 1]  # encoder 0 shares GPU 0 with the decoder
+    assert mps_wanted(cfg, has_gpu=True, has_daemon=True)[0] is True
+    cfg.encoder.mps = False
+    assert mps_wanted(cfg, has_gpu=True, has_daemon=True) == (False, "[encoder] mps = false")
 
 
 def test_mps_can_cap_every_decoder_rank_too(tmp_path: Path) -> None:
