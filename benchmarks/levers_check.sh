@@ -5,6 +5,8 @@
 #   none mps  seed3img (anchor, 256 requests) without and with the CUDA MPS daemon (encoders uncapped)
 #   mixed-none mixed-mps   mixed and its control, 200 image requests, without and with MPS
 #   spill no-spill   the pool's host spill tier under load, against the same small GPU pool alone
+#   overlap-mixed    mixed and its control (MPS, 200 image requests) with [decoder] overlap_mixed; and
+#                    seed3img-anchor with it (compare with mixed-mps and mps)
 # Usage: SHIP=$OUT [PARTS="vit mps"] benchmarks/levers_check.sh OUT_DIR   (carry .whl; all: about 10 minutes)
 set -uo pipefail
 . "$(dirname "$0")/device.sh"
@@ -21,6 +23,8 @@ for part in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; do
     mps) stack mps CUDA_VISIBLE_DEVICES=0 MPS=1 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
     mixed-none) stack mixed-none CUDA_VISIBLE_DEVICES=0 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-mps) stack mixed-mps CUDA_VISIBLE_DEVICES=0 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
+    overlap-mixed) stack overlap-mixed CUDA_VISIBLE_DEVICES=0 MPS=1 OVERLAP_MIXED=1 MIXED_REQUESTS=200 C32_REQUESTS=256 \
+      ONLY="mixed mixed-text-only seed3img-anchor-c32" ;;
     spill) stack spill "${small_pool[@]}" SPILL_BYTES=8589934592 ;;
     no-spill) stack no-spill "${small_pool[@]}" ;;
     *) echo "unknown part $part"; continue ;;

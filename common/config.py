@@ -87,7 +87,7 @@ class EncoderConfig:
     backend: str = "torch"  # "torch", "onnxruntime" or "tensorrt" (workers/encoder/backends.py)
     # CUDA MPS on GPU hosts: encoders and the decoder share each GPU's SMs concurrently instead of
     # time-slicing; the encoders may use at most this share of the SMs (100: no cap). "auto": on where it
-    # was measured to pay (one H200: seed3img +18-24% requests/s; see `mps_wanted`), off elsewhere.
+    # was measured to pay (one H200: seed3img +18-24% requests/s; see `common.deploy.mps_wanted`), off elsewhere.
     mps: bool | str = "auto"
     mps_encoder_sm_percent: int = 100
     # The decoder ranks' cap: decoding is bound by memory bandwidth, which fewer SMs can still saturate,
@@ -158,6 +158,8 @@ class DecoderConfig:
     cuda_graphs: bool = True  # steps replayed from CUDA graphs (needs kernels = "triton" on CUDA)
     graph_tokens: int = 2048  # mixed prefill/decode steps up to this many tokens replay graphs too (0: none)
     overlap: bool = True  # with graphs: stage decode step N+1 while the GPU runs step N
+    # Every step so, those with prefill chunks or arrivals too (one rank). Off until measured on a GPU.
+    overlap_mixed: bool = False
     tensor_parallel: int = 1  # decoder ranks (one process, and one GPU, each); > 1 runs the plain-torch layers
     tp_timeout_s: float = 120.0  # how long the ranks wait for each other at start and in a collective
 

@@ -152,7 +152,7 @@ def mps_wanted(cfg: Config, has_gpu: bool, has_daemon: bool) -> tuple[bool, str]
     """Whether the deployment runs the MPS daemon, and why. ``mps = "auto"`` turns it on only where it was
     measured to pay: a GPU host with the daemon's binary, an encoder on the decoder's GPU, a decoder of one
     rank and the host embedding pool.
-    There, on one H200, seed3img at 32 clients went from 8.0-8.7 to 9.9-10.3 requests/s in three pairs of
+    There, on one H200, seed3img at 32 clients went from 8.0-8.7 to 9.9-10.3 requests/s in four pairs of
     runs, and text streams under image load kept 41% of their throughput instead of 28%
     (benchmarks/results/2026-11-30-h200-vision-levers-a2cb480/). MPS with tensor-parallel ranks or with the
     CUDA IPC pool has not been measured: ``mps = true`` asks for it there."""

@@ -335,3 +335,76 @@ def test_a_smaller_budget_while_sequences_decode(parts: tuple[LanguageModel, Mod
     assert widths[0] == 8 and max(widths[1:]) == 16  # 60 prompt tokens in chunks of 15 beside the decode
     assert sum(w == 16 for w in widths) == 4
     assert tokens["late"] == solo(parts, late) and tokens["first"] == solo(parts, first)
+
+
+@pytest.mark.parametrize(("graphs", "graph_tokens"), [("off", 0), ("static", 48)])
+def test_steps_staged_ahead_of_prefills_and_arrivals_emit_what_synchronous_steps_do(
+    fused_parts: tuple[LanguageModel, ModelSpec], graphs: str, graph_tokens: int
+) -> None:
+    """``overlap_mixed``: every step is launched before the previous one's tokens are read, also those that
+    carry prefill chunks (of text and image prompts) or admit arrivals, with the decoding rows' input ids
+    taken from the device. Against the synchronous engine: the same tokens and finishes for greedy and
+    seeded sampling with penalties, stop tokens learnt a step late, min_tokens, length limits, an abort
+    while a step is pending, and a cache small enough that blocks run short and sequences are preempted."""
+    model, spec = fused_parts
+    system = [(13 * i) % 700 + 30 for i in range(12)]
+
+    def deltas(overlap_mixed: bool) -> tuple[dict[str, list[tuple[object, ...]]], Engine]:
+        engine = Engine(
+            model,
+            spec,
+            max_model_len=96,
+            max_running=5,
+            prefill_budget=16,
+            num_blocks=40,
+            block_size=4,
+            fuse=True,
+            graphs=graphs,
+            graph_tokens=graph_tokens,
+            overlap=graphs != "off",
+            overlap_mixed=overlap_mixed,
+        )
+        stops = {"temperature": 1.0, "seed": 3, "stop_token_ids": list(range(10, 400))}
+        arrivals = [
+            request("seeded", 9, max_tokens=25, temperature=0.8, top_p=0.9, seed=7, frequency_penalty=0.5),
+            request("greedy", 21, max_tokens=30, top_logprobs=2),
+            image_request("img0", spec, "hash-0", system, [31, 32]),
+            request("rep", 11, max_tokens=30, repetition_penalty=1.3, presence_penalty=0.4, seed=1, temperature=1.0),
+            request("stops", 7, max_tokens=30, **stops),
+            image_request("img1", spec, "hash-1", system, [33]),
+            request("min", 8, max_tokens=30, **stops, min_tokens=5),
+            request("long", 40, max_tokens=80),  # reaches max_model_len
+            request("aborted", 6, max_tokens=30),
+        ]
+        out: dict[str, list[tuple[object, ...]]] = {}
+        step = 0
+        while arrivals or engine.has_work():
+            if arrivals and step % 3 == 0:  # one arrival every third step, while others prefill and decode
+                req = arrivals.pop(0)
+                seq = engine.prepare(req)
+                seq.media_embeds = (
+                    image_rows(spec, int(req.request_id[-1])) if req.request_id.startswith("img") else None
+                )
+                engine.add(seq)
+            for d in engine.step():
+                out.setdefault(d.request_id, []).append((d.token_ids, d.finish_reason, d.logprobs, d.top_logprobs))
+            if len(out.get("aborted", [])) == 3 and engine.holds("aborted"):
+                assert engine.abort("aborted")
+            engine.blocks.check_integrity()
+            step += 1
+        assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
+        return out, engine
+
+    synchronous, _ = deltas(False)
+    staged, engine = deltas(True)
+    assert engine.counters["overlapped_mixed_steps"] > 10  # steps with prefill or arrivals were staged ahead
+    assert engine.counters["preemptions"] > 0  # blocks ran short
+    assert staged.keys() == synchronous.keys()
+    for rid, steps in synchronous.items():
+        assert [(t, f) for t, f, _, _ in staged[rid]] == [(t, f) for t, f, _, _ in steps], rid
+    greedy = [(lp, [t for t, _ in top[0]]) for _, _, lp, top in synchronous["greedy"]]
+    for (lp, top), (_, _, lp2, top2) in zip(greedy, staged["greedy"], strict=True):
+        assert lp2 == pytest.approx(lp, abs=1e-5) and [t for t, _ in top2[0]] == top
+    finishes = {rid: steps[-1][1] for rid, steps in synchronous.items()}
+    assert finishes["stops"] == "stop" and len(synchronous["min"]) >= 5
+    assert finishes["long"] == "length" and finishes["aborted"] is None and len(synchronous["aborted"]) >= 3

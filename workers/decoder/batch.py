@@ -67,11 +67,14 @@ class Sequence:
 class Scheduled:
     seq: Sequence
     num_new: int  # tokens computed this step: a prefill chunk, or 1 for a decode
+    # A decode whose input is the previous step's sampled token, still on the device (the host appends it
+    # while this step runs): the sequence's host state is one token behind until then.
+    ahead: bool = False
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the sequence's last token, so its logits give the next token."""
-        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+        return self.ahead or self.seq.num_computed + self.num_new == self.seq.num_tokens
 
 
 def positions(seq: Sequence, start: int, end: int) -> torch.Tensor:

@@ -90,6 +90,7 @@ class Engine:
         graphs: str = "off",
         graph_tokens: int = 0,
         overlap: bool = False,
+        overlap_mixed: bool = False,
         tp_steps: StepBroadcast | None = None,
     ) -> None:
         """``fuse``: concatenated projections and the fused norm/activation/rotary/cache kernels (Triton on
@@ -97,7 +98,8 @@ class Engine:
         sequences, mixed prefill/decode steps up to ``graph_tokens`` tokens); "static" runs the same
         static-buffer path eagerly (how it is tested without a GPU); "off" runs every step eagerly.
         ``overlap`` (with graphs): while the GPU runs decode step N, the host stages step N+1 and reads
-        step N-1's tokens (see `step`)."""
+        step N-1's tokens (see `step`). ``overlap_mixed`` (one rank, graphs or not): every step so, those
+        that carry prefill chunks or admit arrivals too (see `_schedule_ahead`)."""
         if graphs not in ("off", "static", "cuda"):
             raise ValueError(f"graphs must be 'off', 'static' or 'cuda', got {graphs!r}")
         if graph_tokens < 0:
@@ -130,6 +132,7 @@ class Engine:
                 tp=tp_steps.tp if tp_steps is not None else None,
             )
         self.overlap = overlap and self.graphs is not None
+        self.overlap_mixed = overlap_mixed and tp_steps is None
         self.rank_forward = None
         if tp_steps is not None:
             self.rank_forward = RankForward(model, self.kv, attention, tp_steps.tp, self.fused, self.graphs)
@@ -143,7 +146,8 @@ class Engine:
             "preemptions": 0.0,
             "steps": 0.0,
             "graph_steps": 0.0,  # of which steps replayed a graph (decode or mixed)
-            "overlapped_steps": 0.0,  # of which decode steps were staged while the previous one ran
+            "overlapped_steps": 0.0,  # of which steps were staged while the previous one ran
+            "overlapped_mixed_steps": 0.0,  # of which steps with prefill chunks or arrivals (overlap_mixed)
         }
 
     # ------------------------------------------------------------------ admission
@@ -223,28 +227,37 @@ class Engine:
         the pending tokens, then schedules as usual."""
         if self.pending is not None and self._continues(self.pending):
             return self._step_ahead(self.pending)
+        if self.pending is not None and self.overlap_mixed:
+            ahead, carried_rows = self._schedule_ahead(self.pending)
+            if ahead:
+                return self._run_ahead(ahead, carried_rows, self.pending)
         deltas = self._flush()
         batch = self.schedule()
         if not batch:
             return deltas
         logits, decode_graph = self.run(batch)
-        if self.overlap and decode_graph:
+        if (self.overlap and decode_graph) or self.overlap_mixed:
             self.pending = self._launch_sampling(batch, logits)
             return deltas
         return deltas + self.postprocess(batch, logits)
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> list[Scheduled]:
+    def schedule(self, reserved: int = 0, preempt: bool = True) -> list[Scheduled]:
+        """This step's work beside ``reserved`` tokens already taken (decodes run ahead); without ``preempt``
+        a sequence short of blocks waits instead of taking another's."""
         batch: list[Scheduled] = []
         budget = self.prefill_budget
-        if self.decoding_budget != budget and any(s.num_tokens - s.num_computed == 1 for s in self.running.values()):
+        if self.decoding_budget != budget and (
+            reserved or any(s.num_tokens - s.num_computed == 1 for s in self.running.values())
+        ):
             budget = self.decoding_budget  # (the scan only when the option is on: this runs every step)
+        budget -= reserved
         for seq in list(self.running.values()):  # decodes and unfinished prefills, oldest first
             if seq.request_id not in self.running:
                 continue  # preempted by an older sequence in this loop
-            remaining = seq.num_tokens - seq.num_computed
+            remaining = seq.num_tokens - seq.num_computed  # (0 for those with a token pending)
             num_new = 1 if remaining == 1 else min(remaining, budget)
-            if num_new <= 0 or not self._make_room(seq, num_new):
+            if num_new <= 0 or not self._make_room(seq, num_new, preempt):
                 continue
             batch.append(Scheduled(seq, num_new))
             budget -= num_new
@@ -272,10 +285,12 @@ class Engine:
             for other in self.running.values()
         )
 
-    def _make_room(self, seq: Sequence, num_new: int) -> bool:
-        """Blocks for ``num_new`` more tokens of ``seq``, preempting the newest others if needed."""
+    def _make_room(self, seq: Sequence, num_new: int, preempt: bool = True) -> bool:
+        """Blocks for ``num_new`` more tokens of ``seq``, preempting the newest others if needed (and allowed)."""
         grow = seq.num_computed + num_new - seq.table.num_tokens
         while grow > 0 and not self.blocks.can_append(seq.table, grow):
+            if not preempt:
+                return False
             victim = next(reversed(self.running.values()))
             self._preempt(victim)
             if victim is seq:
@@ -294,10 +309,16 @@ class Engine:
         self.counters["preemptions"] += 1
 
     # ------------------------------------------------------------------ run
-    def run(self, batch: list[Scheduled]) -> tuple[torch.Tensor, bool]:
-        """Logits of the sampling sequences, and whether the step ran as a decode graph."""
+    def run(self, batch: list[Scheduled], ahead_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """Logits of the sampling sequences, and whether the step ran as a decode graph. ``ahead_ids``: the
+        input ids (on the device) of the batch's first rows, those marked `ahead`."""
         self.counters["steps"] += 1
         mode = self._mode(batch)
+        if ahead_ids is not None and mode == DECODE_GRAPH:
+            if len(ahead_ids) == len(batch):
+                self.counters["graph_steps"] += 1
+                return self._run_decode_graph(batch, ahead_ids), True
+            mode = self._mode(batch, decode_graph=False)  # host ids and device ids in one step
         self.counters["graph_steps"] += mode != EAGER
         ends = np.cumsum([b.num_new for b in batch]) - 1
         logits_for = [int(ends[i]) for i, b in enumerate(batch) if b.samples]
@@ -307,7 +328,11 @@ class Engine:
         if mode == DECODE_GRAPH:
             return self._run_decode_graph(batch), True
         spans = [(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch]
-        embeds = torch.cat([embeddings(self.model, seq, start, end) for seq, start, end in spans])
+        known = spans[len(ahead_ids) :] if ahead_ids is not None else spans
+        parts = [embeddings(self.model, seq, start, end) for seq, start, end in known]
+        if ahead_ids is not None:
+            parts.insert(0, self.model.embed_tokens(ahead_ids))  # (not `embed`: its range check would sync)
+        embeds = torch.cat(parts)
         if mode == MIXED_GRAPH:
             assert self.graphs is not None  # _mode checked
             return self.graphs.mixed(step_inputs(batch, logits_for, self.blocks.block_size), embeds), False
@@ -331,9 +356,9 @@ class Engine:
         )
         return logits, False
 
-    def _mode(self, batch: list[Scheduled]) -> int:
+    def _mode(self, batch: list[Scheduled], decode_graph: bool = True) -> int:
         """How the step runs: a decode graph, a mixed graph (any step of up to ``graph_tokens``), or eagerly."""
-        if self._decode_graphable(batch):
+        if decode_graph and self._decode_graphable(batch):
             return DECODE_GRAPH
         tokens = sum(b.num_new for b in batch)
         context = max(b.seq.num_computed + b.num_new for b in batch)
@@ -377,11 +402,9 @@ class Engine:
         seqs = [item.seq for item in pending.batch]
         if len(seqs) != len(self.running) or any(self.running.get(s.request_id) is not s for s in seqs):
             return False  # aborted, or others running (e.g. a prefill in progress)
-        for seq in seqs:  # the pending token is the (len(output_ids) + 1)-th
-            if len(seq.output_ids) + 1 >= seq.request.sampling.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
-                return False  # it finishes on the pending token: nothing to run after it
-        assert self.graphs is not None  # pending steps come from decode graphs
-        if not self.graphs.fits_decode(len(seqs), max(s.num_computed + 1 for s in seqs)):
+        if any(self._ends_on_pending(seq) for seq in seqs):
+            return False  # nothing to run after that token
+        if self.graphs is None or not self.graphs.fits_decode(len(seqs), max(s.num_computed + 1 for s in seqs)):
             return False
         return self.blocks.can_append_all([(s.table, s.num_computed + 1 - s.table.num_tokens) for s in seqs])
 
@@ -406,13 +429,65 @@ class Engine:
             self.pending = self._launch_sampling([batch[i] for i in live], logits)
         return deltas
 
-    def _launch_sampling(self, batch: list[Scheduled], logits: torch.Tensor) -> Pending:
-        """Sample on the device and advance the sequences; the tokens are read by `_flush`."""
-        sampled = sample_async(logits, [self._sampling_row(item.seq) for item in batch])
+    def _launch_sampling(self, batch: list[Scheduled], logits: torch.Tensor) -> Pending | None:
+        """Sample on the device and advance the sequences; the tokens are read by `_flush`. ``logits`` has a
+        row for each item that samples (every item of a decode graph), in order."""
+        sampling = [item for item in batch if item.samples]
         for item in batch:
             item.seq.num_computed += item.num_new
             self.blocks.commit(item.seq.keys(), item.seq.table, item.seq.num_computed)
-        return Pending(batch, sampled)
+        if not sampling:
+            return None
+        return Pending(sampling, sample_async(logits, [self._sampling_row(item.seq) for item in sampling]))
+
+    def _ends_on_pending(self, seq: Sequence) -> bool:
+        """It finishes on its pending token by length (the (len(output_ids) + 1)-th), whatever it is."""
+        return len(seq.output_ids) + 1 >= seq.request.sampling.max_tokens or seq.num_tokens + 1 >= self.max_model_len
+
+    def _schedule_ahead(self, pending: Pending) -> tuple[list[Scheduled], list[int]]:
+        """The next step, staged before ``pending``'s tokens are read: its sequences decode once more with those
+        tokens as input (first, marked `ahead`), and `schedule` adds prefill chunks and arrivals beside them.
+        Also which of ``pending``'s rows those decodes are. Empty where it must wait for the tokens: blocks
+        short for those decodes, or nothing to run. `schedule` here never preempts: a victim among those
+        decodes would have its blocks freed while this step's row still writes them (and another row could
+        be given them in the same step)."""
+        carried = [
+            (row, item.seq)
+            for row, item in enumerate(pending.batch)
+            if self.running.get(item.seq.request_id) is item.seq and not self._ends_on_pending(item.seq)
+        ]
+        grow = [(seq.table, seq.num_computed + 1 - seq.table.num_tokens) for _, seq in carried]
+        if not self.blocks.can_append_all(grow):
+            return [], []
+        for table, more in grow:
+            if more > 0:
+                self.blocks.append(table, more)
+        batch = [Scheduled(seq, 1, ahead=True) for _, seq in carried]
+        return batch + self.schedule(reserved=len(batch), preempt=False), [row for row, _ in carried]
+
+    def _run_ahead(self, batch: list[Scheduled], carried_rows: list[int], pending: Pending) -> list[TokenDelta]:
+        """Launch ``batch`` (from `_schedule_ahead`), then read and emit the pending tokens while it runs; rows
+        of sequences that finished on them are dropped before this step's sampling is launched."""
+        self.counters["overlapped_steps"] += 1
+        self.counters["overlapped_mixed_steps"] += len(batch) > len(carried_rows)
+        ids = pending.sampled.tokens
+        if len(carried_rows) < len(pending.batch):
+            ids = ids.index_select(0, torch.tensor(carried_rows, dtype=torch.int64).to(ids.device))
+        logits, _ = self.run(batch, ids if carried_rows else None)
+        deltas = self._flush()  # the GPU runs the new step meanwhile
+        live, rows, row = [], [], 0
+        for item in batch:
+            kept = self.running.get(item.seq.request_id) is item.seq
+            if kept:
+                live.append(item)
+            if item.samples:
+                if kept:
+                    rows.append(row)
+                row += 1
+        if len(rows) < row:
+            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.int64).to(logits.device))
+        self.pending = self._launch_sampling(live, logits)
+        return deltas
 
     def _flush(self) -> list[TokenDelta]:
         """Read the pending step's tokens and emit them (sequences aborted meanwhile are skipped)."""

@@ -78,6 +78,7 @@ def runner_options(cfg: Config, device: torch.device) -> dict[str, Any]:
         "graphs": "cuda" if graphs else "off",
         "graph_tokens": cfg.decoder.graph_tokens,
         "overlap": graphs and cfg.decoder.overlap,
+        "overlap_mixed": graphs and cfg.decoder.overlap and cfg.decoder.overlap_mixed,
     }
 
 
