@@ -24,6 +24,7 @@ from workers.decoder.batch import (
     embeddings,
     positions,
     step_inputs,
+    to_device,
     tp_payload,
 )
 from workers.decoder.blocks import BlockManager, BlockTable, media_token_keys
@@ -472,7 +473,7 @@ class Engine:
         self.counters["overlapped_mixed_steps"] += len(batch) > len(carried_rows)
         ids = pending.sampled.tokens
         if len(carried_rows) < len(pending.batch):
-            ids = ids.index_select(0, torch.tensor(carried_rows, dtype=torch.int64).to(ids.device))
+            ids = ids.index_select(0, to_device(torch.tensor(carried_rows, dtype=torch.int64), ids.device))
         logits, _ = self.run(batch, ids if carried_rows else None)
         deltas = self._flush()  # the GPU runs the new step meanwhile
         live, rows, row = [], [], 0
