@@ -1,33 +1,36 @@
 #!/usr/bin/env bash
 # The one-GPU levers for issue 5's acceptance 6 and 7, measured. Parts (PARTS="..." picks some, in order):
-#   tests     the GPU tests of the vision tower and its kernels
+#   tests     the GPU tests of the vision tower, the kernels and the engine
 #   vit       where the vision tower's time goes, what faster kernels would buy (benchmarks.vit_profile)
 #   none mps  seed3img (anchor, 256 requests) without and with the CUDA MPS daemon (encoders uncapped)
 #   mixed-none mixed-mps   mixed and its control, 200 image requests, without and with MPS
 #   spill no-spill   the pool's host spill tier under load, against the same small GPU pool alone
 #   overlap-mixed    mixed and its control (MPS, 200 image requests) with [decoder] overlap_mixed; and
 #                    seed3img-anchor with it (compare with mixed-mps and mps)
+# A part named twice takes a suffix for its folder: PARTS="none mps none@2 mps@2".
 # Usage: SHIP=$OUT [PARTS="vit mps"] benchmarks/levers_check.sh OUT_DIR   (carry .whl; all: about 10 minutes)
 set -uo pipefail
 . "$(dirname "$0")/device.sh"
 begin_check "$0" "${1:?usage: benchmarks/levers_check.sh OUT_DIR}"
 small_pool=(CUDA_VISIBLE_DEVICES=0 DEVICE_POOL=1 POOL_BYTES=536870912 C32_REQUESTS=256 ONLY="seed3img-anchor-c32 multiturn-c32")
-for part in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; do
+for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; do
+  part=${entry%@*} dir=${entry/@/-}
   case $part in
-    tests) mkdir -p "$out/tests"
-      python3 -m pytest -q -m gpu tests/gpu/test_vision_gpu.py tests/gpu/test_kernels_gpu.py > "$out/tests/pytest.log" 2>&1 ;;
-    vit) mkdir -p "$out/vit"
-      synth_2b > "$out/vit/synth.log" 2>&1
-      python3 -m benchmarks.vit_profile --model /tmp/qwen2-vl-2b-synth --out "$out/vit/vit_profile.json" > "$out/vit/vit_profile.log" 2>&1 ;;
-    none) stack none CUDA_VISIBLE_DEVICES=0 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
-    mps) stack mps CUDA_VISIBLE_DEVICES=0 MPS=1 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
-    mixed-none) stack mixed-none CUDA_VISIBLE_DEVICES=0 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
-    mixed-mps) stack mixed-mps CUDA_VISIBLE_DEVICES=0 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
-    overlap-mixed) stack overlap-mixed CUDA_VISIBLE_DEVICES=0 MPS=1 OVERLAP_MIXED=1 MIXED_REQUESTS=200 C32_REQUESTS=256 \
+    tests) mkdir -p "$out/$dir"
+      python3 -m pytest -q -m gpu tests/gpu/test_vision_gpu.py tests/gpu/test_kernels_gpu.py tests/gpu/test_engine_gpu.py \
+        > "$out/$dir/pytest.log" 2>&1 ;;
+    vit) mkdir -p "$out/$dir"
+      synth_2b > "$out/$dir/synth.log" 2>&1
+      python3 -m benchmarks.vit_profile --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/vit_profile.json" > "$out/$dir/vit_profile.log" 2>&1 ;;
+    none) stack "$dir" CUDA_VISIBLE_DEVICES=0 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
+    mps) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
+    mixed-none) stack "$dir" CUDA_VISIBLE_DEVICES=0 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
+    mixed-mps) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
+    overlap-mixed) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 OVERLAP_MIXED=1 MIXED_REQUESTS=200 C32_REQUESTS=256 \
       ONLY="mixed mixed-text-only seed3img-anchor-c32" ;;
-    spill) stack spill "${small_pool[@]}" SPILL_BYTES=8589934592 ;;
-    no-spill) stack no-spill "${small_pool[@]}" ;;
+    spill) stack "$dir" "${small_pool[@]}" SPILL_BYTES=8589934592 ;;
+    no-spill) stack "$dir" "${small_pool[@]}" ;;
     *) echo "unknown part $part"; continue ;;
   esac
-  ship "$part"
+  ship "$dir"
 done
