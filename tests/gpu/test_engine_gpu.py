@@ -42,10 +42,12 @@ def requests() -> list[PreparedRequest]:
     ]
 
 
-def generate(path: Path, dtype: torch.dtype, **runner: object) -> tuple[dict[str, list[int]], Engine]:
+def generate(
+    path: Path, dtype: torch.dtype, engine_class: type[Engine] = Engine, **runner: object
+) -> tuple[dict[str, list[int]], Engine]:
     model = LanguageModel.from_checkpoint(path, device=CUDA, dtype=dtype)
     spec = ModelSpec.from_dir(path)
-    engine = Engine(
+    engine = engine_class(
         model, spec, max_model_len=2048, max_running=8, prefill_budget=96, num_blocks=256, block_size=16, **runner
     )  # type: ignore[arg-type]
     for req in requests():
@@ -76,6 +78,32 @@ def test_overlapped_graph_steps_keep_the_outputs(tiny_checkpoint: Path) -> None:
     synchronous, _ = generate(tiny_checkpoint, torch.bfloat16, overlap=False, **fast)
     assert engine.counters["overlapped_steps"] >= 10
     assert overlapped == synchronous
+
+
+class NeverWaitingEngine(Engine):
+    """Raises if building and launching a step staged ahead synchronizes with the GPU (torch's sync debug
+    mode: blocking copies, .item(), nonzero...), which would make it wait for the step before it."""
+
+    def run(self, batch, ahead_ids=None):  # type: ignore[no-untyped-def]
+        if ahead_ids is None:
+            return super().run(batch, ahead_ids)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return super().run(batch, ahead_ids)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def test_steps_staged_ahead_of_prefills_keep_the_outputs_and_never_wait(tiny_checkpoint: Path) -> None:
+    """``overlap_mixed``: steps with prefill chunks are staged while the previous step runs too. Greedy outputs
+    equal the synchronous engine's, and staging such a step never synchronizes the GPU. In fp32: the staged
+    engine's batches differ from the synchronous one's (a finished sequence's row goes a step late), and in
+    bf16 other batch heights may round a near-tie the other way."""
+    fast = {"attention": paged_attention, "fuse": True, "graphs": "cuda", "graph_tokens": 128, "overlap": True}
+    staged, engine = generate(tiny_checkpoint, torch.float32, NeverWaitingEngine, overlap_mixed=True, **fast)
+    synchronous, _ = generate(tiny_checkpoint, torch.float32, **fast)
+    assert engine.counters["overlapped_mixed_steps"] >= 3  # prefill chunks (budget 96) staged beside decodes
+    assert staged == synchronous
 
 
 def test_graphs_and_fused_kernels_keep_fp32_greedy_outputs(tiny_checkpoint: Path) -> None:
