@@ -3,8 +3,8 @@
 Two ways to run it, both starting from a block's qkv projection (rotary applied on the way):
 - `SegmentFrames`: one SDPA call per item on its frames as they are (FlashAttention-2, or what
   `VisionTower.tune_attention` picked), the CPU's path too;
-- `PaddedFrames`: for cuDNN's attention, which compiles a kernel plan per shape: 57-74 ms per new frame
-  length on the H200 against 0.35-0.6 ms per call once built (`benchmarks.vit_profile`, session 7), and
+- `PaddedFrames`: for cuDNN's attention, which compiles a kernel plan per shape: 41-74 ms per new frame
+  length on the H200 against 0.34-0.6 ms per call once built (`benchmarks.vit_profile`, session 7), and
   runs a 768x1024 frame in 0.23 ms against FlashAttention-2's 0.34. Images come in every size, so each
   frame is padded to one of a few lengths (`frame_bucket`), and the padding is masked.
 """
