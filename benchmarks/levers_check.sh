@@ -4,6 +4,8 @@
 #   vit       where the vision tower's time goes, what faster kernels would buy (benchmarks.vit_profile)
 #   none mps  seed3img (anchor, 256 requests) without and with the CUDA MPS daemon (encoders uncapped)
 #   mixed-none mixed-mps   mixed and its control, 200 image requests, without and with MPS
+#   control control-staged control-staged-512   text alone (32 streams), as it is, with [decoder] overlap_mixed,
+#                    and with it and 512 tokens per step while streams decode (lost 28% without it)
 #   spill no-spill   the pool's host spill tier under load, against the same small GPU pool alone
 #   overlap-mixed    mixed and its control (MPS, 200 image requests) with [decoder] overlap_mixed; and
 #                    seed3img-anchor with it (compare with mixed-mps and mps)
@@ -28,6 +30,10 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
     mixed-mps) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     overlap-mixed) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 OVERLAP_MIXED=1 MIXED_REQUESTS=200 C32_REQUESTS=256 \
       ONLY="mixed mixed-text-only seed3img-anchor-c32" ;;
+    control) stack "$dir" CUDA_VISIBLE_DEVICES=0 MIXED_REQUESTS=200 ONLY="mixed-text-only" ;;
+    control-staged) stack "$dir" CUDA_VISIBLE_DEVICES=0 MIXED_REQUESTS=200 OVERLAP_MIXED=1 ONLY="mixed-text-only" ;;
+    control-staged-512) stack "$dir" CUDA_VISIBLE_DEVICES=0 MIXED_REQUESTS=200 OVERLAP_MIXED=1 DECODING_BUDGET=512 \
+      ONLY="mixed-text-only" ;;
     spill) stack "$dir" "${small_pool[@]}" SPILL_BYTES=8589934592 ;;
     no-spill) stack "$dir" "${small_pool[@]}" ;;
     *) echo "unknown part $part"; continue ;;

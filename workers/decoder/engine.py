@@ -471,10 +471,10 @@ class Engine:
         of sequences that finished on them are dropped before this step's sampling is launched."""
         self.counters["overlapped_steps"] += 1
         self.counters["overlapped_mixed_steps"] += len(batch) > len(carried_rows)
-        ids = pending.sampled.tokens
-        if len(carried_rows) < len(pending.batch):
+        ids = pending.sampled.tokens if carried_rows else None
+        if ids is not None and len(carried_rows) < len(pending.batch):
             ids = ids.index_select(0, to_device(torch.tensor(carried_rows, dtype=torch.int64), ids.device))
-        logits, _ = self.run(batch, ids if carried_rows else None)
+        logits, _ = self.run(batch, ids)
         deltas = self._flush()  # the GPU runs the new step meanwhile
         live, rows, row = [], [], 0
         for item in batch:
