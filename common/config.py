@@ -158,7 +158,8 @@ class DecoderConfig:
     cuda_graphs: bool = True  # steps replayed from CUDA graphs (needs kernels = "triton" on CUDA)
     graph_tokens: int = 2048  # mixed prefill/decode steps up to this many tokens replay graphs too (0: none)
     overlap: bool = True  # with graphs: stage decode step N+1 while the GPU runs step N
-    # Every step so, those with prefill chunks or arrivals too (one rank). Off until measured on a GPU.
+    # Every step so, those with prefill chunks or arrivals too (one rank; with or without graphs). Off
+    # until measured on a GPU.
     overlap_mixed: bool = False
     tensor_parallel: int = 1  # decoder ranks (one process, and one GPU, each); > 1 runs the plain-torch layers
     tp_timeout_s: float = 120.0  # how long the ranks wait for each other at start and in a collective

@@ -110,3 +110,25 @@ def test_preemption_under_a_tiny_kv_cache_keeps_every_answer(
     assert answers == reference
     assert metrics.get("vlm_decoder_preemptions_total", 0) > 0, {k: v for k, v in metrics.items() if "decoder" in k}
     assert metrics["vlm_decoder_kv_blocks_capacity"] == 32
+
+
+def test_steps_staged_ahead_keep_every_answer(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """[decoder] overlap_mixed through the whole stack: steps with prefill chunks (a budget of 32 tokens) and
+    arrivals staged before the previous step's tokens are read; 12 concurrent text and image requests give
+    the answers each gives alone on the default stack."""
+    prompts = mixed_prompts(12)
+    reference = [greedy_ids(client_for(stack.base_url), p) for p in prompts]
+    root = tmp_path_factory.mktemp("staged")
+    model = load_config(stack.config_path).model_path()
+    settings = "[decoder]\noverlap_mixed = true\nprefill_tokens_per_step = 32\n"
+    with hand_started_stack(root, model, settings) as base_url:
+        client = client_for(base_url)
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(lambda p: greedy_ids(client, p), prompts))
+        hand = Stack(base_url, root / "vlm.toml", None)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10  # the decoder reports with its heartbeat
+        while (metrics := hand.metrics()).get("vlm_decoder_requests_finished_total", 0) < 12:
+            assert time.monotonic() < deadline, "the decoder's report never caught up"
+            time.sleep(0.2)
+    assert answers == reference
+    assert metrics.get("vlm_decoder_overlapped_mixed_steps_total", 0) > 0, metrics
