@@ -87,7 +87,7 @@ def vision_launches() -> Iterator[tuple[str, Launch]]:
     qkv = torch.empty((patches, 3 * heads * head_dim), dtype=bf16, device=META)
     cos = torch.empty((patches, head_dim), dtype=torch.float32, device=META)
     yield "vision rotary_qk", vision_triton.plan_rotary(qkv, cos, cos, heads)[3]
-    padded = torch.empty((3, 4864, heads, 88), dtype=bf16, device=META)  # cuDNN's padded layout
+    padded = torch.empty((3, 4864, heads, 96), dtype=bf16, device=META)  # cuDNN's padded layout
     dest = torch.empty((patches,), dtype=torch.int64, device=META)
     yield "vision rotary_qk_into", vision_triton.plan_rotary_into(qkv, cos, cos, heads, padded, dest)
     yield "vision quick_gelu", vision_triton.plan_quick_gelu(torch.empty((patches, 5120), dtype=bf16, device=META))[1]
