@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -88,25 +89,33 @@ def test_prefix_cache_reuses_a_shared_system_prompt_and_image(stack: Stack, hf: 
     assert other_hit < system_tokens + 16  # the system prompt only: another image at that place never hits
 
 
+def answers_together(
+    stack: Stack, root: Path, settings: str, prompts: list[list[dict[str, Any]]], tokens: int = 24
+) -> tuple[list[list[int]], dict[str, float]]:
+    """All ``prompts`` at once through a stack of the same model with ``settings``; their greedy ids, and the
+    stack's /metrics once the decoder has reported every request finished."""
+    model = load_config(stack.config_path).model_path()
+    with hand_started_stack(root, model, settings) as base_url:
+        client = client_for(base_url)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda p: greedy_ids(client, p, tokens=tokens), prompts))
+        hand = Stack(base_url, root / "vlm.toml", None)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10  # the decoder reports with its heartbeat
+        while (metrics := hand.metrics()).get("vlm_decoder_requests_finished_total", 0) < len(prompts):
+            assert time.monotonic() < deadline, "the decoder's report never caught up"
+            time.sleep(0.2)
+    return answers, metrics
+
+
 def test_preemption_under_a_tiny_kv_cache_keeps_every_answer(
     stack: Stack, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     prompts = mixed_prompts(8)
     reference = [greedy_ids(client_for(stack.base_url), p, tokens=40) for p in prompts]
-    root = tmp_path_factory.mktemp("tiny-kv")
-    model = load_config(stack.config_path).model_path()
     # 32 blocks x 16 tokens: the 8 requests need about twice that at once.
     per_block = 2 * 2 * 16 * 2 * 16 * 4  # k+v, layers, block, kv heads, head dim, fp32 (tiny model)
     settings = f"[decoder]\nkv_cache_bytes = {32 * per_block}\nblock_size = 16\n"
-    with hand_started_stack(root, model, settings) as base_url:
-        client = client_for(base_url)
-        with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda p: greedy_ids(client, p, tokens=40), prompts))
-        hand = Stack(base_url, root / "vlm.toml", None)  # type: ignore[arg-type]
-        deadline = time.monotonic() + 10  # the decoder reports with its heartbeat
-        while (metrics := hand.metrics()).get("vlm_decoder_requests_finished_total", 0) < 8:
-            assert time.monotonic() < deadline, "the decoder's report never caught up"
-            time.sleep(0.2)
+    answers, metrics = answers_together(stack, tmp_path_factory.mktemp("tiny-kv"), settings, prompts, tokens=40)
     assert answers == reference
     assert metrics.get("vlm_decoder_preemptions_total", 0) > 0, {k: v for k, v in metrics.items() if "decoder" in k}
     assert metrics["vlm_decoder_kv_blocks_capacity"] == 32
@@ -118,17 +127,7 @@ def test_steps_staged_ahead_keep_every_answer(stack: Stack, tmp_path_factory: py
     the answers each gives alone on the default stack."""
     prompts = mixed_prompts(12)
     reference = [greedy_ids(client_for(stack.base_url), p) for p in prompts]
-    root = tmp_path_factory.mktemp("staged")
-    model = load_config(stack.config_path).model_path()
     settings = "[decoder]\noverlap_mixed = true\nprefill_tokens_per_step = 32\n"
-    with hand_started_stack(root, model, settings) as base_url:
-        client = client_for(base_url)
-        with ThreadPoolExecutor(12) as pool:
-            answers = list(pool.map(lambda p: greedy_ids(client, p), prompts))
-        hand = Stack(base_url, root / "vlm.toml", None)  # type: ignore[arg-type]
-        deadline = time.monotonic() + 10  # the decoder reports with its heartbeat
-        while (metrics := hand.metrics()).get("vlm_decoder_requests_finished_total", 0) < 12:
-            assert time.monotonic() < deadline, "the decoder's report never caught up"
-            time.sleep(0.2)
+    answers, metrics = answers_together(stack, tmp_path_factory.mktemp("staged"), settings, prompts)
     assert answers == reference
     assert metrics.get("vlm_decoder_overlapped_mixed_steps_total", 0) > 0, metrics
