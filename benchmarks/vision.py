@@ -3,7 +3,8 @@
     python -m benchmarks.vision --model DIR --out vision.json [--skip-hf]
 
 - ``preprocess``: the fetcher's host work per image (decode, resize, normalise, patchify), per size;
-- ``attention_ms``: each SDPA kernel on one 4,096-patch frame, as the encoder picks its kernel at start-up;
+- ``tune_forward_ms``: the tower's forward of three ~4,096-patch frames with each SDPA kernel, as the encoder
+  picks its kernel at start-up (`VisionTower.tune_attention`; before session 7, ``attention_ms`` per frame);
 - ``tower``: our vision tower (`workers.encoder.worker.encode_images`, what the encoder runs) on
   batches of 1..16 images of 640x480 and 1280x720, images per second, CUDA-event timed;
 - ``hf``: transformers' Qwen2-VL vision tower on the same pixels, same batches;
@@ -86,12 +87,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     spec = ImageProcessorSpec.from_dir(args.model)
     tower = VisionTower.from_checkpoint(args.model, device="cuda", dtype=torch.bfloat16)
-    attention_ms = tower.tune_attention()  # what the encoder does at start-up
-    print("attention kernels, ms per 4,096-patch frame: " + ", ".join(f"{k} {v:.3f}" for k, v in attention_ms.items()))
+    tune_ms = tower.tune_attention()  # what the encoder does at start-up
+    print("ms per forward of three ~4,096-patch frames: " + ", ".join(f"{k} {v:.1f}" for k, v in tune_ms.items()))
     results: dict[str, Any] = {
         "model": str(args.model),
         "device": torch.cuda.get_device_name(),
-        "attention_ms": attention_ms,
+        "tune_forward_ms": tune_ms,
         "sizes": {},
     }
     for name, (width, height) in SIZES.items():
