@@ -22,7 +22,7 @@ def parts(tmp_path_factory: pytest.TempPathFactory) -> tuple[LanguageModel, Mode
     return LanguageModel.from_checkpoint(path, dtype=torch.float32), ModelSpec.from_dir(path)
 
 
-def make_engine(parts: tuple[LanguageModel, ModelSpec], **overrides: int) -> Engine:
+def make_engine(parts: tuple[LanguageModel, ModelSpec], **overrides: object) -> Engine:
     model, spec = parts
     options = {"max_model_len": 4096, "max_running": 16, "prefill_budget": 4096, "num_blocks": 512, "block_size": 4}
     options.update(overrides)
@@ -346,18 +346,16 @@ def test_steps_staged_ahead_of_prefills_and_arrivals_emit_what_synchronous_steps
     taken from the device. Against the synchronous engine: the same tokens and finishes for greedy and
     seeded sampling with penalties, stop tokens learnt a step late, min_tokens, length limits, an abort
     while a step is pending, and a cache small enough that blocks run short and sequences are preempted."""
-    model, spec = fused_parts
+    spec = fused_parts[1]
     system = [(13 * i) % 700 + 30 for i in range(12)]
 
     def deltas(overlap_mixed: bool) -> tuple[dict[str, list[tuple[object, ...]]], Engine]:
-        engine = Engine(
-            model,
-            spec,
+        engine = make_engine(
+            fused_parts,
             max_model_len=96,
             max_running=5,
             prefill_budget=16,
             num_blocks=40,
-            block_size=4,
             fuse=True,
             graphs=graphs,
             graph_tokens=graph_tokens,
