@@ -314,20 +314,16 @@ class Engine:
         """Logits of the sampling sequences, and whether the step ran as a decode graph. ``ahead_ids``: the
         input ids (on the device) of the batch's first rows, those marked `ahead`."""
         self.counters["steps"] += 1
-        mode = self._mode(batch)
-        if ahead_ids is not None and mode == DECODE_GRAPH:
-            if len(ahead_ids) == len(batch):
-                self.counters["graph_steps"] += 1
-                return self._run_decode_graph(batch, ahead_ids), True
-            mode = self._mode(batch, decode_graph=False)  # host ids and device ids in one step
+        # A decode graph takes the ids from the host or all from the device, not some from each.
+        mode = self._mode(batch, decode_graph=ahead_ids is None or len(ahead_ids) == len(batch))
         self.counters["graph_steps"] += mode != EAGER
         ends = np.cumsum([b.num_new for b in batch]) - 1
         logits_for = [int(ends[i]) for i, b in enumerate(batch) if b.samples]
-        if self.rank_forward is not None:
+        if self.rank_forward is not None:  # (steps ahead reach here only as whole decode graphs)
             rows = [] if mode == DECODE_GRAPH else logits_for  # a decode graph gives every row
-            return self._run_ranks(self._payload(batch, rows, mode)), mode == DECODE_GRAPH
+            return self._run_ranks(self._payload(batch, rows, mode, ahead_ids)), mode == DECODE_GRAPH
         if mode == DECODE_GRAPH:
-            return self._run_decode_graph(batch), True
+            return self._run_decode_graph(batch, ahead_ids), True
         spans = [(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch]
         known = spans[len(ahead_ids) :] if ahead_ids is not None else spans
         parts = [embeddings(self.model, seq, start, end) for seq, start, end in known]
@@ -410,25 +406,13 @@ class Engine:
         return self.blocks.can_append_all([(s.table, s.num_computed + 1 - s.table.num_tokens) for s in seqs])
 
     def _step_ahead(self, pending: Pending) -> list[TokenDelta]:
-        batch = [Scheduled(item.seq, 1) for item in pending.batch]
+        """The pending sequences' next decode step, every one carried (`_continues` checked that all fit)."""
+        batch = [Scheduled(item.seq, 1, ahead=True) for item in pending.batch]
         for item in batch:
             grow = item.seq.num_computed + 1 - item.seq.table.num_tokens
             if grow > 0:
-                self.blocks.append(item.seq.table, grow)  # _continues checked that all fit
-        self.counters["steps"] += 1
-        self.counters["graph_steps"] += 1
-        self.counters["overlapped_steps"] += 1
-        if self.rank_forward is not None:  # the other ranks get the ids too
-            logits = self._run_ranks(self._payload(batch, [], DECODE_GRAPH, pending.sampled.tokens))
-        else:
-            logits = self._run_decode_graph(batch, pending.sampled.tokens)
-        deltas = self._flush()  # the GPU runs the new step meanwhile
-        live = [i for i, item in enumerate(batch) if item.seq.finish_reason is None]
-        if live:
-            if len(live) < len(batch):
-                logits = logits.index_select(0, torch.tensor(live, dtype=torch.int64).to(logits.device))
-            self.pending = self._launch_sampling([batch[i] for i in live], logits)
-        return deltas
+                self.blocks.append(item.seq.table, grow)
+        return self._run_ahead(batch, list(range(len(batch))), pending)
 
     def _launch_sampling(self, batch: list[Scheduled], logits: torch.Tensor) -> Pending | None:
         """Sample on the device and advance the sequences; the tokens are read by `_flush`. ``logits`` has a
@@ -467,8 +451,9 @@ class Engine:
         return batch + self.schedule(reserved=len(batch), preempt=False), [row for row, _ in carried]
 
     def _run_ahead(self, batch: list[Scheduled], carried_rows: list[int], pending: Pending) -> list[TokenDelta]:
-        """Launch ``batch`` (from `_schedule_ahead`), then read and emit the pending tokens while it runs; rows
-        of sequences that finished on them are dropped before this step's sampling is launched."""
+        """Launch ``batch`` (its first rows decode ``pending``'s ``carried_rows``), then read and emit the pending
+        tokens while it runs; rows of sequences that finished on them are dropped before this step's sampling
+        is launched."""
         self.counters["overlapped_steps"] += 1
         self.counters["overlapped_mixed_steps"] += len(batch) > len(carried_rows)
         ids = pending.sampled.tokens if carried_rows else None
@@ -485,8 +470,8 @@ class Engine:
                 if kept:
                     rows.append(row)
                 row += 1
-        if len(rows) < row:
-            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.int64).to(logits.device))
+        if len(rows) < row:  # (not a blocking copy: it would wait for the step just launched)
+            logits = logits.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), logits.device))
         self.pending = self._launch_sampling(live, logits)
         return deltas
 
