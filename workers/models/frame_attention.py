@@ -12,7 +12,6 @@ Two ways to run it, both starting from a block's qkv projection (rotary applied 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -171,33 +170,20 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid_th
     return torch.cat(out, dim=0)
 
 
-def time_attention(
+def attention_runs(
     backend: SDPBackend, heads: int, head_dim: int, tokens: int, device: torch.device, dtype: torch.dtype
-) -> float:
-    """Milliseconds of one frame's attention with only ``backend`` allowed (inf where it cannot run), as the
-    tower runs it (`attention_for`, rotary included): on new lengths, as images of every size arrive, after
-    a warm-up whose length shares their `frame_bucket`, so cuDNN pays its plan once per bucket as it does
-    in service. The padded layout is planned outside the clock: a forward plans it once for all blocks."""
-    first = frame_bucket(tokens) + 1  # just above a bucket's edge: the next 255 lengths share its bucket
-    lengths = [first + 16 * i for i in range(4)]  # the first warms up
-    qkv = torch.randn(lengths[-1], 3 * heads * head_dim, device=device, dtype=dtype)
-    cos = torch.ones(lengths[-1], head_dim, device=device)
-    sin = torch.zeros_like(cos)
-    calls = [
-        (attention_for((backend,), torch.tensor([[1, 1, n]]), heads, head_dim, qkv), qkv[:n], cos[:n], sin[:n])
-        for n in lengths
-    ]
+) -> bool:
+    """Whether SDPA's ``backend`` alone takes a frame of ``tokens`` patches as the tower gives it
+    (`attention_for`, rotary included)."""
+    qkv = torch.randn(tokens, 3 * heads * head_dim, device=device, dtype=dtype)
+    cos = torch.ones(tokens, head_dim, device=device)
+    attend = attention_for((backend,), torch.tensor([[1, 1, tokens]]), heads, head_dim, qkv)
     try:
         with sdpa_choice((backend,)):
-            for i, (attend, *inputs) in enumerate(calls):
-                if i == 1:
-                    torch.cuda.synchronize(device)
-                    started = time.perf_counter()
-                attend(*inputs, heads)
-            torch.cuda.synchronize(device)
+            attend(qkv, cos, torch.zeros_like(cos), heads)
     except RuntimeError:
-        return float("inf")
-    return 1e3 * (time.perf_counter() - started) / (len(lengths) - 1)
+        return False
+    return True
 
 
 def segment_attention_reference(
