@@ -16,6 +16,7 @@ import torch
 from common.protocol import PreparedRequest
 from workers.decoder.blocks import BlockTable
 from workers.decoder.graphs import StepInputs
+from workers.decoder.sampling import upload
 from workers.decoder.tp import StepPayload
 from workers.models.language import LanguageModel
 
@@ -107,25 +108,16 @@ def media_rows(seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch
     return mask, seq.media_embeds[first : first + int(part.sum())]
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without waiting for the GPU: torch's blocking host-to-device copy
-    synchronizes the stream, which would make a step staged ahead wait for the step before it. Pinned
-    first, then copied asynchronously (torch keeps the pinned block until the copy is done)."""
-    if device.type != "cuda" or tensor.device == device:
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def embeddings(model: LanguageModel, seq: Sequence, start: int, end: int) -> torch.Tensor:
     """Input embeddings of tokens [start, end): token embeddings, media rows in the placeholders. The ids
     were range-checked when the request was prepared (`LanguageModel.embed`'s check reads the device)."""
     ids = torch.tensor(seq.token_ids(start, end), dtype=torch.int64)
-    embeds = model.embed_tokens(to_device(ids, model.device))
+    embeds = model.embed_tokens(upload(ids, model.device))
     mask, rows = media_rows(seq, start, end)
     if rows is None:
         return embeds
-    at = to_device(mask.nonzero().squeeze(1), embeds.device)  # (a boolean index on the device would sync)
-    return embeds.index_copy(0, at, to_device(rows, embeds.device).to(embeds.dtype))
+    at = upload(mask.nonzero().squeeze(1), embeds.device)  # (a boolean index on the device would sync)
+    return embeds.index_copy(0, at, upload(rows, embeds.device).to(embeds.dtype))
 
 
 def step_inputs(batch: list[Scheduled], rows: list[int], block_size: int) -> StepInputs:

@@ -24,12 +24,11 @@ from workers.decoder.batch import (
     embeddings,
     positions,
     step_inputs,
-    to_device,
     tp_payload,
 )
 from workers.decoder.blocks import BlockManager, BlockTable, media_token_keys
 from workers.decoder.graphs import engine_graphs
-from workers.decoder.sampling import Sampled, SampleFuture, SamplingRow, sample_async, sample_batch
+from workers.decoder.sampling import Sampled, SampleFuture, SamplingRow, sample_async, sample_batch, upload
 from workers.decoder.tp import DECODE_GRAPH, EAGER, MIXED_GRAPH, RankForward, StepBroadcast, StepPayload
 from workers.kernels import paged_attention
 from workers.models.language import LanguageModel
@@ -458,7 +457,7 @@ class Engine:
         self.counters["overlapped_mixed_steps"] += len(batch) > len(carried_rows)
         ids = pending.sampled.tokens if carried_rows else None
         if ids is not None and len(carried_rows) < len(pending.batch):
-            ids = ids.index_select(0, to_device(torch.tensor(carried_rows, dtype=torch.int64), ids.device))
+            ids = ids.index_select(0, upload(torch.tensor(carried_rows, dtype=torch.int64), ids.device))
         logits, _ = self.run(batch, ids)
         deltas = self._flush()  # the GPU runs the new step meanwhile
         live, rows, row = [], [], 0
@@ -471,7 +470,7 @@ class Engine:
                     rows.append(row)
                 row += 1
         if len(rows) < row:  # (not a blocking copy: it would wait for the step just launched)
-            logits = logits.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), logits.device))
+            logits = logits.index_select(0, upload(torch.tensor(rows, dtype=torch.int64), logits.device))
         self.pending = self._launch_sampling(live, logits)
         return deltas
 

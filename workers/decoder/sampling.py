@@ -333,8 +333,10 @@ def _draw(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host`` on ``device`` without waiting for the device: a plain copy to a GPU waits for the stream to
-    drain, which would serialise sampling with the forward the engine has just launched behind it."""
-    if device.type != "cuda":
+    drain, which would serialise sampling, or a step staged ahead, with the forward launched before it.
+    Pinned first, then copied asynchronously (torch keeps the pinned block until the copy is done). A
+    tensor on a GPU already is only moved, if at all."""
+    if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
