@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,30 +139,28 @@ def main(argv: list[str]) -> None:
     out = Path(argv[0])
     out.parent.mkdir(parents=True, exist_ok=True)
     template = (REPO / "ops/vlm.conf").read_text()
-    has_daemon = _has_mps_daemon()
-    # torch is imported (a second or two) only where the answer can depend on it
-    has_gpu = (cfg.encoder.mps is True or (cfg.encoder.mps == "auto" and has_daemon)) and _has_gpu()
-    wanted, why = mps_wanted(cfg, has_gpu, has_daemon)
+    wanted, why = mps_wanted(cfg, _has_gpu, _has_mps_daemon())
     print(f"CUDA MPS: {'on' if wanted else 'off'} ({why})", file=sys.stderr)
     mps = MpsPlan.of(cfg) if wanted else None
     text = render(template, REPO, cfg.run_path, encoder_count(cfg), cfg.decoder.tensor_parallel, mps)
     out.write_text(text)
 
 
-def mps_wanted(cfg: Config, has_gpu: bool, has_daemon: bool) -> tuple[bool, str]:
+def mps_wanted(cfg: Config, has_gpu: Callable[[], bool], has_daemon: bool) -> tuple[bool, str]:
     """Whether the deployment runs the MPS daemon, and why. ``mps = "auto"`` turns it on only where it was
     measured to pay: a GPU host with the daemon's binary, an encoder on the decoder's GPU, a decoder of one
     rank and the host embedding pool.
     There, on one H200, seed3img at 32 clients went from 8.0-8.7 to 9.9-10.3 requests/s in four pairs of
     runs, and text streams under image load kept 41% of their throughput instead of 28%
     (benchmarks/results/2026-11-30-h200-vision-levers-a2cb480/). MPS with tensor-parallel ranks or with the
-    CUDA IPC pool has not been measured: ``mps = true`` asks for it there."""
+    CUDA IPC pool has not been measured: ``mps = true`` asks for it there. ``has_gpu`` is asked only where the
+    answer depends on it (it imports torch: a second or two)."""
     setting = cfg.encoder.mps
     if setting is False:
         return False, "[encoder] mps = false"
     if setting == "auto" and not has_daemon:
         return False, "auto: nvidia-cuda-mps-control is not on PATH"
-    if not has_gpu:
+    if not has_gpu():
         return False, "no CUDA GPU"
     if setting is True:
         return True, "[encoder] mps = true"

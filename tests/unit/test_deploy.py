@@ -83,9 +83,13 @@ def test_mps_daemon_runs_first_per_deployment_and_caps_the_encoders(tmp_path: Pa
 def test_mps_auto_is_on_only_where_it_was_measured_to_pay() -> None:
     cfg = Config()
     assert cfg.encoder.mps == "auto"
-    assert mps_wanted(cfg, has_gpu=True, has_daemon=True) == (True, "auto: an encoder shares the decoder's GPU")
-    assert mps_wanted(cfg, has_gpu=False, has_daemon=True)[0] is False  # a CPU host
-    assert mps_wanted(cfg, has_gpu=True, has_daemon=False) == (
+    assert mps_wanted(cfg, has_gpu=lambda: True, has_daemon=True) == (True, "auto: an encoder shares the decoder's GPU")
+    assert mps_wanted(cfg, has_gpu=lambda: False, has_daemon=True)[0] is False  # a CPU host
+
+    def no_torch() -> bool:
+        raise AssertionError("has_gpu (a torch import) asked where the answer cannot depend on it")
+
+    assert mps_wanted(cfg, has_gpu=no_torch, has_daemon=False) == (
         False,
         "auto: nvidia-cuda-mps-control is not on PATH",
     )
@@ -94,13 +98,13 @@ def test_mps_auto_is_on_only_where_it_was_measured_to_pay() -> None:
         other.encoder.gpus = change.get("gpus", [])
         other.decoder.tensor_parallel = change.get("tensor_parallel", 1)
         other.cache.device_pool = change.get("device_pool", False)
-        assert mps_wanted(other, has_gpu=True, has_daemon=True)[0] is False, change
+        assert mps_wanted(other, has_gpu=lambda: True, has_daemon=True)[0] is False, change
         other.encoder.mps = True  # asked for by name: on wherever there is a GPU
-        assert mps_wanted(other, has_gpu=True, has_daemon=True)[0] is True, change
+        assert mps_wanted(other, has_gpu=lambda: True, has_daemon=True)[0] is True, change
     cfg.encoder.gpus = [0, 1]  # encoder 0 shares GPU 0 with the decoder
-    assert mps_wanted(cfg, has_gpu=True, has_daemon=True)[0] is True
+    assert mps_wanted(cfg, has_gpu=lambda: True, has_daemon=True)[0] is True
     cfg.encoder.mps = False
-    assert mps_wanted(cfg, has_gpu=True, has_daemon=True) == (False, "[encoder] mps = false")
+    assert mps_wanted(cfg, has_gpu=lambda: True, has_daemon=True) == (False, "[encoder] mps = false")
 
 
 def test_mps_can_cap_every_decoder_rank_too(tmp_path: Path) -> None:
