@@ -7,6 +7,8 @@
 #   control control-staged control-staged-512   text alone (32 streams), as it is, with [decoder] overlap_mixed,
 #                    and with it and 512 tokens per step while streams decode (lost 28% without it)
 #   spill no-spill   the pool's host spill tier under load, against the same small GPU pool alone
+#   engine-mixed     the decoder engine alone under mixed's load (benchmarks.engine_mixed): media rows in host
+#                    memory (as the host pool), on the GPU, and with overlap_mixed; a profile of the first
 #   overlap-mixed    mixed and its control (MPS, 200 image requests) with [decoder] overlap_mixed; and
 #                    seed3img-anchor with it (compare with mixed-mps and mps)
 # A part named twice takes a suffix for its folder: PARTS="none mps none@2 mps@2".
@@ -24,6 +26,14 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
     vit) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
       python3 -m benchmarks.vit_profile --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/vit_profile.json" > "$out/$dir/vit_profile.log" 2>&1 ;;
+    engine-mixed) mkdir -p "$out/$dir"
+      synth_2b > "$out/$dir/synth.log" 2>&1
+      for variant in "cpu" "cuda" "cpu --overlap-mixed"; do
+        name=$(echo "$variant" | tr -d ' -')
+        extra=(); [ "$name" = cpu ] && extra=(--profile)
+        python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/$name.json" --media $variant \
+          "${extra[@]}" > "$out/$dir/$name.log" 2>&1
+      done ;;
     none) stack "$dir" CUDA_VISIBLE_DEVICES=0 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
     mps) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
     mixed-none) stack "$dir" CUDA_VISIBLE_DEVICES=0 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;

@@ -1,0 +1,219 @@
+"""The decoder engine alone under ANCHORS' `mixed` load: what image prompts cost running text streams when
+no vision tower shares the GPU (no HTTP, no ViT, no sockets: their embeddings are ready-made rows).
+
+    python -m benchmarks.engine_mixed --model DIR --out engine_mixed.json [--seconds 10] [--rate 6]
+        [--media cpu|pinned|cuda] [--overlap-mixed] [--profile]
+
+32 closed-loop text streams (1,000 prompt tokens, 256 out, each replaced when it ends) run for
+``--seconds``, first alone (the control), then while 3-image requests (3 x 972 media tokens, 120 out)
+arrive at ``--rate`` per second. The engine is the server's: its default budgets, CUDA graphs, overlap.
+Reported: text tokens/s and their gaps (p50/p99, the streams' ITL), step times, vision requests done
+and their TTFT. ``--profile`` adds torch.profiler's GPU kernel table and
+host-op table over one second of the mixed run. Needs a CUDA GPU; ``--device cpu`` runs a tiny version
+(a smoke check of the harness, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.config import DecoderConfig
+from common.protocol import PreparedMedia, PreparedRequest, SamplingParams
+from workers.decoder.engine import Engine
+from workers.models.language import LanguageModel
+from workers.models.mrope import media_token_count
+from workers.models.spec import ModelSpec
+
+IMAGE_GRID = [1, 54, 72]  # 768 x 1024 resized to 756 x 1008 (multiples of 28): 972 tokens
+
+
+@dataclass
+class Load:
+    text_streams: int = 32
+    text_prompt: int = 1000
+    text_out: int = 256
+    images_per_request: int = 3
+    vision_prompt: int = 60  # the question's text tokens
+    vision_out: int = 120
+    rate: float = 6.0  # vision requests per second (0: the control)
+    media_device: str = "cpu"  # where the rows sit, as the host pool leaves them ("cuda": the device pool)
+
+
+@dataclass
+class Window:
+    """What one run saw: per text token its emission time; per step its wall time."""
+
+    text_times: dict[str, list[float]] = field(default_factory=dict)
+    step_s: list[float] = field(default_factory=list)
+    vision_done: int = 0
+    vision_sent: int = 0
+    vision_ttft_s: list[float] = field(default_factory=list)
+
+
+def make_engine(model: LanguageModel, spec: ModelSpec, device: str, overlap_mixed: bool) -> Engine:
+    cfg = DecoderConfig()
+    cuda = device == "cuda"
+    return Engine(
+        model,
+        spec,
+        max_model_len=8192,
+        max_running=cfg.max_running,
+        prefill_budget=cfg.prefill_tokens_per_step,
+        decoding_budget=cfg.tokens_per_step_while_decoding,
+        num_blocks=12000 if cuda else 2000,
+        block_size=cfg.block_size,
+        prefix_cache=cfg.prefix_cache,
+        fuse=cuda,
+        graphs="cuda" if cuda else "off",
+        graph_tokens=cfg.graph_tokens if cuda else 0,
+        overlap=cfg.overlap and cuda,
+        overlap_mixed=overlap_mixed,
+    )
+
+
+class Feeder:
+    """Builds unique requests (fresh token ids, so the prefix cache never helps) and their media rows."""
+
+    def __init__(self, spec: ModelSpec, load: Load, dtype: torch.dtype, seed: int) -> None:
+        self.spec, self.load, self.dtype = spec, load, dtype
+        self.rng = np.random.default_rng(seed)
+        self.count = 0
+
+    def _ids(self, n: int) -> list[int]:
+        return [int(x) for x in self.rng.integers(10, min(self.spec.vocab_size, 150000) - 1, size=n)]
+
+    def text(self) -> PreparedRequest:
+        self.count += 1
+        params = SamplingParams(max_tokens=self.load.text_out, temperature=0.0, ignore_eos=True)
+        return PreparedRequest(f"text-{self.count}", self._ids(self.load.text_prompt), [], params)
+
+    def vision(self) -> tuple[PreparedRequest, torch.Tensor]:
+        self.count += 1
+        spec, n = self.spec, self.load.images_per_request
+        ids: list[int] = []
+        media = []
+        for i in range(n):
+            ids += [spec.vision_start_token_id, spec.image_token_id]
+            ids += [] if spec.vision_end_token_id is None else [spec.vision_end_token_id]
+            media.append(PreparedMedia("image", f"{self.count:032x}{i:032x}", IMAGE_GRID, self._media_tokens()))
+        ids += self._ids(self.load.vision_prompt)
+        params = SamplingParams(max_tokens=self.load.vision_out, temperature=0.0, ignore_eos=True)
+        rows = torch.randn(n * self._media_tokens(), spec.hidden_size).to(self.dtype)
+        return PreparedRequest(f"vision-{self.count}", ids, media, params), rows
+
+    def _media_tokens(self) -> int:
+        return media_token_count(IMAGE_GRID, self.spec)
+
+
+def run_window(engine: Engine, feeder: Feeder, seconds: float, rate: float, media_device: str) -> Window:
+    """Closed-loop text streams plus open-loop vision arrivals for ``seconds`` of wall time."""
+    seen = Window()
+    sent_at: dict[str, float] = {}
+    for _ in range(feeder.load.text_streams):
+        engine.add(engine.prepare(feeder.text()))
+    start = time.perf_counter()
+    next_vision = start
+    while (now := time.perf_counter()) - start < seconds:
+        while rate > 0 and now >= next_vision:
+            request, rows = feeder.vision()
+            seq = engine.prepare(request)
+            seq.media_embeds = rows.pin_memory() if media_device == "pinned" else rows.to(media_device)
+            engine.add(seq)
+            sent_at[request.request_id] = now
+            seen.vision_sent += 1
+            next_vision += 1.0 / rate
+        deltas = engine.step()
+        done = time.perf_counter()
+        seen.step_s.append(done - now)
+        for delta in deltas:
+            rid = delta.request_id
+            if rid.startswith("text"):
+                seen.text_times.setdefault(rid, []).extend([done] * len(delta.token_ids))
+            elif rid in sent_at and delta.token_ids:
+                seen.vision_ttft_s.append(done - sent_at.pop(rid))
+            if delta.finish_reason is not None:
+                if rid.startswith("text"):
+                    engine.add(engine.prepare(feeder.text()))
+                else:
+                    seen.vision_done += 1
+    for rid in list(engine.running) + [s.request_id for s in engine.waiting]:
+        engine.abort(rid)
+    while engine.has_work():  # a pending step of aborted sequences: drain it
+        engine.step()
+    return seen
+
+
+def summarise(seen: Window, seconds: float) -> dict[str, Any]:
+    tokens = sum(len(t) for t in seen.text_times.values())
+    gaps = np.concatenate([np.diff(t) for t in seen.text_times.values() if len(t) > 1] or [np.zeros(1)])
+    steps = np.asarray(seen.step_s)
+    return {
+        "text_tokens_per_s": tokens / seconds,
+        "text_itl_p50_ms": 1e3 * float(np.percentile(gaps, 50)),
+        "text_itl_p99_ms": 1e3 * float(np.percentile(gaps, 99)),
+        "steps": len(steps),
+        "step_mean_ms": 1e3 * float(steps.mean()),
+        "step_p99_ms": 1e3 * float(np.percentile(steps, 99)),
+        "vision_sent": seen.vision_sent,
+        "vision_done": seen.vision_done,
+        "vision_ttft_mean_ms": 1e3 * float(np.mean(seen.vision_ttft_s)) if seen.vision_ttft_s else None,
+    }
+
+
+def profile_window(engine: Engine, feeder: Feeder, load: Load) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_window(engine, feeder, 1.0, load.rate, load.media_device)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rate", type=float, default=6.0)
+    parser.add_argument("--media", default="cpu", choices=["cpu", "pinned", "cuda"])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--overlap-mixed", action="store_true", help="[decoder] overlap_mixed on")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks.engine_mixed needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
+        sys.exit(2)
+    spec = ModelSpec.from_dir(args.model)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = LanguageModel.from_checkpoint(args.model, device=args.device, dtype=dtype)
+    load = Load(rate=args.rate, media_device=args.media)
+    if args.device == "cpu":
+        load = Load(text_streams=2, text_prompt=20, text_out=4, vision_out=2, rate=args.rate, media_device="cpu")
+    engine = make_engine(model, spec, args.device, args.overlap_mixed)
+    feeder = Feeder(spec, load, dtype, seed=0)
+    run_window(engine, feeder, min(2.0, args.seconds), load.rate, load.media_device)  # warm-up: graphs, allocators
+    results: dict[str, Any] = {"model": str(args.model), "load": load.__dict__, "seconds": args.seconds}
+    for name, rate in (("control", 0.0), ("mixed", load.rate)):
+        results[name] = summarise(run_window(engine, feeder, args.seconds, rate, load.media_device), args.seconds)
+        print(name, json.dumps(results[name]), flush=True)
+    control, mixed = results["control"], results["mixed"]
+    results["text_share"] = mixed["text_tokens_per_s"] / control["text_tokens_per_s"]
+    results["itl_p99_ratio"] = mixed["text_itl_p99_ms"] / control["text_itl_p99_ms"]
+    print(f"text share {results['text_share']:.0%}, ITL p99 ratio {results['itl_p99_ratio']:.2f}", flush=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    if args.profile and args.device == "cuda":
+        profile_window(engine, feeder, load)
+
+
+if __name__ == "__main__":
+    main()
