@@ -2,7 +2,7 @@
 no vision tower shares the GPU (no HTTP, no ViT, no sockets: their embeddings are ready-made rows).
 
     python -m benchmarks.engine_mixed --model DIR --out engine_mixed.json [--seconds 10] [--rate 6]
-        [--media cpu|pinned|cuda] [--overlap-mixed] [--profile]
+        [--media cpu|pinned|cuda] [--overlap-mixed] [--prefill-tiles SWEEP.json] [--profile]
 
 32 closed-loop text streams (1,000 prompt tokens, 256 out, each replaced when it ends) run for
 ``--seconds``, first alone (the control), then while 3-image requests (3 x 972 media tokens, 120 out)
@@ -87,6 +87,8 @@ class Feeder:
         self.spec, self.load, self.dtype = spec, load, dtype
         self.rng = np.random.default_rng(seed)
         self.count = 0
+        # One set of rows for every request: drawing them per request took ~18 ms of the engine loop's host.
+        self.rows = torch.randn(load.images_per_request * self._media_tokens(), spec.hidden_size).to(dtype)
 
     def _ids(self, n: int) -> list[int]:
         return [int(x) for x in self.rng.integers(10, min(self.spec.vocab_size, 150000) - 1, size=n)]
@@ -107,8 +109,7 @@ class Feeder:
             media.append(PreparedMedia("image", f"{self.count:032x}{i:032x}", IMAGE_GRID, self._media_tokens()))
         ids += self._ids(self.load.vision_prompt)
         params = SamplingParams(max_tokens=self.load.vision_out, temperature=0.0, ignore_eos=True)
-        rows = torch.randn(n * self._media_tokens(), spec.hidden_size).to(self.dtype)
-        return PreparedRequest(f"vision-{self.count}", ids, media, params), rows
+        return PreparedRequest(f"vision-{self.count}", ids, media, params), self.rows
 
     def _media_tokens(self) -> int:
         return media_token_count(IMAGE_GRID, self.spec)
@@ -126,7 +127,8 @@ def run_window(engine: Engine, feeder: Feeder, seconds: float, rate: float, medi
         while rate > 0 and now >= next_vision:
             request, rows = feeder.vision()
             seq = engine.prepare(request)
-            seq.media_embeds = rows.pin_memory() if media_device == "pinned" else rows.to(media_device)
+            # A copy per request, as `gather_rows` makes one from the pool.
+            seq.media_embeds = rows.pin_memory() if media_device == "pinned" else rows.to(media_device, copy=True)
             engine.add(seq)
             sent_at[request.request_id] = now
             seen.vision_sent += 1
@@ -188,11 +190,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--media", default="cpu", choices=["cpu", "pinned", "cuda"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--overlap-mixed", action="store_true", help="[decoder] overlap_mixed on")
+    parser.add_argument("--prefill-tiles", type=Path, help="the attention's prefill tiles: a bench_prefill JSON's best")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("benchmarks.engine_mixed needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
         sys.exit(2)
+    if args.prefill_tiles:
+        from workers.kernels import attention_triton
+
+        best = json.loads(args.prefill_tiles.read_text())["best_overall"]
+        attention_triton.PREFILL_TILES = attention_triton.Tiles(**best)
+        print(f"prefill tiles: {attention_triton.PREFILL_TILES}", flush=True)
     spec = ModelSpec.from_dir(args.model)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = LanguageModel.from_checkpoint(args.model, device=args.device, dtype=dtype)
@@ -202,7 +211,13 @@ def main(argv: list[str] | None = None) -> None:
     engine = make_engine(model, spec, args.device, args.overlap_mixed)
     feeder = Feeder(spec, load, dtype, seed=0)
     run_window(engine, feeder, min(2.0, args.seconds), load.rate, load.media_device)  # warm-up: graphs, allocators
-    results: dict[str, Any] = {"model": str(args.model), "load": load.__dict__, "seconds": args.seconds}
+    results: dict[str, Any] = {
+        "model": str(args.model),
+        "load": load.__dict__,
+        "seconds": args.seconds,
+        "overlap_mixed": args.overlap_mixed,
+        "prefill_tiles": str(args.prefill_tiles),
+    }
     for name, rate in (("control", 0.0), ("mixed", load.rate)):
         results[name] = summarise(run_window(engine, feeder, args.seconds, rate, load.media_device), args.seconds)
         print(name, json.dumps(results[name]), flush=True)

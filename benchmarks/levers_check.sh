@@ -9,6 +9,8 @@
 #   spill no-spill   the pool's host spill tier under load, against the same small GPU pool alone
 #   engine-mixed     the decoder engine alone under mixed's load (benchmarks.engine_mixed): media rows in host
 #                    memory (as the host pool), on the GPU, and with overlap_mixed; a profile of the first
+#   prefill          the attention's prefill tile sweep (workers.kernels.bench_prefill), then engine-mixed with the
+#                    default tiles, the sweep's best, and the best with overlap_mixed
 #   overlap-mixed    mixed and its control (MPS, 200 image requests) with [decoder] overlap_mixed; and
 #                    seed3img-anchor with it (compare with mixed-mps and mps)
 # A part named twice takes a suffix for its folder: PARTS="none mps none@2 mps@2".
@@ -33,6 +35,15 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
         extra=(); [ "$name" = cpu ] && extra=(--profile)
         python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/$name.json" --media $variant \
           "${extra[@]}" > "$out/$dir/$name.log" 2>&1
+      done ;;
+    prefill) mkdir -p "$out/$dir"
+      synth_2b > "$out/$dir/synth.log" 2>&1
+      python3 -m workers.kernels.bench_prefill --out "$out/$dir/sweep.json" > "$out/$dir/sweep.log" 2>&1
+      for variant in default tuned tuned-overlap; do
+        extra=(); [ "$variant" != default ] && extra=(--prefill-tiles "$out/$dir/sweep.json")
+        [ "$variant" = tuned-overlap ] && extra+=(--overlap-mixed)
+        python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/$variant.json" "${extra[@]}" \
+          > "$out/$dir/$variant.log" 2>&1
       done ;;
     none) stack "$dir" CUDA_VISIBLE_DEVICES=0 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
     mps) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;

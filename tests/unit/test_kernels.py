@@ -195,7 +195,7 @@ def paged_batch(
 
 
 def check_attention(
-    q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, layout: BatchLayout, **overrides: int
+    q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, layout: BatchLayout, **overrides: object
 ) -> None:
     scale = q.shape[-1] ** -0.5
     out = attention.paged_attention_triton(q, kv_k, kv_v, layout, scale, **overrides)
@@ -236,6 +236,16 @@ def test_default_tiles_and_small_query_blocks(heads: int, kv_heads: int, head_di
     batch = paged_batch(MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 16, heads, kv_heads, head_dim, torch.float32, seed=1)
     check_attention(*batch)
     check_attention(*batch, block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize(("block_m", "block_n"), [(128, 32), (128, 64), (128, 128), (64, 128)])
+def test_prefill_tile_shapes(block_m: int, block_n: int) -> None:
+    """Every tile shape `workers.kernels.bench_prefill` may choose for prefill gives the same attention: 128
+    query rows hold 21 tokens of a 6-head group (126 rows), and a 128-key tile spans several blocks."""
+    from workers.kernels.attention_triton import Tiles
+
+    batch = paged_batch(MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 16, 12, 2, 32, torch.float32, seed=4)
+    check_attention(*batch, tiles=Tiles(block_m, block_n, num_warps=8, num_stages=3))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

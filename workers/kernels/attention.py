@@ -135,13 +135,15 @@ def paged_attention_triton(
     num_splits: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    tiles: object = None,
 ) -> torch.Tensor:
-    """Launch the Triton kernel on q's device (interpreted on CPU). The keywords override the heuristics."""
+    """Launch the Triton kernel on q's device (interpreted on CPU). The keywords override the heuristics
+    (``tiles``: an `attention_triton.Tiles`, typed loosely here because that module imports triton)."""
     from workers.kernels import attention_triton
 
     metadata = layout if isinstance(layout, AttentionMetadata) else attention_metadata(layout, q.device)
     check_inputs(q, kv_k, kv_v, metadata)
-    return attention_triton.launch(q, kv_k, kv_v, metadata, scale, num_splits, block_m, block_n)
+    return attention_triton.launch(q, kv_k, kv_v, metadata, scale, num_splits, block_m, block_n, tiles)
 
 
 def check_inputs(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, metadata: AttentionMetadata) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -39,8 +40,23 @@ MAX_SPLITS = 32
 # dependent load after another): on the H200 a 7b-shaped layer at batch 1 and 1,000 keys took 17 us with
 # 256-key splits (8 programs), which is a tenth of the step; many short splits cost only their merge.
 MIN_SPLIT_TOKENS = 64
-DEFAULT_BLOCK_N = 64
 DEFAULT_SM_COUNT = 132  # H200; used when the device cannot be asked (the interpreter)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A launch's tile shape: ``block_m`` query rows (query tokens x their head group, padded) against
+    ``block_n`` keys per step, and the compiler's warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Decode: the head group padded to the 16 rows of a tensor-core tile (`plan` widens it to the group).
+DECODE_TILES = Tiles(block_m=16, block_n=64, num_warps=4, num_stages=2)
+PREFILL_TILES = Tiles(block_m=64, block_n=64, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -222,10 +238,11 @@ def launch(
     num_splits: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Run the kernel(s); inputs are validated by `attention.check_inputs`."""
     check_launchable(q.device)
-    out, launches = plan(q, kv_k, kv_v, metadata, scale, num_splits, block_m, block_n, interpreted())
+    out, launches = plan(q, kv_k, kv_v, metadata, scale, num_splits, block_m, block_n, interpreted(), tiles)
     for step in launches:
         step()
     return out
@@ -241,14 +258,17 @@ def plan(
     block_m: int | None = None,
     block_n: int | None = None,
     interpreted_mode: bool = False,
+    tiles: Tiles | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
-    """The output tensor and the launches that fill it (the attention kernel, then the split merge if any)."""
+    """The output tensor and the launches that fill it (the attention kernel, then the split merge if any).
+    ``tiles`` replaces the default tile shape of the batch's kind; ``block_m``/``block_n`` override it."""
     tokens, heads, head_dim = q.shape
     kv_heads = kv_k.shape[1]
     group = heads // kv_heads
     decode_only = metadata.max_query_len == 1
-    block_m = block_m or _default_block_m(group, decode_only)
-    block_n = block_n or DEFAULT_BLOCK_N
+    tiles = tiles or (DECODE_TILES if decode_only else PREFILL_TILES)
+    block_m = block_m or max(tiles.block_m, next_power_of_2(group))
+    block_n = block_n or tiles.block_n
     _check_blocks(block_m, block_n, group)
     # Decode-only batches put one token per program: more query rows would only be padding.
     block_q = 1 if decode_only else block_m // group
@@ -309,8 +329,8 @@ def plan(
             "INTERPRETED": interpreted_mode,
             "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
         },
-        num_warps=4,
-        num_stages=2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     if not split:
         return out, [attend]
@@ -347,11 +367,6 @@ def choose_num_splits(programs: int, max_context_len: int, sm_count: int) -> int
     if programs >= sm_count:
         return 1
     return max(1, min(-(-2 * sm_count // programs), max_context_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
-
-
-def _default_block_m(group: int, decode_only: bool) -> int:
-    # Decode: the head group padded to the 16 rows of a tensor-core tile. Prefill: 64 query rows.
-    return max(16 if decode_only else 64, next_power_of_2(group))
 
 
 def _check_blocks(block_m: int, block_n: int, group: int) -> None:
