@@ -2,13 +2,14 @@
 no vision tower shares the GPU (no HTTP, no ViT, no sockets: their embeddings are ready-made rows).
 
     python -m benchmarks.engine_mixed --model DIR --out engine_mixed.json [--seconds 10] [--rate 6]
-        [--media cpu|pinned|cuda] [--overlap-mixed] [--prefill-tiles SWEEP.json] [--profile]
+        [--media cpu|pinned|cuda] [--[no-]overlap-mixed] [--prefill-tiles SWEEP.json] [--profile]
 
 32 closed-loop text streams (1,000 prompt tokens, 256 out, each replaced when it ends) run for
 ``--seconds``, first alone (the control), then while 3-image requests (3 x 972 media tokens, 120 out)
 arrive at ``--rate`` per second. The engine is the server's: its default budgets, CUDA graphs, overlap.
 Reported: text tokens/s and their gaps (p50/p99, the streams' ITL), step times, vision requests done
-and their TTFT. ``--profile`` adds torch.profiler's GPU kernel table and
+and their TTFT, and the device time of the forwards split by kind (decode-only, or with prompt tokens,
+with the cost of one more prompt token). ``--profile`` adds torch.profiler's GPU kernel table and
 host-op table over one second of the mixed run. Needs a CUDA GPU; ``--device cpu`` runs a tiny version
 (a smoke check of the harness, not a measurement).
 """
@@ -57,6 +58,7 @@ class Window:
     vision_done: int = 0
     vision_sent: int = 0
     vision_ttft_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0  # until the last step of the window returned (the abort drain excluded)
 
 
 def make_engine(model: LanguageModel, spec: ModelSpec, device: str, overlap_mixed: bool) -> Engine:
@@ -115,6 +117,61 @@ class Feeder:
         return media_token_count(IMAGE_GRID, self.spec)
 
 
+class StepTimer:
+    """The device time of every forward the engine runs, with its shape: how many sequences, how many of its
+    tokens are prompt (prefill chunks). CUDA events around `Engine.run` (sampling is not included); on the
+    CPU the forward is synchronous and the wall clock is its time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.cuda = engine.model.device.type == "cuda"
+        self.records: list[tuple[int, int, Any, Any]] = []
+        run = engine.run
+
+        def timed(batch: list[Any], ahead_ids: torch.Tensor | None = None) -> Any:
+            prompt = sum(item.num_new for item in batch if item.seq.num_computed < len(item.seq.prompt_ids))
+            start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+            if self.cuda:
+                start.record()
+            out = run(batch, ahead_ids)
+            end = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+            if self.cuda:
+                end.record()
+            self.records.append((len(batch), prompt, start, end))
+            return out
+
+        engine.run = timed  # type: ignore[method-assign]
+
+    def take(self) -> list[tuple[int, int, float]]:
+        """(sequences, prompt tokens, ms) of the forwards since the last call."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        records, self.records = self.records, []
+        if self.cuda:
+            return [(n, p, start.elapsed_time(end)) for n, p, start, end in records]
+        return [(n, p, 1e3 * (end - start)) for n, p, start, end in records]
+
+
+def forward_split(forwards: list[tuple[int, int, float]], seconds: float) -> dict[str, Any]:
+    """Device time by kind of forward: decode-only ones, and those with prompt tokens (with a least-squares
+    line of ms against prompt tokens: its slope is what one more prompt token costs a step)."""
+    decode = [ms for _, p, ms in forwards if p == 0]
+    prompt = [(p, ms) for _, p, ms in forwards if p > 0]
+    out: dict[str, Any] = {
+        "device_busy_share": sum(ms for *_, ms in forwards) / (1e3 * seconds),
+        "decode_forwards": len(decode),
+        "decode_ms_mean": float(np.mean(decode)) if decode else None,
+        "decode_ms_share": sum(decode) / (1e3 * seconds),
+        "prompt_forwards": len(prompt),
+        "prompt_tokens": sum(p for p, _ in prompt),
+        "prompt_ms_share": sum(ms for _, ms in prompt) / (1e3 * seconds),
+        "mean_sequences": float(np.mean([n for n, *_ in forwards])) if forwards else None,
+    }
+    if len({p for p, _ in prompt}) > 1:
+        slope, intercept = np.polyfit([p for p, _ in prompt], [ms for _, ms in prompt], 1)
+        out["prompt_us_per_token"], out["prompt_ms_at_zero_tokens"] = 1e3 * float(slope), float(intercept)
+    return out
+
+
 def run_window(engine: Engine, feeder: Feeder, seconds: float, rate: float, media_device: str) -> Window:
     """Closed-loop text streams plus open-loop vision arrivals for ``seconds`` of wall time."""
     seen = Window()
@@ -147,6 +204,7 @@ def run_window(engine: Engine, feeder: Feeder, seconds: float, rate: float, medi
                     engine.add(engine.prepare(feeder.text()))
                 else:
                     seen.vision_done += 1
+    seen.wall_s = time.perf_counter() - start
     for rid in list(engine.running) + [s.request_id for s in engine.waiting]:
         engine.abort(rid)
     while engine.has_work():  # a pending step of aborted sequences: drain it
@@ -189,7 +247,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=6.0)
     parser.add_argument("--media", default="cpu", choices=["cpu", "pinned", "cuda"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--overlap-mixed", action="store_true", help="[decoder] overlap_mixed on")
+    parser.add_argument(
+        "--overlap-mixed",
+        action=argparse.BooleanOptionalAction,
+        default=DecoderConfig().overlap_mixed,
+        help="[decoder] overlap_mixed (default: the server's default)",
+    )
     parser.add_argument("--prefill-tiles", type=Path, help="the attention's prefill tiles: a bench_prefill JSON's best")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
@@ -218,8 +281,12 @@ def main(argv: list[str] | None = None) -> None:
         "overlap_mixed": args.overlap_mixed,
         "prefill_tiles": str(args.prefill_tiles),
     }
+    timer = StepTimer(engine)
     for name, rate in (("control", 0.0), ("mixed", load.rate)):
-        results[name] = summarise(run_window(engine, feeder, args.seconds, rate, load.media_device), args.seconds)
+        timer.take()
+        seen = run_window(engine, feeder, args.seconds, rate, load.media_device)
+        forwards = timer.take()  # (the abort drain's forwards are in it too: at most one step)
+        results[name] = summarise(seen, args.seconds) | {"forwards": forward_split(forwards, seen.wall_s)}
         print(name, json.dumps(results[name]), flush=True)
     control, mixed = results["control"], results["mixed"]
     results["text_share"] = mixed["text_tokens_per_s"] / control["text_tokens_per_s"]

@@ -9,8 +9,8 @@
 #        TP=2 for a tensor-parallel decoder over two GPUs, DEVICE_POOL=1 for the CUDA IPC embedding pool,
 #        ENCODERS=N for N encoder processes instead of one per GPU, ENCODER_GPUS=1 (a comma list) to place
 #        the encoders on those GPUs: with the decoder on GPU 0, ENCODER_GPUS=1 gives vision its own GPU,
-#        DECODING_BUDGET=512 for the decoder's tokens per step while streams decode, OVERLAP_MIXED=1 for
-#        [decoder] overlap_mixed (steps with prefill chunks staged ahead too),
+#        DECODING_BUDGET=512 for the decoder's tokens per step while streams decode, OVERLAP_MIXED=1/0 to
+#        set [decoder] overlap_mixed (steps with prefill chunks staged ahead too; on by default),
 #        DEVICE_POOL=1 SPILL_BYTES=N [POOL_BYTES=N] for the pool's host spill tier (a small pool spills),
 #        C32_REQUESTS=256 for longer seed3img runs at 32 clients than the default 64, MIXED_REQUESTS=200 for a
 #        longer mixed and control than the default 60 image requests)
@@ -33,8 +33,9 @@ if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
   [ -n "${ENCODER_GPUS:-}" ] && sed -i "/^\[encoder\]/a gpus = [${ENCODER_GPUS}]" /tmp/gpu-variant.toml
   # TP=N: a tensor-parallel decoder over N GPUs (needs N GPUs; one encoder per GPU comes with them)
   [ "${TP:-1}" != 1 ] && sed -i "/^\[decoder\]/a tensor_parallel = ${TP}" /tmp/gpu-variant.toml
-  # OVERLAP_MIXED=1: every decoder step staged while the previous one runs, prefill steps too
-  [ "${OVERLAP_MIXED:-0}" = 1 ] && sed -i "/^\[decoder\]/a overlap_mixed = true" /tmp/gpu-variant.toml
+  # OVERLAP_MIXED=1 or 0: every decoder step staged while the previous one runs, prefill steps too (the
+  # default since 78ae5c7), or only decode steps
+  [ -n "${OVERLAP_MIXED:-}" ] && sed -i "/^\[decoder\]/a overlap_mixed = $([ "$OVERLAP_MIXED" = 1 ] && echo true || echo false)" /tmp/gpu-variant.toml
   # DECODING_BUDGET=512: the decoder's tokens per step while any stream decodes
   [ -n "${DECODING_BUDGET:-}" ] && sed -i "/^\[decoder\]/a tokens_per_step_while_decoding = ${DECODING_BUDGET}" /tmp/gpu-variant.toml
   export VLM_CONFIG=/tmp/gpu-variant.toml

@@ -3,9 +3,11 @@
 #   tests     the GPU tests of the vision tower, the kernels and the engine
 #   vit       where the vision tower's time goes, what faster kernels would buy (benchmarks.vit_profile)
 #   none mps  seed3img (anchor, 256 requests) without and with the CUDA MPS daemon (encoders uncapped)
+#   mps-normal-priority mps-decoder-sm70   seed3img with MPS, the encoders' clients at normal priority, or the
+#                    decoder capped at 70% of the SMs (the ViT is seed3img's bottleneck: its share under MPS)
 #   mixed-none mixed-mps   mixed and its control, 200 image requests, without and with MPS
-#   control control-staged control-staged-512   text alone (32 streams), as it is, with [decoder] overlap_mixed,
-#                    and with it and 512 tokens per step while streams decode (lost 28% without it)
+#   control control-staged control-staged-512   text alone (32 streams) without [decoder] overlap_mixed, with
+#                    it (the default since 78ae5c7), and with it and 512 tokens per step while streams decode
 #   spill no-spill   the pool's host spill tier under load, against the same small GPU pool alone
 #   engine-mixed     the decoder engine alone under mixed's load (benchmarks.engine_mixed): media rows in host
 #                    memory (as the host pool), on the GPU, and with overlap_mixed; a profile of the first
@@ -30,9 +32,9 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       python3 -m benchmarks.vit_profile --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/vit_profile.json" > "$out/$dir/vit_profile.log" 2>&1 ;;
     engine-mixed) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
-      for variant in "cpu" "cuda" "cpu --overlap-mixed"; do
+      for variant in "cpu --no-overlap-mixed" "cuda --no-overlap-mixed" "cpu --overlap-mixed"; do
         name=$(echo "$variant" | tr -d ' -')
-        extra=(); [ "$name" = cpu ] && extra=(--profile)
+        extra=(); [ "$name" = cpunooverlapmixed ] && extra=(--profile)
         python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/$name.json" --media $variant \
           "${extra[@]}" > "$out/$dir/$name.log" 2>&1
       done ;;
@@ -40,18 +42,22 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       synth_2b > "$out/$dir/synth.log" 2>&1
       python3 -m workers.kernels.bench_prefill --out "$out/$dir/sweep.json" > "$out/$dir/sweep.log" 2>&1
       for variant in default tuned tuned-overlap; do
-        extra=(); [ "$variant" != default ] && extra=(--prefill-tiles "$out/$dir/sweep.json")
+        extra=(--no-overlap-mixed); [ "$variant" != default ] && extra+=(--prefill-tiles "$out/$dir/sweep.json")
         [ "$variant" = tuned-overlap ] && extra+=(--overlap-mixed)
         python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/$variant.json" "${extra[@]}" \
           > "$out/$dir/$variant.log" 2>&1
       done ;;
     none) stack "$dir" CUDA_VISIBLE_DEVICES=0 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
     mps) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
+    mps-normal-priority) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MPS_LOW_PRIORITY=false C32_REQUESTS=256 \
+      ONLY="seed3img-anchor-c32" ;;
+    mps-decoder-sm70) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MPS_DECODER_SM=70 C32_REQUESTS=256 \
+      ONLY="seed3img-anchor-c32" ;;
     mixed-none) stack "$dir" CUDA_VISIBLE_DEVICES=0 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-mps) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     overlap-mixed) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 OVERLAP_MIXED=1 MIXED_REQUESTS=200 C32_REQUESTS=256 \
       ONLY="mixed mixed-text-only seed3img-anchor-c32" ;;
-    control) stack "$dir" CUDA_VISIBLE_DEVICES=0 MIXED_REQUESTS=200 ONLY="mixed-text-only" ;;
+    control) stack "$dir" CUDA_VISIBLE_DEVICES=0 MIXED_REQUESTS=200 OVERLAP_MIXED=0 ONLY="mixed-text-only" ;;
     control-staged) stack "$dir" CUDA_VISIBLE_DEVICES=0 MIXED_REQUESTS=200 OVERLAP_MIXED=1 ONLY="mixed-text-only" ;;
     control-staged-512) stack "$dir" CUDA_VISIBLE_DEVICES=0 MIXED_REQUESTS=200 OVERLAP_MIXED=1 DECODING_BUDGET=512 \
       ONLY="mixed-text-only" ;;
