@@ -238,14 +238,16 @@ def test_default_tiles_and_small_query_blocks(heads: int, kv_heads: int, head_di
     check_attention(*batch, block_m=16, block_n=16)
 
 
-@pytest.mark.parametrize(("block_m", "block_n"), [(128, 32), (128, 64), (128, 128), (64, 128)])
-def test_prefill_tile_shapes(block_m: int, block_n: int) -> None:
+@pytest.mark.parametrize("heavy_first", [False, True], ids=["in-order", "heavy-first"])
+@pytest.mark.parametrize(("block_m", "block_n"), [(128, 32), (128, 64), (128, 128), (64, 128), (32, 64)])
+def test_prefill_tile_shapes(block_m: int, block_n: int, heavy_first: bool) -> None:
     """Every tile shape `workers.kernels.bench_prefill` may choose for prefill gives the same attention: 128
-    query rows hold 21 tokens of a 6-head group (126 rows), and a 128-key tile spans several blocks."""
+    query rows hold 21 tokens of a 6-head group (126 rows), 32 rows hold 5, a 128-key tile spans several
+    blocks; and a sequence's query blocks may run last first."""
     from workers.kernels.attention_triton import Tiles
 
     batch = paged_batch(MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 16, 12, 2, 32, torch.float32, seed=4)
-    check_attention(*batch, tiles=Tiles(block_m, block_n, num_warps=8, num_stages=3))
+    check_attention(*batch, tiles=Tiles(block_m, block_n, num_warps=8, num_stages=3, heavy_first=heavy_first))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

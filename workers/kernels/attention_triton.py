@@ -52,6 +52,9 @@ class Tiles:
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    # A sequence's query blocks in reverse: the last block sees the most keys (causal), and started first it
+    # does not finish alone after the others (GPUs dispatch programs roughly in order).
+    heavy_first: bool = False
 
 
 # Decode: the head group padded to the 16 rows of a tensor-core tile (`plan` widens it to the group).
@@ -93,6 +96,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
     INTERPRETED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -118,6 +122,8 @@ def _paged_attention_kernel(
     q_block = program - (q_start // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:
         return  # the spare program of this sequence
+    if HEAVY_FIRST:
+        q_block = tl.cdiv(q_len, BLOCK_Q) - 1 - q_block
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -326,6 +332,7 @@ def plan(
             "BLOCK_N": block_n,
             "BLOCK_SIZE": metadata.block_size,
             "SPLIT": split,
+            "HEAVY_FIRST": tiles.heavy_first,
             "INTERPRETED": interpreted_mode,
             "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
         },

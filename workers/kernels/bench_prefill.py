@@ -1,11 +1,14 @@
 """Prefill attention speed: ``python -m workers.kernels.bench_prefill [--out F.json]`` on a CUDA GPU.
 
 The paged kernel's prefill launches (a prompt chunk, alone or with decodes in the same step) for the
-Qwen2-VL 2B and 7B attention shapes, at every tile shape of a small grid, against PyTorch's SDPA on the
-same queries with the keys laid out contiguously (FlashAttention-2 where it runs: the speed a
-contiguous layout allows). Causal FLOPs over time gives TFLOP/s. The best tile shape per case, and the
-one best over all cases (least total time), are printed and written out: that is how `PREFILL_TILES`
-is chosen.
+Qwen2-VL 2B and 7B attention shapes, at every tile shape of a small grid (and forced key splits at the
+default shape), against PyTorch's SDPA on the same queries with the keys laid out contiguously
+(FlashAttention-2 where it runs: the speed a contiguous layout allows). Each launch is checked against
+the fp32 reference first. Times are the kernel's alone: one call captured in a CUDA graph and replayed,
+as the engine's steps run (a plain call's time also holds the host's launch path, tens of microseconds:
+session 8's first sweep timed that way and could not tell the shapes apart). Causal FLOPs over time gives
+TFLOP/s. The best tile shape per case, and the one best over all cases (least total time), are printed
+and written out: that is how `PREFILL_TILES` is chosen.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import itertools
 import json
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -76,7 +80,8 @@ def inputs(case: PrefillCase, device: torch.device) -> tuple[torch.Tensor, torch
 
 
 def sdpa_us(case: PrefillCase, device: torch.device) -> float:
-    """The prompt chunk alone through SDPA, keys contiguous, causal aligned to the chunk's end."""
+    """The prompt chunk alone through SDPA, keys contiguous, causal aligned to the chunk's end (a plain call,
+    median of many: SDPA's launch path may not capture into a graph, so its figure includes the host's)."""
     from torch.nn.attention.bias import causal_lower_right
 
     heads, kv_heads, head_dim = GEOMETRIES[case.model]
@@ -92,28 +97,56 @@ def tile_grid() -> list[Any]:
     from workers.kernels.attention_triton import Tiles
 
     return [
-        Tiles(block_m, block_n, warps, stages)
-        for block_m, block_n, (warps, stages) in itertools.product(
-            (64, 128), (32, 64, 128), ((4, 2), (4, 3), (8, 2), (8, 3))
+        Tiles(block_m, block_n, warps, stages, heavy_first)
+        for block_m, block_n, (warps, stages), heavy_first in itertools.product(
+            (32, 64, 128), (32, 64, 128), ((4, 2), (8, 3)), (False, True)
         )
     ]
 
 
-def time_tiles(case: PrefillCase, grid: list[Any], device: torch.device) -> dict[Any, float]:
+SPLITS = (2, 4, 8)  # forced at the default tile shape (the heuristic never splits a prefill of this size)
+
+
+def graph_us(fn: Callable[[], object], replays: int = 20) -> float:
+    """Device time of one ``fn()``: captured once in a CUDA graph (compiled outside it), replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
+def time_launches(case: PrefillCase, grid: list[Any], device: torch.device) -> dict[Any, float]:
+    """Kernel microseconds for each tile shape of ``grid``, and for each forced split count (keyed by the
+    int); inf for a launch that fails to compile or gives a wrong answer."""
     q, kv_k, kv_v, metadata = inputs(case, device)
     scale = GEOMETRIES[case.model][2] ** -0.5
     expected = paged_attention_reference(q.float(), kv_k.float(), kv_v.float(), metadata, scale)
+    calls: dict[Any, Callable[[], torch.Tensor]] = {
+        tiles: lambda t=tiles: paged_attention_triton(q, kv_k, kv_v, metadata, scale, tiles=t) for tiles in grid
+    }
+    calls |= {n: lambda n=n: paged_attention_triton(q, kv_k, kv_v, metadata, scale, num_splits=n) for n in SPLITS}
     times = {}
-    for tiles in grid:
+    for key, call in calls.items():
         try:
-            out = paged_attention_triton(q, kv_k, kv_v, metadata, scale, tiles=tiles)
-            error = (out.float() - expected).abs().max().item()
+            error = (call().float() - expected).abs().max().item()
             if error > 0.05:  # bf16 inputs and probabilities: a few 1e-3 when right
                 raise ArithmeticError(f"max error {error:.3g} against the fp32 reference")
-            times[tiles] = eager_us(lambda t=tiles: paged_attention_triton(q, kv_k, kv_v, metadata, scale, tiles=t))
+            times[key] = graph_us(call)
         except Exception as exc:  # a shape the compiler refuses (shared memory), or a wrong one: not a candidate
-            print(f"{case.name} {tiles}: {type(exc).__name__}: {exc}", flush=True)
-            times[tiles] = float("inf")
+            print(f"{case.name} {key}: {type(exc).__name__}: {exc}", flush=True)
+            times[key] = float("inf")
     return times
 
 
@@ -125,7 +158,8 @@ def run(device: torch.device) -> dict[str, Any]:
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "default": asdict(PREFILL_TILES)}
     report["cases"] = []
     for case in CASES:
-        times = time_tiles(case, grid, device)
+        measured = time_launches(case, grid, device)
+        times = {tiles: measured[tiles] for tiles in grid}
         for tiles, us in times.items():
             totals[tiles] += us
         best = min(times, key=times.__getitem__)
@@ -136,13 +170,15 @@ def run(device: torch.device) -> dict[str, Any]:
             "best": asdict(best),
             "best_us": times[best],
             "best_tflops": case.flops() / times[best] / 1e6,
+            "splits_us": {n: measured[n] for n in SPLITS},
             "sdpa_us": reference,
             "all_us": {str(asdict(t)): us for t, us in times.items()},
         }
         report["cases"].append(row)
+        splits = ", ".join(f"{n}: {us:.1f}" for n, us in row["splits_us"].items())
         print(
             f"{case.name:>28}: default {row['default_us']:8.1f} us, best {times[best]:8.1f} us "
-            f"({row['best_tflops']:5.0f} TFLOP/s) at {best}; SDPA {reference or float('nan'):8.1f} us",
+            f"({row['best_tflops']:5.0f} TFLOP/s) at {best}; split {splits}; SDPA {reference or float('nan'):8.1f} us",
             flush=True,
         )
         torch.cuda.empty_cache()
