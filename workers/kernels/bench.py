@@ -92,22 +92,28 @@ def graph_us(inputs: DecodeInputs, scale: float, splits: int) -> float:
         for i in range(inputs.copies):
             paged_attention_triton(inputs.q, inputs.kv_k[i], inputs.kv_v[i], inputs.metadata, scale, num_splits=splits)
 
+    return graph_replay_us(calls) / inputs.copies
+
+
+def graph_replay_us(fn: Callable[[], object], replays: int = GRAPH_REPLAYS) -> float:
+    """Device time of one ``fn()``: captured once in a CUDA graph (run once before, outside it, so that
+    kernels compile there), then replayed ``replays`` times between two events."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        calls()  # compiles outside the capture
+        fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        calls()
+        fn()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(GRAPH_REPLAYS):
+    for _ in range(replays):
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (GRAPH_REPLAYS * inputs.copies)
+    return start.elapsed_time(end) * 1e3 / replays
 
 
 def eager_us(fn: Callable[[], object]) -> float:

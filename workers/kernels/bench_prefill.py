@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from workers.kernels.attention import AttentionMetadata, paged_attention_reference, paged_attention_triton
-from workers.kernels.bench import GEOMETRIES, eager_us
+from workers.kernels.bench import GEOMETRIES, eager_us, graph_replay_us
 from workers.models.paged import BatchLayout
 
 BLOCK_SIZE = 16
@@ -107,26 +107,6 @@ def tile_grid() -> list[Any]:
 SPLITS = (2, 4, 8)  # forced at the default tile shape (the heuristic never splits a prefill of this size)
 
 
-def graph_us(fn: Callable[[], object], replays: int = 20) -> float:
-    """Device time of one ``fn()``: captured once in a CUDA graph (compiled outside it), replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
-
-
 def time_launches(case: PrefillCase, grid: list[Any], device: torch.device) -> dict[Any, float]:
     """Kernel microseconds for each tile shape of ``grid``, and for each forced split count (keyed by the
     int); inf for a launch that fails to compile or gives a wrong answer."""
@@ -143,7 +123,7 @@ def time_launches(case: PrefillCase, grid: list[Any], device: torch.device) -> d
             error = (call().float() - expected).abs().max().item()
             if error > 0.05:  # bf16 inputs and probabilities: a few 1e-3 when right
                 raise ArithmeticError(f"max error {error:.3g} against the fp32 reference")
-            times[key] = graph_us(call)
+            times[key] = graph_replay_us(call)
         except Exception as exc:  # a shape the compiler refuses (shared memory), or a wrong one: not a candidate
             print(f"{case.name} {key}: {type(exc).__name__}: {exc}", flush=True)
             times[key] = float("inf")
