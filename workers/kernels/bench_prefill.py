@@ -130,14 +130,14 @@ def time_launches(case: PrefillCase, grid: list[Any], device: torch.device) -> d
     return times
 
 
-def run(device: torch.device) -> dict[str, Any]:
+def run(device: torch.device, models: list[str]) -> dict[str, Any]:
     from workers.kernels.attention_triton import PREFILL_TILES
 
     grid = tile_grid()
     totals = dict.fromkeys(grid, 0.0)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "default": asdict(PREFILL_TILES)}
     report["cases"] = []
-    for case in CASES:
+    for case in [c for c in CASES if c.model in models]:
         measured = time_launches(case, grid, device)
         times = {tiles: measured[tiles] for tiles in grid}
         for tiles, us in times.items():
@@ -173,11 +173,12 @@ def run(device: torch.device) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--models", nargs="+", default=list(GEOMETRIES), choices=list(GEOMETRIES))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("workers.kernels.bench_prefill needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
-    report = run(torch.device("cuda"))
+    report = run(torch.device("cuda"), args.models)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
 
