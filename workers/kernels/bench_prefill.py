@@ -52,9 +52,9 @@ CASES = [
     PrefillCase(f"{name}-{model}", model, chunk, context, decodes)
     for model in GEOMETRIES
     for name, chunk, context, decodes in (
+        ("text-prompt", 1000, 1000, 0),
         ("image-first-chunk", 2048, 2048, 0),  # a 3-image prompt's first chunk at the default budget
         ("image-last-chunk", 1100, 3148, 0),
-        ("text-prompt", 1000, 1000, 0),
         ("chunk-with-decodes", 1984, 1984, 64),
     )
 ]
