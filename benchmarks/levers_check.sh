@@ -11,8 +11,8 @@
 #   spill no-spill   the pool's host spill tier under load, against the same small GPU pool alone
 #   engine-mixed     the decoder engine alone under mixed's load (benchmarks.engine_mixed): media rows in host
 #                    memory (as the host pool), on the GPU, and with overlap_mixed; a profile of the first
-#   prefill          the attention's prefill tile sweep (workers.kernels.bench_prefill), then engine-mixed with the
-#                    default tiles, the sweep's best, and the best with overlap_mixed
+#   prefill          the attention's prefill tile sweep (workers.kernels.bench_prefill), then engine-mixed at the
+#                    server's defaults, with the sweep's best tiles, and without overlap_mixed
 #   overlap-mixed    mixed and its control (MPS, 200 image requests) with [decoder] overlap_mixed; and
 #                    seed3img-anchor with it (compare with mixed-mps and mps)
 # A part named twice takes a suffix for its folder: PARTS="none mps none@2 mps@2".
@@ -41,9 +41,10 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
     prefill) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
       python3 -m workers.kernels.bench_prefill --out "$out/$dir/sweep.json" > "$out/$dir/sweep.log" 2>&1
-      for variant in default tuned tuned-overlap; do
-        extra=(--no-overlap-mixed); [ "$variant" != default ] && extra+=(--prefill-tiles "$out/$dir/sweep.json")
-        [ "$variant" = tuned-overlap ] && extra+=(--overlap-mixed)
+      for variant in default tuned no-overlap; do
+        extra=()
+        [ "$variant" = tuned ] && extra=(--prefill-tiles "$out/$dir/sweep.json")
+        [ "$variant" = no-overlap ] && extra=(--no-overlap-mixed)
         python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/$variant.json" "${extra[@]}" \
           > "$out/$dir/$variant.log" 2>&1
       done ;;
