@@ -320,7 +320,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes and steps")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--profile", action="store_true", help="only: cProfile of one eager 820-token prefill")
-    parser.add_argument("--profile-decode", action="store_true", help="only: kernels of a batch-1 decode graph")
+    parser.add_argument("--profile-decode", action="store_true", help="only: kernels of one decode graph")
+    parser.add_argument("--decode-shape", type=int, nargs=2, default=[1, 1000], metavar=("BATCH", "CONTEXT"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.engine needs a CUDA GPU", file=sys.stderr)
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         profile_prefill(model, 820)
         return
     if args.profile_decode:
-        profile_decode(model, 1, 1000)
+        profile_decode(model, *args.decode_shape)
         return
     results["language_weight_bytes"] = language_bytes(model)
     results["prefill_unfused"] = bench_prefill(model, prefills, None)
