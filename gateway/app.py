@@ -19,7 +19,7 @@ from common.config import Config
 from common.protocol import GenerateRequest, RequestError, SamplingParams, TokenDelta
 from gateway.choice import ChoiceStream, ChoiceUpdate
 from gateway.defaults import sampling_defaults, with_defaults
-from gateway.errors import ApiError
+from gateway.errors import ApiError, internal_error
 from gateway.metrics import GatewayMetrics, render_values
 from gateway.pipeline import Pipeline
 from gateway.prompt import Prompt, PromptBuilder
@@ -171,6 +171,9 @@ class Gateway:
         except asyncio.CancelledError:  # the client hung up (aiohttp's handler_cancellation)
             self.counters["requests_disconnected"] += 1
             raise
+        except Exception:  # a bug: `error_shapes` answers it as a logged 500
+            self.counters["requests_failed"] += 1
+            raise
         finally:
             for choice in choices:  # a no-op once finished; frees every stage otherwise
                 self.pipeline.abort(choice.request_id)
@@ -197,13 +200,18 @@ class Gateway:
         """One pipeline request per choice; seeded choices get seeds seed, seed+1, ... so they differ."""
         sampling = sampling_params(with_defaults(chat, self.defaults))
         stops = [chat.stop] if isinstance(chat.stop, str) else list(chat.stop or [])
-        choices = []
-        for index in range(chat.n):
-            request_id = completion_id if chat.n == 1 else f"{completion_id}-{index}"
-            seed = None if sampling.seed is None else sampling.seed + index
-            params = dataclasses.replace(sampling, seed=seed)
-            self.pipeline.submit(GenerateRequest(request_id, prompt.token_ids, prompt.media, params), events)
-            choices.append(ChoiceStream(index, request_id, self.prompts.tokenizer, stops))
+        choices: list[ChoiceStream] = []
+        try:
+            for index in range(chat.n):
+                request_id = completion_id if chat.n == 1 else f"{completion_id}-{index}"
+                seed = None if sampling.seed is None else sampling.seed + index
+                params = dataclasses.replace(sampling, seed=seed)
+                self.pipeline.submit(GenerateRequest(request_id, prompt.token_ids, prompt.media, params), events)
+                choices.append(ChoiceStream(index, request_id, self.prompts.tokenizer, stops))
+        except Exception:  # the choices already submitted must not run on for nobody
+            for choice in choices:
+                self.pipeline.abort(choice.request_id)
+            raise
         return choices
 
     async def _updates(
@@ -336,6 +344,12 @@ class Gateway:
         except ApiError as exc:  # mid-stream failure: the status is already sent, so report in-band
             await sse.send(exc.body())
             choices = []
+        except ConnectionResetError:
+            raise
+        except Exception as exc:  # a bug of ours: log it, and still end the stream in OpenAI's shape
+            log.exception("stream %s failed", sse.completion_id)
+            await sse.send(internal_error(exc).body())
+            choices = []
         if choices and options.stream_options is not None and options.stream_options.include_usage:
             await sse.send({**sse.header(), "choices": [], "usage": usage(choices)})
         await sse.response.write(b"data: [DONE]\n\n")
@@ -408,7 +422,8 @@ ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /
 
 def error_shapes(max_request_bytes: int) -> Any:
     """What aiohttp itself refuses (a path or method not served, a body over the limit) in OpenAI's error
-    shape (JSON), not aiohttp's text."""
+    shape (JSON), not aiohttp's text; and a bug of ours (any other exception before a response started) as
+    a logged 500 in that shape, not aiohttp's bare "Server got itself in trouble"."""
 
     @web.middleware
     async def shape(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -427,6 +442,11 @@ def error_shapes(max_request_bytes: int) -> Any:
                 "send large images by URL rather than inline"
             )
             return ApiError(413, message, code="request_too_large").response()
+        except web.HTTPException:
+            raise
+        except Exception as exc:
+            log.exception("%s %s failed", request.method, request.path)
+            return internal_error(exc).response()
 
     return shape
 

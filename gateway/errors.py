@@ -38,3 +38,13 @@ class ApiError(Exception):
     def response(self) -> web.Response:
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
         return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+def internal_error(exc: BaseException) -> ApiError:
+    """What a client gets for a bug of ours (it is logged with its traceback where it is caught)."""
+    return ApiError(
+        500,
+        f"internal server error ({type(exc).__name__}); the server logged the details. This is a bug in the "
+        "server, not in the request: please report it",
+        code="internal_error",
+    )

@@ -81,11 +81,15 @@ class Pipeline:
     # ------------------------------------------------------------------ submitting
     def submit(self, request: GenerateRequest, events: asyncio.Queue[TokenDelta | RequestError]) -> Tracked:
         tracked = self.requests[request.request_id] = Tracked(request.request_id, events)
-        if request.media:
-            self.fetchers.submit(request.request_id, request, self.cfg.server.request_timeout_s)
-        else:  # text only: straight to the decoder
-            tracked.stage = "decode"
-            self._send(self.decoder, PreparedRequest(request.request_id, request.prompt_ids, [], request.sampling))
+        try:
+            if request.media:
+                self.fetchers.submit(request.request_id, request, self.cfg.server.request_timeout_s)
+            else:  # text only: straight to the decoder
+                tracked.stage = "decode"
+                self._send(self.decoder, PreparedRequest(request.request_id, request.prompt_ids, [], request.sampling))
+        except Exception:  # (a message that cannot be encoded): leave nothing of it behind
+            self.abort(request.request_id)
+            raise
         return tracked
 
     def abort(self, request_id: str) -> None:

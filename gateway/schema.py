@@ -9,6 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gateway.errors import ApiError
 
+# Every integer crosses a socket as msgpack, which holds 64 bits: larger ones are refused here, by name,
+# rather than failing to encode (an HTTP 500) after validation.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+
 
 class _Part(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -23,8 +28,8 @@ class ImageUrl(BaseModel):
     model_config = ConfigDict(extra="allow")
     url: str
     detail: str | None = None
-    min_pixels: int | None = Field(default=None, gt=0)
-    max_pixels: int | None = Field(default=None, gt=0)
+    min_pixels: int | None = Field(default=None, gt=0, le=INT64_MAX)
+    max_pixels: int | None = Field(default=None, gt=0, le=INT64_MAX)
 
 
 class ImagePart(_Part):
@@ -38,8 +43,8 @@ class VideoUrl(BaseModel):
     model_config = ConfigDict(extra="allow")
     url: str
     fps: float | None = Field(default=None, gt=0, le=60)
-    min_pixels: int | None = Field(default=None, gt=0)
-    max_pixels: int | None = Field(default=None, gt=0)
+    min_pixels: int | None = Field(default=None, gt=0, le=INT64_MAX)
+    max_pixels: int | None = Field(default=None, gt=0, le=INT64_MAX)
 
 
 class VideoPart(_Part):
@@ -71,11 +76,11 @@ class GenerationOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")  # the OpenAI API ignores fields it does not know
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    top_k: int = Field(default=0, ge=0, le=INT64_MAX)
+    seed: Int64 | None = None
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=8)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -85,8 +90,8 @@ class GenerationOptions(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
+    stop_token_ids: list[Int64] = Field(default_factory=list)
     return_token_ids: bool = False
     user: str | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
@@ -117,7 +122,7 @@ class GenerationOptions(BaseModel):
 
 class ChatCompletionRequest(GenerationOptions):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # Read only to refuse them: each would change the answer, so ignoring it would mislead the client.
@@ -141,11 +146,11 @@ class ChatCompletionRequest(GenerationOptions):
 class CompletionRequest(GenerationOptions):
     """The legacy ``/v1/completions``: a text prompt, no chat template, no images."""
 
-    prompt: str | list[int] | list[str]
+    prompt: str | list[Int64] | list[str]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
     @property
     def top_logprobs_asked(self) -> int:

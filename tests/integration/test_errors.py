@@ -76,6 +76,15 @@ CASES = {
     "logit_bias_key": (chat("hi", logit_bias={"the": 5}), 400, ("logit_bias", "token ids")),
     "logit_bias_value": (chat("hi", logit_bias={"5": 101}), 400, ("logit_bias",)),
     "logit_bias_outside_vocabulary": (chat("hi", logit_bias={"999999999": 1}), 400, ("logit_bias", "[0,")),
+    # integers past 64 bits could not cross a socket (msgpack): refused by name, not a 500
+    "seed_past_64_bits": (chat("hi", seed=2**70), 400, ("seed", "9223372036854775807")),
+    "max_tokens_past_64_bits": (chat("hi", max_tokens=10**30), 400, ("max_tokens",)),
+    "stop_token_id_past_64_bits": (chat("hi", stop_token_ids=[10**30]), 400, ("stop_token_ids",)),
+    "image_pixels_past_64_bits": (
+        chat([{"type": "image_url", "image_url": {"url": "http://example.com/a.png", "max_pixels": 10**30}}]),
+        400,
+        ("max_pixels",),
+    ),
 }
 
 
@@ -204,3 +213,9 @@ def test_metrics_parse_as_prometheus_and_move(stack: Stack) -> None:
     assert after["vlm_gateway_requests"].type == "counter"  # type: ignore[attr-defined]
     assert after["vlm_decoder_kv_usage"].type == "gauge"  # type: ignore[attr-defined]
     assert "vlm_cache_commits" in after and "vlm_decoder_prefix_hit_tokens" in after
+
+
+def test_completion_prompt_ids_past_64_bits_are_refused_by_name(stack: Stack) -> None:
+    status, body, _ = post(stack, {"prompt": [5, 10**30], "max_tokens": 2}, path="/v1/completions")
+    assert_error(status, body, 400, "prompt")
+    assert body["error"]["param"] == "prompt.1"
