@@ -160,6 +160,15 @@ class CompletionRequest(GenerationOptions):
 def _validate(model: type[GenerationOptions], body: Any) -> Any:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    where = _unpaired_surrogate(body, "")
+    if where is not None:
+        raise ApiError(
+            400,
+            f"{where or 'the body'} holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape), which is "
+            "not text: escape characters outside the BMP as a surrogate pair, or send them as UTF-8",
+            code="invalid_value",
+            param=where or None,
+        )
     try:
         request = model.model_validate(body)
     except ValidationError as exc:
@@ -170,6 +179,24 @@ def _validate(model: type[GenerationOptions], body: Any) -> Any:
     if request.stop == "":
         raise ApiError(400, "stop strings must not be empty", param="stop")
     return request
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _unpaired_surrogate(value: Any, where: str) -> str | None:
+    """The path of the first string with a lone surrogate (JSON's "\\ud800" decodes to one, and no tokenizer
+    or encoder takes it), or None."""
+    if isinstance(value, str):
+        return where if _SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return f"{where}.<key>" if where else "<key>"
+        found = _unpaired_surrogate(item, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:

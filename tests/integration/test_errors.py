@@ -76,6 +76,11 @@ CASES = {
     "logit_bias_key": (chat("hi", logit_bias={"the": 5}), 400, ("logit_bias", "token ids")),
     "logit_bias_value": (chat("hi", logit_bias={"5": 101}), 400, ("logit_bias",)),
     "logit_bias_outside_vocabulary": (chat("hi", logit_bias={"999999999": 1}), 400, ("logit_bias", "[0,")),
+    "unpaired_surrogate": (
+        b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}',
+        400,
+        ("messages.0.content", "surrogate"),
+    ),
     # integers past 64 bits could not cross a socket (msgpack): refused by name, not a 500
     "seed_past_64_bits": (chat("hi", seed=2**70), 400, ("seed", "9223372036854775807")),
     "max_tokens_past_64_bits": (chat("hi", max_tokens=10**30), 400, ("max_tokens",)),
@@ -219,3 +224,9 @@ def test_completion_prompt_ids_past_64_bits_are_refused_by_name(stack: Stack) ->
     status, body, _ = post(stack, {"prompt": [5, 10**30], "max_tokens": 2}, path="/v1/completions")
     assert_error(status, body, 400, "prompt")
     assert body["error"]["param"] == "prompt.1"
+
+
+def test_escaped_surrogate_pairs_are_ordinary_text(stack: Stack) -> None:
+    body = b'{"messages": [{"role": "user", "content": "smile \\ud83d\\ude00"}], "max_tokens": 2}'
+    status, reply, _ = post(stack, body)
+    assert status == 200, reply
