@@ -183,6 +183,8 @@ class Gateway:
             return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise ApiError(400, "the request body nests arrays or objects too deeply to parse") from exc
 
     def _check_model(self, name: str | None) -> None:
         """A request may leave the model out; one it names must be this server's."""

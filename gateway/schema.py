@@ -42,7 +42,7 @@ class VideoUrl(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     url: str
-    fps: float | None = Field(default=None, gt=0, le=60)
+    fps: float | None = Field(default=None, gt=0, le=60, allow_inf_nan=False)
     min_pixels: int | None = Field(default=None, gt=0, le=INT64_MAX)
     max_pixels: int | None = Field(default=None, gt=0, le=INT64_MAX)
 
@@ -73,7 +73,9 @@ class StreamOptions(BaseModel):
 class GenerationOptions(BaseModel):
     """What chat and text completions share: sampling, stopping, streaming."""
 
-    model_config = ConfigDict(extra="ignore")  # the OpenAI API ignores fields it does not know
+    # The OpenAI API ignores fields it does not know; Python's JSON parser takes NaN and Infinity, which are
+    # not numbers any option can mean.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
@@ -184,18 +186,22 @@ def _validate(model: type[GenerationOptions], body: Any) -> Any:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _unpaired_surrogate(value: Any, where: str) -> str | None:
+def _unpaired_surrogate(body: Any, where: str) -> str | None:
     """The path of the first string with a lone surrogate (JSON's "\\ud800" decodes to one, and no tokenizer
-    or encoder takes it), or None."""
-    if isinstance(value, str):
-        return where if _SURROGATE.search(value) else None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        if isinstance(key, str) and _SURROGATE.search(key):
-            return f"{where}.<key>" if where else "<key>"
-        found = _unpaired_surrogate(item, f"{where}.{key}" if where else str(key))
-        if found is not None:
-            return found
+    or encoder takes it), or None. A walk with its own stack: a body may nest as deep as the JSON parser
+    allows, deeper than Python's recursion limit leaves room for here."""
+    stack: list[tuple[Any, str]] = [(body, where)]
+    while stack:
+        value, at = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return at
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in reversed(list(items)):  # (reversed: the first bad string is the one named)
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return f"{at}.<key>" if at else "<key>"
+            stack.append((item, f"{at}.{key}" if at else str(key)))
     return None
 
 

@@ -81,6 +81,9 @@ CASES = {
         400,
         ("messages.0.content", "surrogate"),
     ),
+    # Python's JSON parser takes these; they are no number any option can mean
+    "nan_temperature": (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, ("finite",)),
+    "nested_too_deep": (b'{"messages": [], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, ("too deeply",)),
     # integers past 64 bits could not cross a socket (msgpack): refused by name, not a 500
     "seed_past_64_bits": (chat("hi", seed=2**70), 400, ("seed", "9223372036854775807")),
     "max_tokens_past_64_bits": (chat("hi", max_tokens=10**30), 400, ("max_tokens",)),
