@@ -37,12 +37,22 @@ def message(cls: type[M]) -> type[M]:
     if cls.TAG in _REGISTRY:
         raise TypeError(f"duplicate message tag {cls.TAG}")
     _REGISTRY[cls.TAG] = cls
+    _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
     return cls
 
 
+# Each class's field names, looked up once: the decoder encodes a delta per running stream every step.
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+_PLAIN = (int, float, str, bytes, bool, type(None))
+
+
 def _to_wire(value: Any) -> Any:
+    if type(value) in _PLAIN:  # most values: returned before any isinstance check
+        return value
     if isinstance(value, Message):
-        out = {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}  # type: ignore[arg-type]
+        out = {name: _to_wire(getattr(value, name)) for name in _FIELD_NAMES[type(value)]}
         out[_TAG] = value.TAG
         return out
     if isinstance(value, list | tuple):
@@ -59,9 +69,9 @@ def _from_wire(obj: dict[str, Any]) -> Any:
     cls = _REGISTRY.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message tag {tag!r}")
-    fields = {k: v for k, v in obj.items() if k != _TAG}
+    del obj[_TAG]  # (msgpack's hook hands over a fresh map: it is ours to change)
     try:
-        return cls(**fields)
+        return cls(**obj)
     except TypeError as exc:
         raise ProtocolError(f"bad fields for {tag}: {exc}") from exc
 
