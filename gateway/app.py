@@ -261,6 +261,8 @@ class Gateway:
 
     @staticmethod
     async def _next_event(events: Events, deadline: float) -> TokenDelta | RequestError:
+        if not events.empty() and time.monotonic() < deadline:  # no timer to arm and cancel: under load,
+            return events.get_nowait()  # events are usually waiting already
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the handler's cancellation
             # (a client hang-up) when an event arrives at the same moment, and the request would run on.
