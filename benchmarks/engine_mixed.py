@@ -2,7 +2,8 @@
 no vision tower shares the GPU (no HTTP, no ViT, no sockets: their embeddings are ready-made rows).
 
     python -m benchmarks.engine_mixed --model DIR --out engine_mixed.json [--seconds 10] [--rate 6]
-        [--media cpu|pinned|cuda] [--[no-]overlap-mixed] [--prefill-tiles SWEEP.json] [--profile]
+        [--media cpu|pinned|cuda] [--[no-]overlap-mixed] [--decoding-budget N] [--prefill-tiles SWEEP.json]
+        [--profile]
 
 32 closed-loop text streams (1,000 prompt tokens, 256 out, each replaced when it ends) run for
 ``--seconds``, first alone (the control), then while 3-image requests (3 x 972 media tokens, 120 out)
@@ -61,7 +62,9 @@ class Window:
     wall_s: float = 0.0  # until the last step of the window returned (the abort drain excluded)
 
 
-def make_engine(model: LanguageModel, spec: ModelSpec, device: str, overlap_mixed: bool) -> Engine:
+def make_engine(
+    model: LanguageModel, spec: ModelSpec, device: str, overlap_mixed: bool, decoding_budget: int | None = None
+) -> Engine:
     cfg = DecoderConfig()
     cuda = device == "cuda"
     return Engine(
@@ -70,7 +73,7 @@ def make_engine(model: LanguageModel, spec: ModelSpec, device: str, overlap_mixe
         max_model_len=8192,
         max_running=cfg.max_running,
         prefill_budget=cfg.prefill_tokens_per_step,
-        decoding_budget=cfg.tokens_per_step_while_decoding,
+        decoding_budget=cfg.tokens_per_step_while_decoding if decoding_budget is None else decoding_budget,
         num_blocks=12000 if cuda else 2000,
         block_size=cfg.block_size,
         prefix_cache=cfg.prefix_cache,
@@ -253,6 +256,12 @@ def main(argv: list[str] | None = None) -> None:
         default=DecoderConfig().overlap_mixed,
         help="[decoder] overlap_mixed (default: the server's default)",
     )
+    parser.add_argument(
+        "--decoding-budget",
+        type=int,
+        default=None,
+        help="[decoder] tokens_per_step_while_decoding (default: the server's; 0: the prefill budget)",
+    )
     parser.add_argument("--prefill-tiles", type=Path, help="the attention's prefill tiles: a bench_prefill JSON's best")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
@@ -271,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     load = Load(rate=args.rate, media_device=args.media)
     if args.device == "cpu":
         load = Load(text_streams=2, text_prompt=20, text_out=4, vision_out=2, rate=args.rate, media_device="cpu")
-    engine = make_engine(model, spec, args.device, args.overlap_mixed)
+    engine = make_engine(model, spec, args.device, args.overlap_mixed, args.decoding_budget)
     feeder = Feeder(spec, load, dtype, seed=0)
     run_window(engine, feeder, min(2.0, args.seconds), load.rate, load.media_device)  # warm-up: graphs, allocators
     results: dict[str, Any] = {
@@ -279,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         "load": load.__dict__,
         "seconds": args.seconds,
         "overlap_mixed": args.overlap_mixed,
+        "decoding_budget": args.decoding_budget,
         "prefill_tiles": str(args.prefill_tiles),
     }
     timer = StepTimer(engine)
