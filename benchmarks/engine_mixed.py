@@ -242,7 +242,7 @@ def profile_window(engine: Engine, feeder: Feeder, load: Load) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
@@ -264,16 +264,41 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--prefill-tiles", type=Path, help="the attention's prefill tiles: a bench_prefill JSON's best")
     parser.add_argument("--profile", action="store_true")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def use_prefill_tiles(sweep: Path) -> None:
+    from workers.kernels import attention_triton
+
+    best = json.loads(sweep.read_text())["best_overall"]
+    attention_triton.PREFILL_TILES = attention_triton.Tiles(**best)
+    print(f"prefill tiles: {attention_triton.PREFILL_TILES}", flush=True)
+
+
+def measure(engine: Engine, feeder: Feeder, seconds: float) -> dict[str, Any]:
+    """The control window, then the mixed one, with the forwards of each split by kind."""
+    timer = StepTimer(engine)
+    results: dict[str, Any] = {}
+    for name, rate in (("control", 0.0), ("mixed", feeder.load.rate)):
+        timer.take()
+        seen = run_window(engine, feeder, seconds, rate, feeder.load.media_device)
+        forwards = timer.take()  # (the abort drain's forwards are in it too: at most one step)
+        results[name] = summarise(seen, seconds) | {"forwards": forward_split(forwards, seen.wall_s)}
+        print(name, json.dumps(results[name]), flush=True)
+    control, mixed = results["control"], results["mixed"]
+    results["text_share"] = mixed["text_tokens_per_s"] / control["text_tokens_per_s"]
+    results["itl_p99_ratio"] = mixed["text_itl_p99_ms"] / control["text_itl_p99_ms"]
+    print(f"text share {results['text_share']:.0%}, ITL p99 ratio {results['itl_p99_ratio']:.2f}", flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("benchmarks.engine_mixed needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
         sys.exit(2)
     if args.prefill_tiles:
-        from workers.kernels import attention_triton
-
-        best = json.loads(args.prefill_tiles.read_text())["best_overall"]
-        attention_triton.PREFILL_TILES = attention_triton.Tiles(**best)
-        print(f"prefill tiles: {attention_triton.PREFILL_TILES}", flush=True)
+        use_prefill_tiles(args.prefill_tiles)
     spec = ModelSpec.from_dir(args.model)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = LanguageModel.from_checkpoint(args.model, device=args.device, dtype=dtype)
@@ -283,25 +308,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = make_engine(model, spec, args.device, args.overlap_mixed, args.decoding_budget)
     feeder = Feeder(spec, load, dtype, seed=0)
     run_window(engine, feeder, min(2.0, args.seconds), load.rate, load.media_device)  # warm-up: graphs, allocators
-    results: dict[str, Any] = {
-        "model": str(args.model),
-        "load": load.__dict__,
-        "seconds": args.seconds,
-        "overlap_mixed": args.overlap_mixed,
-        "decoding_budget": args.decoding_budget,
-        "prefill_tiles": str(args.prefill_tiles),
-    }
-    timer = StepTimer(engine)
-    for name, rate in (("control", 0.0), ("mixed", load.rate)):
-        timer.take()
-        seen = run_window(engine, feeder, args.seconds, rate, load.media_device)
-        forwards = timer.take()  # (the abort drain's forwards are in it too: at most one step)
-        results[name] = summarise(seen, args.seconds) | {"forwards": forward_split(forwards, seen.wall_s)}
-        print(name, json.dumps(results[name]), flush=True)
-    control, mixed = results["control"], results["mixed"]
-    results["text_share"] = mixed["text_tokens_per_s"] / control["text_tokens_per_s"]
-    results["itl_p99_ratio"] = mixed["text_itl_p99_ms"] / control["text_itl_p99_ms"]
-    print(f"text share {results['text_share']:.0%}, ITL p99 ratio {results['itl_p99_ratio']:.2f}", flush=True)
+    settings = {"overlap_mixed": args.overlap_mixed, "decoding_budget": args.decoding_budget}
+    results = {"model": str(args.model), "load": load.__dict__, "seconds": args.seconds, **settings}
+    results |= {"prefill_tiles": str(args.prefill_tiles)} | measure(engine, feeder, args.seconds)
     args.out.write_text(json.dumps(results, indent=1))
     if args.profile and args.device == "cuda":
         profile_window(engine, feeder, load)
