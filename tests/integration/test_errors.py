@@ -84,6 +84,9 @@ CASES = {
     # Python's JSON parser takes these; they are no number any option can mean
     "nan_temperature": (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, ("finite",)),
     "nested_too_deep": (b'{"messages": [], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, ("too deeply",)),
+    # bodies of a MiB and more are parsed off the event loop: the same answers from there
+    "nested_too_deep_large": (b'{"messages": [], "x": ' + b"[" * 600_000 + b"]" * 600_000 + b"}", 400, ("too deeply",)),
+    "malformed_json_large": (b'{"messages": [], "x": "' + b"a" * 1_200_000 + b'"', 400, ("not valid JSON",)),
     # integers past 64 bits could not cross a socket (msgpack): refused by name, not a 500
     "seed_past_64_bits": (chat("hi", seed=2**70), 400, ("seed", "9223372036854775807")),
     "max_tokens_past_64_bits": (chat("hi", max_tokens=10**30), 400, ("max_tokens",)),
@@ -233,3 +236,13 @@ def test_escaped_surrogate_pairs_are_ordinary_text(stack: Stack) -> None:
     body = b'{"messages": [{"role": "user", "content": "smile \\ud83d\\ude00"}], "max_tokens": 2}'
     status, reply, _ = post(stack, body)
     assert status == 200, reply
+
+
+def test_a_large_inline_image_is_parsed_and_answered(stack: Stack) -> None:
+    """Over a MiB of JSON (a noisy 900x700 PNG, inline): parsed in a worker thread, answered as usual."""
+    noise = make_image(900, 700, seed=11)
+    body = json.dumps(chat(image(data_url(noise)))).encode()
+    assert len(body) > 1 << 20
+    status, reply, _ = post(stack, body)
+    assert status == 200, reply
+    assert reply["choices"][0]["finish_reason"] == "length"
