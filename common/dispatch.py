@@ -37,7 +37,7 @@ class Peer:
 @dataclass
 class Job:
     job_id: str
-    payload: Message
+    payload: Message | bytes  # a message, or its frame already encoded (`send` tells them apart)
     deadline: float
     attempts: int = 0
     peer: bytes | None = None
@@ -46,7 +46,7 @@ class Job:
 class Dispatcher:
     def __init__(
         self,
-        send: Callable[[bytes, Message], bool],
+        send: Callable[[bytes, Message | bytes], bool],
         on_fail: Callable[[Job, str], None],
         *,
         dead_after_s: float,
@@ -86,7 +86,7 @@ class Dispatcher:
                 self.queue.appendleft(job_id)
 
     # ------------------------------------------------------------------ jobs
-    def submit(self, job_id: str, payload: Message, timeout_s: float) -> None:
+    def submit(self, job_id: str, payload: Message | bytes, timeout_s: float) -> None:
         self.jobs[job_id] = Job(job_id, payload, time.monotonic() + timeout_s)
         self.queue.append(job_id)
         self.dispatch()

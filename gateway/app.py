@@ -162,7 +162,7 @@ class Gateway:
         self.counters["requests_total"] += 1
         completion_id = f"{flavor.id_prefix}-{uuid.uuid4().hex}"
         events: Events = asyncio.Queue()
-        choices = self._submit(options, prompt, completion_id, events)
+        choices = await self._submit(options, prompt, completion_id, events)
         try:
             if options.stream:
                 return await self._stream(request, options, completion_id, choices, events, flavor)
@@ -203,7 +203,7 @@ class Gateway:
                 param="model",
             )
 
-    def _submit(
+    async def _submit(
         self, chat: GenerationOptions, prompt: Prompt, completion_id: str, events: Events
     ) -> list[ChoiceStream]:
         """One pipeline request per choice; seeded choices get seeds seed, seed+1, ... so they differ."""
@@ -215,9 +215,9 @@ class Gateway:
                 request_id = completion_id if chat.n == 1 else f"{completion_id}-{index}"
                 seed = None if sampling.seed is None else sampling.seed + index
                 params = dataclasses.replace(sampling, seed=seed)
-                self.pipeline.submit(GenerateRequest(request_id, prompt.token_ids, prompt.media, params), events)
+                await self.pipeline.submit(GenerateRequest(request_id, prompt.token_ids, prompt.media, params), events)
                 choices.append(ChoiceStream(index, request_id, self.prompts.tokenizer, stops))
-        except Exception:  # the choices already submitted must not run on for nobody
+        except BaseException:  # (a hang-up too, while a large request is encoded): none may run on for nobody
             for choice in choices:
                 self.pipeline.abort(choice.request_id)
             raise
