@@ -402,16 +402,24 @@ class Engine:
             return False  # nothing to run after that token
         if self.graphs is None or not self.graphs.fits_decode(len(seqs), max(s.num_computed + 1 for s in seqs)):
             return False
-        return self.blocks.can_append_all([(s.table, s.num_computed + 1 - s.table.num_tokens) for s in seqs])
+        return self.blocks.can_append_all(self._one_more_token(seqs))
 
     def _step_ahead(self, pending: Pending) -> list[TokenDelta]:
         """The pending sequences' next decode step, every one carried (`_continues` checked that all fit)."""
         batch = [Scheduled(item.seq, 1, ahead=True) for item in pending.batch]
-        for item in batch:
-            grow = item.seq.num_computed + 1 - item.seq.table.num_tokens
-            if grow > 0:
-                self.blocks.append(item.seq.table, grow)
+        self._grow(self._one_more_token([item.seq for item in batch]))
         return self._run_ahead(batch, list(range(len(batch))), pending)
+
+    @staticmethod
+    def _one_more_token(seqs: list[Sequence]) -> list[tuple[BlockTable, int]]:
+        """What each table must grow by (in tokens) for its sequence's next decode."""
+        return [(seq.table, seq.num_computed + 1 - seq.table.num_tokens) for seq in seqs]
+
+    def _grow(self, growth: list[tuple[BlockTable, int]]) -> None:
+        """`BlockManager.append` for each (table, tokens) pair that needs more (checked by `can_append_all`)."""
+        for table, more in growth:
+            if more > 0:
+                self.blocks.append(table, more)
 
     def _launch_sampling(self, batch: list[Scheduled], logits: torch.Tensor) -> Pending | None:
         """Sample on the device and advance the sequences; the tokens are read by `_flush`. ``logits`` has a
@@ -440,12 +448,10 @@ class Engine:
             for row, item in enumerate(pending.batch)
             if self.running.get(item.seq.request_id) is item.seq and not self._ends_on_pending(item.seq)
         ]
-        grow = [(seq.table, seq.num_computed + 1 - seq.table.num_tokens) for _, seq in carried]
-        if not self.blocks.can_append_all(grow):
+        growth = self._one_more_token([seq for _, seq in carried])
+        if not self.blocks.can_append_all(growth):
             return [], []
-        for table, more in grow:
-            if more > 0:
-                self.blocks.append(table, more)
+        self._grow(growth)
         batch = [Scheduled(seq, 1, ahead=True) for _, seq in carried]
         return batch + self.schedule(reserved=len(batch), preempt=False), [row for row, _ in carried]
 
