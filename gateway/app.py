@@ -21,14 +21,13 @@ from gateway.choice import ChoiceStream, ChoiceUpdate
 from gateway.defaults import sampling_defaults, with_defaults
 from gateway.errors import ApiError, internal_error
 from gateway.metrics import GatewayMetrics, render_values
+from gateway.offload import off_loop_if_large
 from gateway.pipeline import Pipeline
 from gateway.prompt import Prompt, PromptBuilder
 from gateway.schema import GenerationOptions, parse_chat_request, parse_completion_request
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 log = logging.getLogger(__name__)
-
-PARSE_INLINE_BYTES = 1 << 20  # bodies below parse on the event loop (about 2 ms at most; a thread hop costs more)
 
 Events = asyncio.Queue[TokenDelta | RequestError]
 
@@ -183,11 +182,7 @@ class Gateway:
     async def _json(self, request: web.Request) -> Any:
         raw = await request.read()
         try:
-            if len(raw) < PARSE_INLINE_BYTES:
-                return json.loads(raw)
-            # A large body (inline images) parses in a worker thread: 20 MB took 56 ms, and on the event loop
-            # every stream's next token would wait for it.
-            return await asyncio.get_running_loop().run_in_executor(None, json.loads, raw)
+            return await off_loop_if_large(len(raw), json.loads, raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
         except RecursionError as exc:

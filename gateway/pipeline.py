@@ -31,10 +31,9 @@ from common.protocol import (
 )
 from common.transport import AsyncChannel
 from gateway.metrics import Histogram
+from gateway.offload import off_loop_if_large
 
 log = logging.getLogger(__name__)
-
-ENCODE_INLINE_BYTES = 1 << 20  # requests with less inline media are encoded on the event loop (a thread hop costs more)
 
 
 @dataclass
@@ -82,19 +81,17 @@ class Pipeline:
 
     # ------------------------------------------------------------------ submitting
     async def submit(self, request: GenerateRequest, events: asyncio.Queue[TokenDelta | RequestError]) -> Tracked:
-        payload: GenerateRequest | bytes = request
-        if sum(len(m.url) for m in request.media) >= ENCODE_INLINE_BYTES:
-            # Inline media of a MiB and more is encoded in a worker thread: 20 MB took 15-60 ms, and on the event
-            # loop every stream's next token would wait for it.
-            payload = await asyncio.get_running_loop().run_in_executor(None, encode, request)
+        frame = None
+        if request.media:  # encoded once and re-sent as is; off the event loop where inline media makes it large
+            frame = await off_loop_if_large(sum(len(m.url) for m in request.media), encode, request)
         tracked = self.requests[request.request_id] = Tracked(request.request_id, events)
         try:
-            if request.media:
-                self.fetchers.submit(request.request_id, payload, self.cfg.server.request_timeout_s)
+            if frame is not None:
+                self.fetchers.submit(request.request_id, frame, self.cfg.server.request_timeout_s)
             else:  # text only: straight to the decoder
                 tracked.stage = "decode"
                 self._send(self.decoder, PreparedRequest(request.request_id, request.prompt_ids, [], request.sampling))
-        except Exception:  # (a message that cannot be encoded): leave nothing of it behind
+        except Exception:  # (a text request that cannot be encoded): leave nothing of it behind
             self.abort(request.request_id)
             raise
         return tracked
