@@ -215,12 +215,12 @@ def run_window(engine: Engine, feeder: Feeder, seconds: float, rate: float, medi
     return seen
 
 
-def summarise(seen: Window, seconds: float) -> dict[str, Any]:
+def summarise(seen: Window) -> dict[str, Any]:
     tokens = sum(len(t) for t in seen.text_times.values())
     gaps = np.concatenate([np.diff(t) for t in seen.text_times.values() if len(t) > 1] or [np.zeros(1)])
     steps = np.asarray(seen.step_s)
     return {
-        "text_tokens_per_s": tokens / seconds,
+        "text_tokens_per_s": tokens / seen.wall_s,
         "text_itl_p50_ms": 1e3 * float(np.percentile(gaps, 50)),
         "text_itl_p99_ms": 1e3 * float(np.percentile(gaps, 99)),
         "steps": len(steps),
@@ -283,7 +283,7 @@ def measure(engine: Engine, feeder: Feeder, seconds: float) -> dict[str, Any]:
         timer.take()
         seen = run_window(engine, feeder, seconds, rate, feeder.load.media_device)
         forwards = timer.take()  # (the abort drain's forwards are in it too: at most one step)
-        results[name] = summarise(seen, seconds) | {"forwards": forward_split(forwards, seen.wall_s)}
+        results[name] = summarise(seen) | {"forwards": forward_split(forwards, seen.wall_s)}
         print(name, json.dumps(results[name]), flush=True)
     control, mixed = results["control"], results["mixed"]
     results["text_share"] = mixed["text_tokens_per_s"] / control["text_tokens_per_s"]
