@@ -13,7 +13,7 @@
 #                    memory (as the host pool), on the GPU, and with overlap_mixed; a profile of the first
 #   decode-profile   the kernels of a 2b decode graph at batch 32 (1,000 and 3,000 tokens of context): where a
 #                    decode step's 2.3 ms go (its weights alone need about 0.6 ms at the HBM's bandwidth)
-#   engine-budgets   engine-mixed at 1,024 and 512 tokens per step while streams decode (the default is 2,048):
+#   engine-budgets   engine-mixed at 1,024, 512, 256 and 128 tokens per step while streams decode (the default is 2,048):
 #                    the text streams' ITL p99 against their throughput when image prompts come in smaller chunks
 #   prefill          the attention's prefill tile sweep (workers.kernels.bench_prefill), then engine-mixed at the
 #                    server's defaults, with the sweep's best tiles, and without overlap_mixed
@@ -50,7 +50,7 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       done ;;
     engine-budgets) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
-      for budget in 1024 512; do
+      for budget in 1024 512 256 128; do
         python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/budget-$budget.json" \
           --decoding-budget $budget > "$out/$dir/budget-$budget.log" 2>&1
       done ;;
