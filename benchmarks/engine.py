@@ -277,40 +277,60 @@ def profile_prefill(model: LanguageModel, tokens: int) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
-def profile_decode(model: LanguageModel, batch: int, context: int) -> None:
-    """GPU time per kernel of one decode-graph replay (torch.profiler sees the kernels a graph launches)."""
+def profile_decode(model: LanguageModel, mix: list[tuple[int, int]], max_context: int, kernels: bool) -> None:
+    """GPU time of one decode-graph replay whose sequences are ``mix``'s (count, context) groups, in graphs
+    captured for ``max_context`` (the server captures for max_model_len, which fixes the split count);
+    with ``kernels``, the time per kernel too (torch.profiler sees the kernels a graph launches)."""
     from torch.profiler import ProfilerActivity, profile
 
-    blocks = batch * -(-(context + 1) // 16) + 1
-    kv = PagedKVCache.for_model(model, blocks, 16)
+    contexts = [context for count, context in mix for _ in range(count)]
+    batch = len(contexts)
+    tables, next_block = [], 0
+    for context in contexts:
+        per = -(-(context + 1) // 16)
+        tables.append(list(range(next_block, next_block + per)))
+        next_block += per
+    kv = PagedKVCache.for_model(model, next_block + 1, 16)
     graphs = StepGraphs(
         model,
         kv,
         max_seqs=batch,
         max_tokens=0,
-        max_context=context + 1,
-        scratch_block=blocks - 1,
+        max_context=max(max_context, max(contexts) + 1),
+        scratch_block=next_block,
         attention=paged_attention,
         fused=fuse_layers(model),
         capture=True,
     )
-    tables = fake_tables(batch, context, 16)
     inputs = StepInputs(
-        positions=np.full((3, batch), context, dtype=np.int64),
-        slots=np.asarray([t[context // 16] * 16 + context % 16 for t in tables]),
+        positions=np.asarray([contexts] * 3, dtype=np.int64),
+        slots=np.asarray([t[c // 16] * 16 + c % 16 for t, c in zip(tables, contexts, strict=True)]),
         query_lens=[1] * batch,
-        context_lens=[context + 1] * batch,
+        context_lens=[c + 1 for c in contexts],
         block_tables=tables,
         rows=[],
     )
+    shape = " + ".join(f"{count}x{context}" for count, context in mix)
+    ms = cuda_time_ms(lambda: graphs.decode(inputs, [17] * batch), 50)
+    print(f"decode {shape} (graph max context {graphs.max_context}): {ms:.3f} ms", flush=True)
+    if not kernels:
+        return
     steps = 20
-    print(f"decode b={batch} ctx={context}: {cuda_time_ms(lambda: graphs.decode(inputs, [17] * batch), 50):.3f} ms")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             graphs.decode(inputs, [17] * batch)
         torch.cuda.synchronize()
     print(f"kernels over {steps} replays (divide totals by {steps} for one step):")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+
+
+def parse_mix(text: str) -> tuple[int, int]:
+    """``COUNTxCONTEXT``: that many sequences of that context length."""
+    count, _, context = text.partition("x")
+    try:
+        return int(count), int(context)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected COUNTxCONTEXT such as 32x1000, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -321,7 +341,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--profile", action="store_true", help="only: cProfile of one eager 820-token prefill")
     parser.add_argument("--profile-decode", action="store_true", help="only: kernels of one decode graph")
-    parser.add_argument("--decode-shape", type=int, nargs=2, default=[1, 1000], metavar=("BATCH", "CONTEXT"))
+    parser.add_argument("--time-decode", action="store_true", help="only: time one decode graph (no profile)")
+    parser.add_argument(
+        "--decode-mix",
+        type=parse_mix,
+        nargs="+",
+        default=[(1, 1000)],
+        metavar="COUNTxCONTEXT",
+        help="the decode graph's sequences for --profile-decode/--time-decode, e.g. 32x1100 3x3100",
+    )
+    parser.add_argument("--graph-max-context", type=int, default=0, help="captured for this context (the split count)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.engine needs a CUDA GPU", file=sys.stderr)
@@ -338,8 +367,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         profile_prefill(model, 820)
         return
-    if args.profile_decode:
-        profile_decode(model, *args.decode_shape)
+    if args.profile_decode or args.time_decode:
+        profile_decode(model, args.decode_mix, args.graph_max_context, kernels=args.profile_decode)
         return
     results["language_weight_bytes"] = language_bytes(model)
     results["prefill_unfused"] = bench_prefill(model, prefills, None)

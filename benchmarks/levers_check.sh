@@ -13,6 +13,8 @@
 #                    memory (as the host pool), on the GPU, and with overlap_mixed; a profile of the first
 #   decode-profile   the kernels of a 2b decode graph at batch 32 (1,000 and 3,000 tokens of context): where a
 #                    decode step's 2.3 ms go (its weights alone need about 0.6 ms at the HBM's bandwidth)
+#   decode-mix       decode-graph step times at batch 32..48 and with a few long (image) contexts among 32 text
+#                    ones, captured as the server does (max context 32,768): why mixed's decode steps are 22% slower
 #   engine-budgets   engine-mixed at 1,024, 512, 256 and 128 tokens per step while streams decode (the default is 2,048):
 #                    the text streams' ITL p99 against their throughput when image prompts come in smaller chunks
 #   prefill          the attention's prefill tile sweep (workers.kernels.bench_prefill), then engine-mixed at the
@@ -46,7 +48,17 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       synth_2b > "$out/$dir/synth.log" 2>&1
       for context in 1000 3000; do
         python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --profile-decode \
-          --decode-shape 32 $context > "$out/$dir/decode-32x$context.log" 2>&1
+          --decode-mix 32x$context > "$out/$dir/decode-32x$context.log" 2>&1
+      done ;;
+    decode-mix) mkdir -p "$out/$dir"
+      synth_2b > "$out/$dir/synth.log" 2>&1
+      for mix in 32x1100 33x1100 36x1100 40x1100 48x1100 "32x1100 3x3100" 35x1100 "32x1100 3x6100"; do
+        python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --time-decode --graph-max-context 32768 \
+          --decode-mix $mix >> "$out/$dir/times.log" 2>&1
+      done
+      for mix in "32x1100 3x3100" 40x1100; do
+        python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --profile-decode --graph-max-context 32768 \
+          --decode-mix $mix > "$out/$dir/profile-$(echo $mix | tr ' ' '+').log" 2>&1
       done ;;
     engine-budgets) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
