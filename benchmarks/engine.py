@@ -33,7 +33,7 @@ import torch
 from common.protocol import PreparedRequest, SamplingParams
 from workers.decoder.engine import Engine
 from workers.decoder.graphs import StepGraphs, StepInputs
-from workers.kernels import paged_attention
+from workers.kernels import attention_triton, paged_attention
 from workers.models.language import LanguageModel
 from workers.models.paged import BatchLayout, FusedLayer, PagedKVCache, fuse_layers, paged_forward
 from workers.models.spec import ModelSpec
@@ -324,13 +324,16 @@ def profile_decode(model: LanguageModel, mix: list[tuple[int, int]], max_context
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
-def parse_mix(text: str) -> tuple[int, int]:
-    """``COUNTxCONTEXT``: that many sequences of that context length."""
-    count, _, context = text.partition("x")
-    try:
-        return int(count), int(context)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected COUNTxCONTEXT such as 32x1000, got {text!r}") from None
+def parse_mix(text: str) -> list[tuple[int, int]]:
+    """``COUNTxCONTEXT[+COUNTxCONTEXT...]``: that many sequences of that context length, group by group."""
+    mix = []
+    for group in text.split("+"):
+        count, _, context = group.partition("x")
+        try:
+            mix.append((int(count), int(context)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected COUNTxCONTEXT[+COUNTxCONTEXT...], got {text!r}") from None
+    return mix
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -346,9 +349,16 @@ def main(argv: list[str] | None = None) -> None:
         "--decode-mix",
         type=parse_mix,
         nargs="+",
-        default=[(1, 1000)],
-        metavar="COUNTxCONTEXT",
-        help="the decode graph's sequences for --profile-decode/--time-decode, e.g. 32x1100 3x3100",
+        default=[[(1, 1000)]],
+        metavar="COUNTxCONTEXT[+...]",
+        help="decode graphs for --profile-decode/--time-decode, one per argument, e.g. 32x1100 32x1100+3x3100",
+    )
+    parser.add_argument(
+        "--split-programs-per-sm",
+        type=int,
+        nargs="+",
+        default=[attention_triton.SPLIT_PROGRAMS_PER_SM],
+        help="decode attention's split target (programs per SM), each tried on each --decode-mix",
     )
     parser.add_argument("--graph-max-context", type=int, default=0, help="captured for this context (the split count)")
     args = parser.parse_args(argv)
@@ -368,7 +378,10 @@ def main(argv: list[str] | None = None) -> None:
         profile_prefill(model, 820)
         return
     if args.profile_decode or args.time_decode:
-        profile_decode(model, args.decode_mix, args.graph_max_context, kernels=args.profile_decode)
+        for per_sm, mix in itertools.product(args.split_programs_per_sm, args.decode_mix):
+            attention_triton.SPLIT_PROGRAMS_PER_SM = per_sm
+            print(f"split target: {per_sm} programs per SM", flush=True)
+            profile_decode(model, mix, args.graph_max_context, kernels=args.profile_decode)
         return
     results["language_weight_bytes"] = language_bytes(model)
     results["prefill_unfused"] = bench_prefill(model, prefills, None)

@@ -5,6 +5,7 @@
 #   none mps  seed3img (anchor, 256 requests) without and with the CUDA MPS daemon (encoders uncapped)
 #   mps-normal-priority mps-decoder-sm70   seed3img with MPS, the encoders' clients at normal priority, or the
 #                    decoder capped at 70% of the SMs (the ViT is seed3img's bottleneck: its share under MPS)
+#   mixed-mps-normal-priority   mixed and its control with MPS, the encoders' clients at normal priority
 #   mixed-none mixed-mps   mixed and its control, 200 image requests, without and with MPS
 #   control control-staged control-staged-512   text alone (32 streams) without [decoder] overlap_mixed, with
 #                    it (the default since 78ae5c7), and with it and 512 tokens per step while streams decode
@@ -15,6 +16,7 @@
 #                    decode step's 2.3 ms go (its weights alone need about 0.6 ms at the HBM's bandwidth)
 #   decode-mix       decode-graph step times at batch 32..48 and with a few long (image) contexts among 32 text
 #                    ones, captured as the server does (max context 32,768): why mixed's decode steps are 22% slower
+#   decode-splits    those decode steps with the attention's split count aimed at 2, 4, 8 and 16 programs per SM
 #   engine-budgets   engine-mixed at 1,024, 512, 256 and 128 tokens per step while streams decode (the default is 2,048):
 #                    the text streams' ITL p99 against their throughput when image prompts come in smaller chunks
 #   prefill          the attention's prefill tile sweep (workers.kernels.bench_prefill), then engine-mixed at the
@@ -52,14 +54,15 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       done ;;
     decode-mix) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
-      for mix in 32x1100 33x1100 36x1100 40x1100 48x1100 "32x1100 3x3100" 35x1100 "32x1100 3x6100"; do
-        python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --time-decode --graph-max-context 32768 \
-          --decode-mix $mix >> "$out/$dir/times.log" 2>&1
-      done
-      for mix in "32x1100 3x3100" 40x1100; do
-        python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --profile-decode --graph-max-context 32768 \
-          --decode-mix $mix > "$out/$dir/profile-$(echo $mix | tr ' ' '+').log" 2>&1
-      done ;;
+      python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --time-decode --graph-max-context 32768 \
+        --decode-mix 32x1100 33x1100 36x1100 40x1100 48x1100 32x1100+3x3100 35x1100 32x1100+3x6100 > "$out/$dir/times.log" 2>&1
+      python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --profile-decode --graph-max-context 32768 \
+        --decode-mix 32x1100+3x3100 40x1100 > "$out/$dir/profile.log" 2>&1 ;;
+    decode-splits) mkdir -p "$out/$dir"
+      synth_2b > "$out/$dir/synth.log" 2>&1
+      python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --time-decode --graph-max-context 32768 \
+        --decode-mix 32x1100 32x1100+3x3100 32x1100+3x6100 64x1100 8x1100 1x1100 1x8000 \
+        --split-programs-per-sm 2 4 8 16 > "$out/$dir/times.log" 2>&1 ;;
     engine-budgets) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
       for budget in 1024 512 256 128; do
@@ -84,6 +87,8 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       ONLY="seed3img-anchor-c32" ;;
     mixed-none) stack "$dir" CUDA_VISIBLE_DEVICES=0 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-mps) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
+    mixed-mps-normal-priority) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MPS_LOW_PRIORITY=false MIXED_REQUESTS=200 \
+      ONLY="mixed mixed-text-only" ;;
     overlap-mixed) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 OVERLAP_MIXED=1 MIXED_REQUESTS=200 C32_REQUESTS=256 \
       ONLY="mixed mixed-text-only seed3img-anchor-c32" ;;
     control) stack "$dir" CUDA_VISIBLE_DEVICES=0 MIXED_REQUESTS=200 OVERLAP_MIXED=0 ONLY="mixed-text-only" ;;

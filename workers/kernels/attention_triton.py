@@ -40,6 +40,8 @@ MAX_SPLITS = 32
 # dependent load after another): on the H200 a 7b-shaped layer at batch 1 and 1,000 keys took 17 us with
 # 256-key splits (8 programs), which is a tenth of the step; many short splits cost only their merge.
 MIN_SPLIT_TOKENS = 64
+# What `choose_num_splits` aims at. A module setting so that benchmarks can sweep it.
+SPLIT_PROGRAMS_PER_SM = 2
 DEFAULT_SM_COUNT = 132  # H200; used when the device cannot be asked (the interpreter)
 
 
@@ -368,12 +370,13 @@ def plan(
 def choose_num_splits(programs: int, max_context_len: int, sm_count: int) -> int:
     """1 unless the launch would leave most SMs idle and the contexts are long enough to cut.
 
-    Aims at about two programs per SM, with at least MIN_SPLIT_TOKENS keys per split. (Any count: the
+    Aims at about SPLIT_PROGRAMS_PER_SM programs per SM, with at least MIN_SPLIT_TOKENS keys per split. (Any count: the
     merge kernel compiles per power of two above it, the attention kernel takes it as an argument.)
     """
     if programs >= sm_count:
         return 1
-    return max(1, min(-(-2 * sm_count // programs), max_context_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+    wanted = -(-SPLIT_PROGRAMS_PER_SM * sm_count // programs)
+    return max(1, min(wanted, max_context_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
 def _check_blocks(block_m: int, block_n: int, group: int) -> None:
