@@ -6,6 +6,7 @@
 #   mps-normal-priority mps-decoder-sm70   seed3img with MPS, the encoders' clients at normal priority, or the
 #                    decoder capped at 70% of the SMs (the ViT is seed3img's bottleneck: its share under MPS)
 #   mixed-mps-normal-priority   mixed and its control with MPS, the encoders' clients at normal priority
+#   mixed-mps-decoder-sm70   mixed and its control with MPS, the decoder capped at 70% of the SMs
 #   mixed-none mixed-mps   mixed and its control, 200 image requests, without and with MPS
 #   control control-staged control-staged-512   text alone (32 streams) without [decoder] overlap_mixed, with
 #                    it (the default since 78ae5c7), and with it and 512 tokens per step while streams decode
@@ -17,6 +18,7 @@
 #   decode-mix       decode-graph step times at batch 32..48 and with a few long (image) contexts among 32 text
 #                    ones, captured as the server does (max context 32,768): why mixed's decode steps are 22% slower
 #   decode-splits    those decode steps with the attention's split count aimed at 2, 4, 8 and 16 programs per SM
+#   engine-mixed-defaults   engine-mixed at the server's defaults only
 #   engine-budgets   engine-mixed at 1,024, 512, 256 and 128 tokens per step while streams decode (the default is 2,048):
 #                    the text streams' ITL p99 against their throughput when image prompts come in smaller chunks
 #   prefill          the attention's prefill tile sweep (workers.kernels.bench_prefill), then engine-mixed at the
@@ -63,6 +65,10 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --time-decode --graph-max-context 32768 \
         --decode-mix 32x1100 32x1100+3x3100 32x1100+3x6100 64x1100 8x1100 1x1100 1x8000 \
         --split-programs-per-sm 2 4 8 16 > "$out/$dir/times.log" 2>&1 ;;
+    engine-mixed-defaults) mkdir -p "$out/$dir"
+      synth_2b > "$out/$dir/synth.log" 2>&1
+      python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/default.json" \
+        > "$out/$dir/default.log" 2>&1 ;;
     engine-budgets) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
       for budget in 1024 512 256 128; do
@@ -81,6 +87,8 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       done ;;
     none) stack "$dir" CUDA_VISIBLE_DEVICES=0 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
     mps) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
+    mixed-mps-decoder-sm70) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MPS_DECODER_SM=70 MIXED_REQUESTS=200 \
+      ONLY="mixed mixed-text-only" ;;
     mps-normal-priority) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MPS_LOW_PRIORITY=false C32_REQUESTS=256 \
       ONLY="seed3img-anchor-c32" ;;
     mps-decoder-sm70) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MPS_DECODER_SM=70 C32_REQUESTS=256 \

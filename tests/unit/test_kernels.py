@@ -318,10 +318,10 @@ def test_choose_num_splits() -> None:
     from workers.kernels.attention_triton import MAX_SPLITS, choose_num_splits
 
     assert choose_num_splits(200, 100_000, 132) == 1  # enough programs already
+    assert choose_num_splits(64, 32_768, 132) == 9  # batch 32 of 2 kv heads: about 4 programs per SM
     assert choose_num_splits(2, 100, 132) == 1  # too short to cut: two splits would need 128 keys
     assert choose_num_splits(2, 400, 132) == 6  # 400 // 64: one key tile each
     assert choose_num_splits(2, 1_000_000, 132) == MAX_SPLITS
-    assert choose_num_splits(64, 3000, 132) == 5  # about two programs per SM
 
 
 @pytest.mark.parametrize(

@@ -40,8 +40,12 @@ MAX_SPLITS = 32
 # dependent load after another): on the H200 a 7b-shaped layer at batch 1 and 1,000 keys took 17 us with
 # 256-key splits (8 programs), which is a tenth of the step; many short splits cost only their merge.
 MIN_SPLIT_TOKENS = 64
-# What `choose_num_splits` aims at. A module setting so that benchmarks can sweep it.
-SPLIT_PROGRAMS_PER_SM = 2
+# What `choose_num_splits` aims at (a module setting so that benchmarks can sweep it). Every split of a
+# sequence gets an equal share of its keys, so a few long (image) contexts among short ones make the
+# longest programs, and the launch waits for them. More, shorter programs bound that: on the H200, a
+# 2b-shaped decode step of 32 x 1,100 tokens plus 3 x 3,100 took 2.77 ms at 2 per SM, 2.47 at 4, 2.49 at 8;
+# 32 x 1,100 alone 2.25, 2.23, 2.25 (benchmarks/results/2026-11-30-h200-decode-splits-1cb3ade).
+SPLIT_PROGRAMS_PER_SM = 4
 DEFAULT_SM_COUNT = 132  # H200; used when the device cannot be asked (the interpreter)
 
 
