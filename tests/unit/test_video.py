@@ -209,6 +209,13 @@ def test_truncated_video_is_400(fraction: float) -> None:
     assert caught.value.status == 400
 
 
+def test_frames_the_decoder_misreads_are_400_that_say_re_encode() -> None:
+    # decord reads 8-px-wide MJPEG frames with the wrong row size; the file itself is complete.
+    with pytest.raises(MediaError, match="re-encode") as caught:
+        decode_video(clip(width=8, height=8), 2.0, SPEC, 768, RULES.max_image_pixels)
+    assert caught.value.status == 400
+
+
 def test_oversized_frames_are_413() -> None:
     with pytest.raises(MediaError) as caught:
         decode_video(clip(), 2.0, SPEC, 768, max_frame_pixels=96 * 64 - 1)

@@ -162,8 +162,12 @@ def _read_frames(reader: Any, indices: list[int]) -> list[np.ndarray]:
     try:
         batch = reader.get_batch(indices).asnumpy()
     except (RuntimeError, decord.DECORDError, IndexError) as exc:
+        # Not always the data's fault: decord misreads MJPEG frames of some small widths (8, 16, 24, 48, 72 px).
         raise MediaError(
-            400, f"video data is truncated or corrupt ({_first_line(exc)}): send the complete file"
+            400,
+            f"the video's frames could not be decoded ({_first_line(exc)}): the file may be truncated or "
+            "corrupt, or encoded in a way the decoder does not support; send the complete file, or re-encode "
+            "it (as H.264 MP4, for example)",
         ) from exc
     if batch.ndim != 4 or batch.shape[3] != 3 or batch.dtype != np.uint8:
         raise MediaError(400, f"video decoded to unexpected frames of shape {batch.shape}: send an RGB video")
