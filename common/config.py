@@ -94,6 +94,8 @@ class EncoderConfig:
     # so a cap here can leave SMs to the encoders without slowing decoding much (100: no cap).
     mps_decoder_sm_percent: int = 100
     # The encoders' MPS client priority below the decoder's, so decode steps are not queued behind ViT work.
+    # Off, image-heavy load gets its first tokens sooner and the rest later (one H200, seed3img at 32 clients:
+    # TTFT 1.56 -> 0.7 s, TPOT 9.4 -> 16 ms, same end-to-end) and text streams beside images a worse ITL p99.
     mps_encoder_low_priority: bool = True
     engine_dir: str = ""  # where exported ONNX files and TensorRT engines are cached; empty: <run dir>/engines
 
