@@ -228,50 +228,51 @@ class Gateway:
         """
         by_id = {c.request_id: c for c in choices}
         started = time.monotonic()
-        deadline = started + self.cfg.server.request_timeout_s
+        # One timer for the whole request, not one per awaited token: it queues the time-out as the
+        # request's last event, so whatever arrived before it is still delivered.
+        timed_out = RequestError(choices[0].request_id, 504, "timeout", "the request timed out in the pipeline")
+        timer = asyncio.get_running_loop().call_later(self.cfg.server.request_timeout_s, events.put_nowait, timed_out)
         last_seen: dict[str, float] = {}
-        while not all(c.finished for c in choices):
-            batch = [await self._next_event(events, deadline)]
-            while not events.empty():
-                batch.append(events.get_nowait())
-            merged: dict[str, ChoiceUpdate] = {}
-            for event in batch:
-                if isinstance(event, RequestError):
-                    raise ApiError(event.status, event.message, code=event.code)
-                choice = by_id.get(event.request_id)
-                if choice is None or choice.finished:
-                    continue  # tokens still in flight after a stop string ended the choice
-                update = choice.feed(event)
-                self.counters["tokens_generated"] += len(event.token_ids)
-                merged[choice.request_id] = (
-                    merged[choice.request_id].then(update) if choice.request_id in merged else update
-                )
-                if choice.request_id not in last_seen:  # a choice's first delta carries its stage times
-                    if event.queue_s is not None:
-                        self.latency.queue.observe(event.queue_s)
-                    if event.media_wait_s is not None:
-                        self.latency.media_wait.observe(event.media_wait_s)
-                if choice.finished and event.finish_reason is None:
-                    self.pipeline.abort(choice.request_id)  # stopped by a stop string: the decoder can stop too
-            now = time.monotonic()
-            for request_id, update in merged.items():
-                previous = last_seen.get(request_id)
-                (self.latency.ttft if previous is None else self.latency.itl).observe(now - (previous or started))
-                last_seen[request_id] = now
-                yield by_id[request_id], update
+        try:
+            while not all(c.finished for c in choices):
+                batch = [await events.get()]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                merged = self._merge(batch, by_id, last_seen)
+                now = time.monotonic()
+                for request_id, update in merged.items():
+                    previous = last_seen.get(request_id)
+                    (self.latency.ttft if previous is None else self.latency.itl).observe(now - (previous or started))
+                    last_seen[request_id] = now
+                    yield by_id[request_id], update
+        finally:
+            timer.cancel()
         self.latency.e2e.observe(time.monotonic() - started)
 
-    @staticmethod
-    async def _next_event(events: Events, deadline: float) -> TokenDelta | RequestError:
-        if not events.empty() and time.monotonic() < deadline:  # no timer to arm and cancel: under load,
-            return events.get_nowait()  # events are usually waiting already
-        try:
-            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the handler's cancellation
-            # (a client hang-up) when an event arrives at the same moment, and the request would run on.
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                return await events.get()
-        except TimeoutError:
-            raise ApiError(504, "the request timed out in the pipeline", code="timeout") from None
+    def _merge(
+        self, batch: list[TokenDelta | RequestError], by_id: dict[str, ChoiceStream], seen: dict[str, float]
+    ) -> dict[str, ChoiceUpdate]:
+        """One update per choice from the events taken together; a `RequestError` fails the request."""
+        merged: dict[str, ChoiceUpdate] = {}
+        for event in batch:
+            if isinstance(event, RequestError):
+                raise ApiError(event.status, event.message, code=event.code)
+            choice = by_id.get(event.request_id)
+            if choice is None or choice.finished:
+                continue  # tokens still in flight after a stop string ended the choice
+            update = choice.feed(event)
+            self.counters["tokens_generated"] += len(event.token_ids)
+            merged[choice.request_id] = (
+                merged[choice.request_id].then(update) if choice.request_id in merged else update
+            )
+            if choice.request_id not in seen:  # a choice's first delta carries its stage times
+                if event.queue_s is not None:
+                    self.latency.queue.observe(event.queue_s)
+                if event.media_wait_s is not None:
+                    self.latency.media_wait.observe(event.media_wait_s)
+            if choice.finished and event.finish_reason is None:
+                self.pipeline.abort(choice.request_id)  # stopped by a stop string: the decoder can stop too
+        return merged
 
     async def _complete(
         self,
@@ -392,6 +393,12 @@ class Flavor:
             return {"delta": {"content": text} if text else {}}
         return {"text": text}
 
+    def delta_json(self, text: str) -> str:
+        """``delta(text)``'s members as JSON, without the braces."""
+        if self.is_chat:
+            return f'"delta": {{"content": {json.dumps(text)}}}' if text else '"delta": {}'
+        return f'"text": {json.dumps(text)}'
+
 
 CHAT = Flavor("chatcmpl", "chat.completion", "chat.completion.chunk", is_chat=True)
 TEXT = Flavor("cmpl", "text_completion", "text_completion", is_chat=False)
@@ -406,6 +413,8 @@ class SseWriter:
         self.model = model
         self.flavor = flavor
         self.created = int(time.time())
+        # Every chunk's start: json.dumps of the header without its closing brace, then the choice's index key.
+        self._head = f'data: {json.dumps(self.header())[:-1]}, "choices": [{{"index": '
 
     def header(self) -> dict[str, Any]:
         return {
@@ -416,11 +425,23 @@ class SseWriter:
         }
 
     async def send(self, body: dict[str, Any]) -> None:
-        await self.response.write(f"data: {json.dumps(body)}\n\n".encode())
+        await self.response.write(sse_event(body))
 
     async def chunk(self, index: int, text: str | dict[str, Any], finish: str | None, extra: dict[str, Any]) -> None:
-        choice = {"index": index, **self.flavor.delta(text), "finish_reason": finish, "logprobs": None, **extra}
-        await self.send({**self.header(), "choices": [choice]})
+        await self.response.write(self.encode_chunk(index, text, finish, extra))
+
+    def encode_chunk(self, index: int, text: str | dict[str, Any], finish: str | None, extra: dict[str, Any]) -> bytes:
+        """One chunk event, the bytes of ``json.dumps`` of its body. A plain text delta (every token of every
+        stream) is spliced into the stream's pre-rendered head: only the text is encoded per token."""
+        if extra or not isinstance(text, str):
+            choice = {"index": index, **self.flavor.delta(text), "finish_reason": finish, "logprobs": None, **extra}
+            return sse_event({**self.header(), "choices": [choice]})
+        tail = f'"finish_reason": {json.dumps(finish)}, "logprobs": null}}]}}\n\n'
+        return f"{self._head}{index}, {self.flavor.delta_json(text)}, {tail}".encode()
+
+
+def sse_event(body: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(body)}\n\n".encode()
 
 
 ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics"

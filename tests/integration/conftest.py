@@ -200,15 +200,18 @@ def checkpoint_with_generation(source: Path, target: Path, changes: dict[str, An
 
 
 @contextlib.contextmanager
-def hand_started_stack(root: Path, model: Path, settings: str = "", api_keys: list[str] | None = None) -> Iterator[str]:
+def hand_started_stack(
+    root: Path, model: Path, settings: str = "", api_keys: list[str] | None = None, server: str = ""
+) -> Iterator[str]:
     """Each process started by hand (``python -m ...``), as a developer debugging would; yields the base URL.
 
-    ``settings`` is extra TOML (sections other than [server]); sockets live under ``root``.
+    ``settings`` is extra TOML (sections other than [server]), ``server`` extra lines of [server]; sockets
+    live under ``root``.
     """
     port = free_port()
     config = root / "vlm.toml"
     keys = json.dumps(api_keys or [])
-    config.write_text(f'run_dir = "{root / "run"}"\n[server]\nport = {port}\napi_keys = {keys}\n{settings}')
+    config.write_text(f'run_dir = "{root / "run"}"\n[server]\nport = {port}\napi_keys = {keys}\n{server}{settings}')
     env = {**os.environ, "VLM_CONFIG": str(config), "VLM_MODEL": str(model)}
     processes = []
     with open(root / "workers.log", "wb") as log:
