@@ -18,6 +18,7 @@
 #   decode-mix       decode-graph step times at batch 32..48 and with a few long (image) contexts among 32 text
 #                    ones, captured as the server does (max context 32,768): why mixed's decode steps are 22% slower
 #   decode-splits    those decode steps with the attention's split count aimed at 2, 4, 8 and 16 programs per SM
+#   decode-gemms     each projection of a decode layer at batch 1..64 per BLAS library, against HBM bandwidth
 #   engine-mixed-defaults   engine-mixed at the server's defaults only
 #   engine-budgets   engine-mixed at 1,024, 512, 256 and 128 tokens per step while streams decode (the default is 2,048):
 #                    the text streams' ITL p99 against their throughput when image prompts come in smaller chunks
@@ -65,6 +66,8 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --time-decode --graph-max-context 32768 \
         --decode-mix 32x1100 32x1100+3x3100 32x1100+3x6100 64x1100 8x1100 1x1100 1x8000 \
         --split-programs-per-sm 2 4 8 16 > "$out/$dir/times.log" 2>&1 ;;
+    decode-gemms) mkdir -p "$out/$dir"
+      python3 -m benchmarks.decode_gemms --models 2b 7b --out "$out/$dir/gemms.json" > "$out/$dir/gemms.log" 2>&1 ;;
     engine-mixed-defaults) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
       python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/default.json" \
