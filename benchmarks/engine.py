@@ -361,6 +361,9 @@ def main(argv: list[str] | None = None) -> None:
         help="decode attention's split target (programs per SM), each tried on each --decode-mix",
     )
     parser.add_argument("--graph-max-context", type=int, default=0, help="captured for this context (the split count)")
+    parser.add_argument(
+        "--balanced-splits", action="store_true", help="decode attention's splits of one length (off by default)"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.engine needs a CUDA GPU", file=sys.stderr)
@@ -378,9 +381,10 @@ def main(argv: list[str] | None = None) -> None:
         profile_prefill(model, 820)
         return
     if args.profile_decode or args.time_decode:
+        attention_triton.BALANCED_DECODE_SPLITS = args.balanced_splits
         for per_sm, mix in itertools.product(args.split_programs_per_sm, args.decode_mix):
             attention_triton.SPLIT_PROGRAMS_PER_SM = per_sm
-            print(f"split target: {per_sm} programs per SM", flush=True)
+            print(f"split target: {per_sm} programs per SM, balanced splits {args.balanced_splits}", flush=True)
             profile_decode(model, mix, args.graph_max_context, kernels=args.profile_decode)
         return
     results["language_weight_bytes"] = language_bytes(model)

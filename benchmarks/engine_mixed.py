@@ -263,6 +263,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="[decoder] tokens_per_step_while_decoding (default: the server's; 0: the prefill budget)",
     )
     parser.add_argument("--prefill-tiles", type=Path, help="the attention's prefill tiles: a bench_prefill JSON's best")
+    parser.add_argument(
+        "--balanced-splits", action="store_true", help="decode attention's splits of one length (off by default)"
+    )
     parser.add_argument("--profile", action="store_true")
     return parser.parse_args(argv)
 
@@ -299,6 +302,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     if args.prefill_tiles:
         use_prefill_tiles(args.prefill_tiles)
+    if args.balanced_splits:
+        from workers.kernels import attention_triton
+
+        attention_triton.BALANCED_DECODE_SPLITS = True
     spec = ModelSpec.from_dir(args.model)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = LanguageModel.from_checkpoint(args.model, device=args.device, dtype=dtype)
@@ -308,7 +315,11 @@ def main(argv: list[str] | None = None) -> None:
     engine = make_engine(model, spec, args.device, args.overlap_mixed, args.decoding_budget)
     feeder = Feeder(spec, load, dtype, seed=0)
     run_window(engine, feeder, min(2.0, args.seconds), load.rate, load.media_device)  # warm-up: graphs, allocators
-    settings = {"overlap_mixed": args.overlap_mixed, "decoding_budget": args.decoding_budget}
+    settings = {
+        "overlap_mixed": args.overlap_mixed,
+        "decoding_budget": args.decoding_budget,
+        "balanced_splits": args.balanced_splits,
+    }
     results = {"model": str(args.model), "load": load.__dict__, "seconds": args.seconds, **settings}
     results |= {"prefill_tiles": str(args.prefill_tiles)} | measure(engine, feeder, args.seconds)
     args.out.write_text(json.dumps(results, indent=1))

@@ -272,6 +272,53 @@ def test_decode_batch_splits_by_itself(heads: int, kv_heads: int, head_dim: int,
     check_attention(*batch)
 
 
+SKEWED_CONTEXT_LENS = [3100, 40, 1100, 1, 700, 64, 65, 129]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [GEOMETRIES[0], GEOMETRIES[2]])
+def test_balanced_decode_splits(
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Splits of one length for the whole batch: the long context uses many splits, the short ones few or
+    one, and the merge reads only those that were written (a stray read of another split's scratch would
+    show)."""
+    from workers.kernels import attention_triton
+
+    monkeypatch.setattr(attention_triton, "BALANCED_DECODE_SPLITS", True)
+    q, kv_k, kv_v, layout = paged_batch([1] * 8, SKEWED_CONTEXT_LENS, 16, heads, kv_heads, head_dim, dtype, seed=4)
+    _, launches = attention_triton.plan(q, kv_k, kv_v, attention_metadata(layout), 0.1, block_n=16)
+    assert launches[0].constexprs["BALANCED"] and launches[1].constexprs["BALANCED"]
+    check_attention(q, kv_k, kv_v, layout, block_n=16)
+
+
+def test_balanced_decode_splits_with_graph_padding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a padded decode graph launches it: empty sequences and tokens of no sequence after the real ones,
+    splits planned for a longer context than any present. The real rows match the reference."""
+    from workers.kernels import attention_triton
+
+    monkeypatch.setattr(attention_triton, "BALANCED_DECODE_SPLITS", True)
+    heads, kv_heads, head_dim = GEOMETRIES[2].values
+    q, kv_k, kv_v, layout = paged_batch([1] * 8, SKEWED_CONTEXT_LENS, 16, heads, kv_heads, head_dim, torch.float32)
+    real = attention_metadata(layout)
+    pad = 3
+    width = real.block_table.shape[1]
+    padded = AttentionMetadata(
+        query_starts=torch.cat([real.query_starts, torch.full((pad,), 8, dtype=torch.int32)]),
+        query_lens=torch.cat([real.query_lens, torch.zeros(pad, dtype=torch.int32)]),
+        context_lens=torch.cat([real.context_lens, torch.zeros(pad, dtype=torch.int32)]),
+        block_table=torch.cat([real.block_table, torch.full((pad, width), -1, dtype=torch.int32)]),
+        num_tokens=8 + pad,
+        max_query_len=1,
+        max_context_len=32768,
+        block_size=16,
+    )
+    q_padded = torch.cat([q, torch.randn(pad, heads, head_dim)])
+    out = attention.paged_attention_triton(q_padded, kv_k, kv_v, padded, head_dim**-0.5, block_n=16)
+    expected = paged_attention_reference(q, kv_k, kv_v, layout, head_dim**-0.5)
+    torch.testing.assert_close(out[:8], expected, **ATTN_FP32)
+
+
 def test_fp16() -> None:
     batch = paged_batch(MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 16, 4, 2, 64, torch.float16, seed=4)
     scale = 64**-0.5

@@ -47,6 +47,11 @@ MIN_SPLIT_TOKENS = 64
 # 32 x 1,100 alone 2.25, 2.23, 2.25 (benchmarks/results/2026-11-30-h200-decode-splits-1cb3ade).
 SPLIT_PROGRAMS_PER_SM = 4
 DEFAULT_SM_COUNT = 132  # H200; used when the device cannot be asked (the interpreter)
+# Decode launches cut every sequence's keys into splits of one length for the whole batch (`_balanced_tiles`),
+# instead of each sequence into the same number of splits: then a long context among short ones gets more
+# programs rather than longer ones. Off until measured on a GPU (benchmarks.engine --balanced-splits): it
+# launches a larger grid whose unused programs exit at once.
+BALANCED_DECODE_SPLITS = False
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ def _paged_attention_kernel(
     stride_ot,
     stride_oh,
     scale_log2,
+    split_target,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     GROUP: tl.constexpr,
@@ -102,6 +108,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
+    BALANCED: tl.constexpr,
     HEAVY_FIRST: tl.constexpr,
     INTERPRETED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -131,6 +138,20 @@ def _paged_attention_kernel(
     if HEAVY_FIRST:
         q_block = tl.cdiv(q_len, BLOCK_Q) - 1 - q_block
 
+    # Keys up to the block's last query; this program takes its split's share of them, in whole tiles.
+    kv_len = ctx_len - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(kv_len, BLOCK_N)
+    if BALANCED:
+        tiles_per_split = _balanced_tiles(
+            context_lens_ptr, num_seqs, tl.num_programs(1), split_target, num_tiles, num_splits, BLOCK_N
+        )
+        if (split > 0) & (split * tiles_per_split >= num_tiles):
+            return  # a split this sequence does not use: the merge does not read it
+    else:
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_n = tl.arange(0, BLOCK_N)
@@ -148,13 +169,6 @@ def _paged_attention_kernel(
     )
     if INTERPRETED:
         q = q.to(tl.float32)  # the interpreter cannot multiply bf16 values
-
-    # Keys up to the block's last query; this program takes its split's share of them, in whole tiles.
-    kv_len = ctx_len - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
-    num_tiles = tl.cdiv(kv_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -207,25 +221,60 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _balanced_tiles(
+    context_lens_ptr, num_seqs, num_kv_heads, split_target, num_tiles, num_splits, BLOCK_N: tl.constexpr
+):
+    """Key tiles per split when splits are cut to one length for the whole batch: about ``split_target``
+    programs with work in all, so a long context gets more splits, not longer ones (up to the grid's
+    ``num_splits``; past that its splits grow)."""
+    total = 0
+    for start in range(0, num_seqs, 128):
+        offs = start + tl.arange(0, 128)
+        total += tl.sum(tl.load(context_lens_ptr + offs, mask=offs < num_seqs, other=0))
+    split_tiles = tl.maximum(tl.cdiv(tl.cdiv(total, BLOCK_N) * num_kv_heads, split_target), 1)
+    return tl.maximum(split_tiles, tl.cdiv(num_tiles, num_splits))
+
+
+@triton.jit
 def _reduce_splits_kernel(
     out_ptr,
     part_acc_ptr,
     part_max_ptr,
     part_sum_ptr,
+    query_starts_ptr,
+    context_lens_ptr,
+    num_seqs,
     num_heads,
+    num_kv_heads,
     num_splits,
+    split_target,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    BALANCED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    s_ok = offs_s < num_splits
+    used = num_splits
+    if BALANCED:  # (decode only: the token's keys are its sequence's whole context)
+        lo: tl.int32 = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(query_starts_ptr + mid) <= token:
+                lo = mid + 1
+            else:
+                hi = mid
+        num_tiles = tl.cdiv(tl.load(context_lens_ptr + lo - 1), BLOCK_N)
+        tiles = _balanced_tiles(context_lens_ptr, num_seqs, num_kv_heads, split_target, num_tiles, num_splits, BLOCK_N)
+        used = tl.maximum(tl.cdiv(num_tiles, tiles), 1)
+    s_ok = offs_s < used
     part = (token * num_heads + head) * num_splits + offs_s
     m = tl.load(part_max_ptr + part, mask=s_ok, other=float("-inf"))
     l_s = tl.load(part_sum_ptr + part, mask=s_ok, other=0.0)
@@ -284,15 +333,19 @@ def plan(
     _check_blocks(block_m, block_n, group)
     # Decode-only batches put one token per program: more query rows would only be padding.
     block_q = 1 if decode_only else block_m // group
+    balanced = BALANCED_DECODE_SPLITS and decode_only and num_splits is None
     if num_splits is None:
         busy = -(-tokens // block_q) * kv_heads  # programs with work (the grid also holds spares)
         num_splits = choose_num_splits(busy, metadata.max_context_len, sm_count(q.device))
+        if balanced:  # room for a long context's extra splits: the unused ones exit at once
+            num_splits = min(MAX_SPLITS, max(2 * num_splits, 4), -(-metadata.max_context_len // block_n))
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}], got {num_splits}")
 
     out = torch.empty_like(q)
     head_dim_pad = max(16, next_power_of_2(head_dim))  # tl.dot needs K >= 16
     split = num_splits > 1
+    split_target = SPLIT_PROGRAMS_PER_SM * sm_count(q.device)
     if split:
         part_max = torch.empty((tokens, heads, num_splits), dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
@@ -328,6 +381,7 @@ def plan(
             "stride_ot": out.stride(0),
             "stride_oh": out.stride(1),
             "scale_log2": scale * LOG2E,
+            "split_target": split_target,
         },
         constexprs={
             "HEAD_DIM": head_dim,
@@ -338,6 +392,7 @@ def plan(
             "BLOCK_N": block_n,
             "BLOCK_SIZE": metadata.block_size,
             "SPLIT": split,
+            "BALANCED": balanced and split,
             "HEAVY_FIRST": tiles.heavy_first,
             "INTERPRETED": interpreted_mode,
             "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
@@ -355,8 +410,13 @@ def plan(
             "part_acc_ptr": part_acc,
             "part_max_ptr": part_max,
             "part_sum_ptr": part_sum,
+            "query_starts_ptr": metadata.query_starts,
+            "context_lens_ptr": metadata.context_lens,
+            "num_seqs": metadata.num_seqs,
             "num_heads": heads,
+            "num_kv_heads": kv_heads,
             "num_splits": num_splits,
+            "split_target": split_target,
             "stride_ot": out.stride(0),
             "stride_oh": out.stride(1),
         },
@@ -364,6 +424,8 @@ def plan(
             "HEAD_DIM": head_dim,
             "HEAD_DIM_PAD": head_dim_pad,
             "SPLITS_PAD": next_power_of_2(num_splits),
+            "BALANCED": balanced,
+            "BLOCK_N": block_n,
             "INTERPRETED": interpreted_mode,
         },
         num_warps=4,
