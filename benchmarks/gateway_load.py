@@ -5,12 +5,12 @@ machine's.
     python -m benchmarks.gateway_load [--streams 32] [--step-ms 3] [--seconds 10] [--max-tokens 256]
 
 The real gateway process (`python -m gateway`, its own port and run directory) serves HTTP streaming
-clients (aiohttp, `/v1/completions` with token-id prompts, `stream: true`). In this process a stand-in
-decoder speaks the decoder's side of the wire: it heartbeats, takes each `PreparedRequest`, and every
-``--step-ms`` sends one `TokenBatch` with one token for every live request, as the engine does at one
-step per interval, until ``--max-tokens``. The figures: gateway CPU time (user + system, from /proc) per
-token delivered, tokens per SSE chunk (1.0 when the gateway keeps up with every step), and the gaps
-between a stream's chunks against the step interval.
+clients (aiohttp, `stream: true`: `/v1/completions` with token-id prompts, or `--api chat/completions`).
+In this process a stand-in decoder speaks the decoder's side of the wire: it heartbeats, takes each
+`PreparedRequest`, and every ``--step-ms`` sends one `TokenBatch` with one token for every live request,
+as the engine does at one step per interval, until ``--max-tokens``. The figures: gateway CPU time
+(user + system, from /proc) per token delivered, tokens per SSE chunk (1.0 when the gateway keeps up
+with every step), and the gaps between a stream's chunks against the step interval.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ async def stream_forever(session: aiohttp.ClientSession, url: str, body: dict[st
                 continue
             last = None
             async for line in response.content:
-                if not line.startswith(b"data: {"):
+                if not line.startswith(b"data: {") or b'"role"' in line:  # (chat's first chunk has no token)
                     continue
                 now = time.perf_counter()
                 if last is not None:
@@ -160,9 +160,13 @@ async def measure(args: argparse.Namespace, url: str, pid: int, decoder: StandIn
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         async with session.get(url + "/v1/models") as response:
             model = (await response.json())["data"][0]["id"]
-        body = {"model": model, "prompt": ANSWER_IDS * 8, "max_tokens": args.max_tokens, "stream": True}
+        body: dict[str, Any] = {"model": model, "max_tokens": args.max_tokens, "stream": True}
+        if args.api == "chat/completions":
+            body["messages"] = [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
+        else:
+            body["prompt"] = ANSWER_IDS * 8
         tasks = [
-            asyncio.create_task(stream_forever(session, url + "/v1/completions", body, stats))
+            asyncio.create_task(stream_forever(session, f"{url}/v1/{args.api}", body, stats))
             for _ in range(args.streams)
         ]
         await asyncio.sleep(args.warmup)
@@ -202,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--api", default="completions", choices=["completions", "chat/completions"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     results = []
