@@ -292,6 +292,9 @@ def test_balanced_decode_splits(
     check_attention(q, kv_k, kv_v, layout, block_n=16)
 
 
+# The padding rows merge scratch that no program wrote (as in a graph, where nothing reads them): numpy may warn.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:divide by zero:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_balanced_decode_splits_with_graph_padding(monkeypatch: pytest.MonkeyPatch) -> None:
     """As a padded decode graph launches it: empty sequences and tokens of no sequence after the real ones,
     splits planned for a longer context than any present. The real rows match the reference."""
@@ -662,4 +665,4 @@ def test_interpreter_in_subprocess() -> None:
     tail = "\n".join(result.stdout.splitlines()[-15:])
     assert result.returncode == 0, tail + result.stderr[-3000:]
     # Everything ran there but the one test that skips itself (this one).
-    assert re.search(r"\b\d+ passed, 1 skipped in ", tail.splitlines()[-1]), tail
+    assert re.search(r"\b\d+ passed, 1 skipped(, \d+ warnings?)? in ", tail.splitlines()[-1]), tail
