@@ -72,8 +72,8 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       synth_2b > "$out/$dir/synth.log" 2>&1
       for flag in "" --balanced-splits; do
         python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --time-decode --graph-max-context 32768 \
-          --decode-mix 32x1100 32x1100+3x3100 32x1100+3x6100 31x1100+1x30000 64x1100 128x600+1x20000 8x1100 1x1100 1x8000 \
-          --split-programs-per-sm 2 4 8 $flag >> "$out/$dir/times.log" 2>&1
+          --decode-mix 32x1100 32x1100+3x3100 32x1100+3x6100 31x1100+1x30000 64x1100 128x600+1x20000 1x8000 \
+          --split-programs-per-sm 4 8 $flag >> "$out/$dir/times.log" 2>&1
       done
       python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/engine-mixed.json" --balanced-splits \
         > "$out/$dir/engine-mixed.log" 2>&1 ;;
