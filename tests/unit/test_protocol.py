@@ -210,6 +210,44 @@ def test_wire_format_is_version_tag_body() -> None:
     assert wire[2]["slot"]["offset"] == 4096
 
 
+def test_token_batch_deltas_travel_as_rows_of_values() -> None:
+    full = TokenDelta("r1", [5, 6], "stop", 10, 2, [-0.5, -1.0], [[[5, -0.5]], [[6, -1.0], [7, -2.0]]], 0.25, 1.5)
+    batch = TokenBatch([full, TokenDelta("r2", [9])])
+    wire = msgpack.unpackb(encode(batch), raw=False)
+    assert wire[1] == "TokenBatch"
+    assert wire[2]["deltas"][0] == [
+        "r1",
+        [5, 6],
+        "stop",
+        10,
+        2,
+        [-0.5, -1.0],
+        [[[5, -0.5]], [[6, -1.0], [7, -2.0]]],
+        0.25,
+        1.5,
+    ]
+    assert wire[2]["deltas"][1] == ["r2", [9], None, 0, 0, None, None, None, None]
+    back = decode(encode(batch))
+    assert back == batch and all(type(d) is TokenDelta for d in back.deltas)
+
+
+@pytest.mark.parametrize(
+    "deltas",
+    [
+        [["r", [1], None, 0, 0, None, None, None, None, "extra"]],  # a field too many
+        [[]],  # no request id
+        [7],  # not a row
+        None,  # not a list
+    ],
+    ids=["long-row", "empty-row", "scalar-row", "no-list"],
+)
+def test_malformed_token_batch_rows_are_protocol_errors(deltas: Any) -> None:
+    with pytest.raises(ProtocolError, match="bad fields for TokenBatch"):
+        decode(pack([PROTOCOL_VERSION, "TokenBatch", {"deltas": deltas}]))
+    with pytest.raises(ProtocolError, match="bad fields for TokenBatch"):
+        decode(pack([PROTOCOL_VERSION, "TokenBatch", {}]))
+
+
 def test_decoded_messages_are_frozen() -> None:
     back = decode(encode(Ping("x")))
     with pytest.raises(dataclasses.FrozenInstanceError):
