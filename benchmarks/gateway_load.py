@@ -169,17 +169,15 @@ async def measure(args: argparse.Namespace, url: str, pid: int, decoder: StandIn
             asyncio.create_task(stream_forever(session, f"{url}/v1/{args.api}", body, stats))
             for _ in range(args.streams)
         ]
+
+        def snapshot() -> tuple[float, float, int, int, int, int]:
+            wall, cpu = time.perf_counter(), cpu_seconds(pid)
+            return wall, cpu, decoder.tokens_sent, decoder.steps, stats.chunks, len(stats.gaps)
+
         await asyncio.sleep(args.warmup)
-        start = (
-            time.perf_counter(),
-            cpu_seconds(pid),
-            decoder.tokens_sent,
-            decoder.steps,
-            stats.chunks,
-            len(stats.gaps),
-        )
+        start = snapshot()
         await asyncio.sleep(args.seconds)
-        end = (time.perf_counter(), cpu_seconds(pid), decoder.tokens_sent, decoder.steps, stats.chunks, len(stats.gaps))
+        end = snapshot()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -227,8 +225,7 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
             "VLM_RUN_DIR": run_dir,
             "VLM_CONFIG": str(REPO_ROOT / "ops/vlm.toml"),
         }
-        os.environ.update({k: env[k] for k in ("VLM_PORT", "VLM_RUN_DIR")})
-        cfg = load_config(env["VLM_CONFIG"])
+        cfg = load_config(env=env)  # the gateway's own view of the config: the same endpoints
         decoder = StandInDecoder(
             (cfg.endpoint("decoder"), cfg.endpoint("gateway")), args.step_ms / 1e3, cfg.liveness.heartbeat_s
         )
