@@ -91,8 +91,9 @@ def _from_wire(obj: dict[str, Any]) -> Any:
         raise ProtocolError(f"unknown message tag {tag!r}")
     del obj[_TAG]  # (msgpack's hook hands over a fresh map: it is ours to change)
     try:
-        if cls in _ROWS:
-            field, item, _ = _ROWS[cls]
+        rows = _ROWS.get(cls)
+        if rows is not None:
+            field, item, _ = rows
             obj[field] = [item(*row) for row in obj[field]]
         return cls(**obj)
     except (TypeError, KeyError) as exc:

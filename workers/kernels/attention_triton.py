@@ -345,6 +345,7 @@ def plan(
     out = torch.empty_like(q)
     head_dim_pad = max(16, next_power_of_2(head_dim))  # tl.dot needs K >= 16
     split = num_splits > 1
+    balanced = balanced and split  # (one split has nothing to balance)
     split_target = SPLIT_PROGRAMS_PER_SM * sm_count(q.device)
     if split:
         part_max = torch.empty((tokens, heads, num_splits), dtype=torch.float32, device=q.device)
@@ -392,7 +393,7 @@ def plan(
             "BLOCK_N": block_n,
             "BLOCK_SIZE": metadata.block_size,
             "SPLIT": split,
-            "BALANCED": balanced and split,
+            "BALANCED": balanced,
             "HEAVY_FIRST": tiles.heavy_first,
             "INTERPRETED": interpreted_mode,
             "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
