@@ -277,10 +277,12 @@ def profile_prefill(model: LanguageModel, tokens: int) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
-def profile_decode(model: LanguageModel, mix: list[tuple[int, int]], max_context: int, kernels: bool) -> None:
+def time_decode_graph(
+    model: LanguageModel, mix: list[tuple[int, int]], max_context: int, profile_kernels: bool
+) -> None:
     """GPU time of one decode-graph replay whose sequences are ``mix``'s (count, context) groups, in graphs
     captured for ``max_context`` (the server captures for max_model_len, which fixes the split count);
-    with ``kernels``, the time per kernel too (torch.profiler sees the kernels a graph launches)."""
+    with ``profile_kernels``, the time per kernel too (torch.profiler sees the kernels a graph launches)."""
     from torch.profiler import ProfilerActivity, profile
 
     contexts = [context for count, context in mix for _ in range(count)]
@@ -313,7 +315,7 @@ def profile_decode(model: LanguageModel, mix: list[tuple[int, int]], max_context
     shape = " + ".join(f"{count}x{context}" for count, context in mix)
     ms = cuda_time_ms(lambda: graphs.decode(inputs, [17] * batch), 50)
     print(f"decode {shape} (graph max context {graphs.max_context}): {ms:.3f} ms", flush=True)
-    if not kernels:
+    if not profile_kernels:
         return
     steps = 20
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -385,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
         for per_sm, mix in itertools.product(args.split_programs_per_sm, args.decode_mix):
             attention_triton.SPLIT_PROGRAMS_PER_SM = per_sm
             print(f"split target: {per_sm} programs per SM, balanced splits {args.balanced_splits}", flush=True)
-            profile_decode(model, mix, args.graph_max_context, kernels=args.profile_decode)
+            time_decode_graph(model, mix, args.graph_max_context, profile_kernels=args.profile_decode)
         return
     results["language_weight_bytes"] = language_bytes(model)
     results["prefill_unfused"] = bench_prefill(model, prefills, None)

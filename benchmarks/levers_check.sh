@@ -33,6 +33,8 @@
 set -uo pipefail
 . "$(dirname "$0")/device.sh"
 begin_check "$0" "${1:?usage: benchmarks/levers_check.sh OUT_DIR}"
+# Decode graphs of the 2b checkpoint, timed or profiled by benchmarks.engine (its --decode-mix and more in "$@").
+decode_graphs() { python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null "$@"; }
 small_pool=(CUDA_VISIBLE_DEVICES=0 DEVICE_POOL=1 POOL_BYTES=536870912 C32_REQUESTS=256 ONLY="seed3img-anchor-c32 multiturn-c32")
 for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; do
   part=${entry%@*} dir=${entry/@/-}
@@ -54,24 +56,23 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
     decode-profile) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
       for context in 1000 3000; do
-        python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --profile-decode \
-          --decode-mix 32x$context > "$out/$dir/decode-32x$context.log" 2>&1
+        decode_graphs --profile-decode --decode-mix 32x$context > "$out/$dir/decode-32x$context.log" 2>&1
       done ;;
     decode-mix) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
-      python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --time-decode --graph-max-context 32768 \
+      decode_graphs --time-decode --graph-max-context 32768 \
         --decode-mix 32x1100 33x1100 36x1100 40x1100 48x1100 32x1100+3x3100 35x1100 32x1100+3x6100 > "$out/$dir/times.log" 2>&1
-      python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --profile-decode --graph-max-context 32768 \
+      decode_graphs --profile-decode --graph-max-context 32768 \
         --decode-mix 32x1100+3x3100 40x1100 > "$out/$dir/profile.log" 2>&1 ;;
     decode-splits) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
-      python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --time-decode --graph-max-context 32768 \
+      decode_graphs --time-decode --graph-max-context 32768 \
         --decode-mix 32x1100 32x1100+3x3100 32x1100+3x6100 64x1100 8x1100 1x1100 1x8000 \
         --split-programs-per-sm 2 4 8 16 > "$out/$dir/times.log" 2>&1 ;;
     balanced-splits) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
       for flag in "" --balanced-splits; do
-        python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null --time-decode --graph-max-context 32768 \
+        decode_graphs --time-decode --graph-max-context 32768 \
           --decode-mix 32x1100 32x1100+3x3100 32x1100+3x6100 31x1100+1x30000 64x1100 128x600+1x20000 1x8000 \
           --split-programs-per-sm 4 8 $flag >> "$out/$dir/times.log" 2>&1
       done
