@@ -9,8 +9,9 @@ clients (aiohttp, `stream: true`: `/v1/completions` with token-id prompts, or `-
 In this process a stand-in decoder speaks the decoder's side of the wire: it heartbeats, takes each
 `PreparedRequest`, and every ``--step-ms`` sends one `TokenBatch` with one token for every live request,
 as the engine does at one step per interval, until ``--max-tokens``. The figures: gateway CPU time
-(user + system, from /proc) per token delivered, tokens per SSE chunk (1.0 when the gateway keeps up
-with every step), and the gaps between a stream's chunks against the step interval.
+(user + system, from /proc) per token delivered, tokens per SSE chunk over the requests that ended in
+the window (1.0 when the gateway keeps up with every step), and the gaps between a stream's chunks
+against the step interval.
 """
 
 from __future__ import annotations
@@ -101,10 +102,14 @@ class StandInDecoder:
 
 class StreamStats:
     def __init__(self) -> None:
-        self.chunks = 0
         self.requests = 0
         self.gaps: list[float] = []
         self.errors: list[str] = []
+        # Requests that ended inside the measured window, and their chunks: each carried exactly max_tokens
+        # tokens (the stand-in sends that many), so their ratio has no window-edge error.
+        self.window_open = False
+        self.whole_requests = 0
+        self.whole_request_chunks = 0
 
 
 async def stream_forever(session: aiohttp.ClientSession, url: str, body: dict[str, Any], stats: StreamStats) -> None:
@@ -114,7 +119,7 @@ async def stream_forever(session: aiohttp.ClientSession, url: str, body: dict[st
                 stats.errors.append(f"{response.status}: {(await response.text())[:200]}")
                 await asyncio.sleep(0.1)  # a benchmark client backing off, not server code
                 continue
-            last = None
+            last, chunks = None, 0
             async for line in response.content:
                 if not line.startswith(b"data: {") or b'"role"' in line:  # (chat's first chunk has no token)
                     continue
@@ -122,8 +127,11 @@ async def stream_forever(session: aiohttp.ClientSession, url: str, body: dict[st
                 if last is not None:
                     stats.gaps.append(now - last)
                 last = now
-                stats.chunks += 1
+                chunks += 1
         stats.requests += 1
+        if stats.window_open:
+            stats.whole_requests += 1
+            stats.whole_request_chunks += chunks
 
 
 def cpu_seconds(pid: int) -> float:
@@ -170,19 +178,21 @@ async def measure(args: argparse.Namespace, url: str, pid: int, decoder: StandIn
             for _ in range(args.streams)
         ]
 
-        def snapshot() -> tuple[float, float, int, int, int, int]:
+        def snapshot() -> tuple[float, float, int, int, int]:
             wall, cpu = time.perf_counter(), cpu_seconds(pid)
-            return wall, cpu, decoder.tokens_sent, decoder.steps, stats.chunks, len(stats.gaps)
+            return wall, cpu, decoder.tokens_sent, decoder.steps, len(stats.gaps)
 
         await asyncio.sleep(args.warmup)
         start = snapshot()
+        stats.window_open = True
         await asyncio.sleep(args.seconds)
+        stats.window_open = False
         end = snapshot()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    wall, cpu, tokens, steps, chunks = (e - s for e, s in zip(end[:5], start[:5], strict=True))
-    gaps = np.asarray(stats.gaps[start[5] : end[5]]) * 1e3
+    wall, cpu, tokens, steps = (e - s for e, s in zip(end[:4], start[:4], strict=True))
+    gaps = np.asarray(stats.gaps[start[4] : end[4]]) * 1e3
     return {
         "streams": args.streams,
         "step_ms_asked": args.step_ms,
@@ -190,7 +200,10 @@ async def measure(args: argparse.Namespace, url: str, pid: int, decoder: StandIn
         "tokens_per_s": tokens / wall,
         "gateway_cpu_share": cpu / wall,
         "gateway_cpu_us_per_token": 1e6 * cpu / max(1, tokens),
-        "tokens_per_chunk": tokens / max(1, chunks),
+        "tokens_per_chunk": stats.whole_requests * args.max_tokens / stats.whole_request_chunks
+        if stats.whole_request_chunks
+        else None,
+        "whole_requests": stats.whole_requests,
         "chunk_gap_p50_ms": float(np.percentile(gaps, 50)) if gaps.size else None,
         "chunk_gap_p99_ms": float(np.percentile(gaps, 99)) if gaps.size else None,
         "errors": stats.errors[:5],

@@ -17,6 +17,7 @@ def test_short_run_delivers_the_stand_in_tokens_to_streaming_clients(tmp_path: P
     assert result["errors"] == []
     assert result["tokens_per_s"] > 100  # 4 streams at one token per 5-ms step: 800/s if nothing is late
     assert result["gateway_cpu_us_per_token"] > 0
-    # A chunk carries one token or several merged ones, never less than one.
+    # A chunk carries one token or several merged ones, never less than one (counted over whole requests).
+    assert result["whole_requests"] > 0
     assert result["tokens_per_chunk"] >= 1.0
     assert result["chunk_gap_p50_ms"] > 0
