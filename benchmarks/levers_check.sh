@@ -26,6 +26,8 @@
 #                    the text streams' ITL p99 against their throughput when image prompts come in smaller chunks
 #   prefill          the attention's prefill tile sweep (workers.kernels.bench_prefill), then engine-mixed at the
 #                    server's defaults, with the sweep's best tiles, and without overlap_mixed
+#   mixed-vision-gpu1   mixed and its control on two GPUs: the decoder on GPU 0, the encoder on GPU 1 alone
+#                    ([encoder] gpus = [1]; needs a two-GPU kind), no MPS
 #   overlap-mixed    mixed and its control (MPS, 200 image requests) with [decoder] overlap_mixed; and
 #                    seed3img-anchor with it (compare with mixed-mps and mps)
 # A part named twice takes a suffix for its folder: PARTS="none mps none@2 mps@2".
@@ -109,6 +111,7 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
     mps-decoder-sm70) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MPS_DECODER_SM=70 C32_REQUESTS=256 \
       ONLY="seed3img-anchor-c32" ;;
     mixed-none) stack "$dir" CUDA_VISIBLE_DEVICES=0 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
+    mixed-vision-gpu1) stack "$dir" ENCODER_GPUS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-mps) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-mps-normal-priority) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MPS_LOW_PRIORITY=false MIXED_REQUESTS=200 \
       ONLY="mixed mixed-text-only" ;;
