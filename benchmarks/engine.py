@@ -364,7 +364,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--graph-max-context", type=int, default=0, help="captured for this context (the split count)")
     parser.add_argument(
-        "--balanced-splits", action="store_true", help="decode attention's splits of one length (off by default)"
+        "--balanced-splits",
+        action=argparse.BooleanOptionalAction,
+        default=attention_triton.BALANCED_DECODE_SPLITS,
+        help="decode attention's splits of one length for the whole batch (the server's default: on)",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

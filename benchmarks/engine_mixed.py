@@ -31,6 +31,7 @@ import torch
 from common.config import DecoderConfig
 from common.protocol import PreparedMedia, PreparedRequest, SamplingParams
 from workers.decoder.engine import Engine
+from workers.kernels import attention_triton
 from workers.models.language import LanguageModel
 from workers.models.mrope import media_token_count
 from workers.models.spec import ModelSpec
@@ -264,15 +265,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--prefill-tiles", type=Path, help="the attention's prefill tiles: a bench_prefill JSON's best")
     parser.add_argument(
-        "--balanced-splits", action="store_true", help="decode attention's splits of one length (off by default)"
+        "--balanced-splits",
+        action=argparse.BooleanOptionalAction,
+        default=attention_triton.BALANCED_DECODE_SPLITS,
+        help="decode attention's splits of one length for the whole batch (the server's default: on)",
     )
     parser.add_argument("--profile", action="store_true")
     return parser.parse_args(argv)
 
 
 def use_prefill_tiles(sweep: Path) -> None:
-    from workers.kernels import attention_triton
-
     best = json.loads(sweep.read_text())["best_overall"]
     attention_triton.PREFILL_TILES = attention_triton.Tiles(**best)
     print(f"prefill tiles: {attention_triton.PREFILL_TILES}", flush=True)
@@ -302,10 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     if args.prefill_tiles:
         use_prefill_tiles(args.prefill_tiles)
-    if args.balanced_splits:
-        from workers.kernels import attention_triton
-
-        attention_triton.BALANCED_DECODE_SPLITS = True
+    attention_triton.BALANCED_DECODE_SPLITS = args.balanced_splits
     spec = ModelSpec.from_dir(args.model)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = LanguageModel.from_checkpoint(args.model, device=args.device, dtype=dtype)

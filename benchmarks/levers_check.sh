@@ -20,8 +20,9 @@
 #   decode-splits    those decode steps with the attention's split count aimed at 2, 4, 8 and 16 programs per SM
 #   decode-gemms     each projection of a decode layer at batch 1..64 per BLAS library, against HBM bandwidth
 #   engine-mixed-defaults   engine-mixed at the server's defaults only
-#   balanced-splits  decode steps with the attention's splits of one length for the whole batch (off by default),
-#                    against today's, on skewed context lengths; and engine-mixed with them
+#   balanced-splits  decode steps with the attention's splits of one length for the whole batch (on by default
+#                    since 2026-11-30), against one split count for all, on skewed context lengths; and engine-mixed
+#   balanced-ab      engine-mixed with balanced splits and without, twice each, alternating
 #   engine-budgets   engine-mixed at 1,024, 512, 256 and 128 tokens per step while streams decode (the default is 2,048):
 #                    the text streams' ITL p99 against their throughput when image prompts come in smaller chunks
 #   prefill          the attention's prefill tile sweep (workers.kernels.bench_prefill), then engine-mixed at the
@@ -73,13 +74,21 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
         --split-programs-per-sm 2 4 8 16 > "$out/$dir/times.log" 2>&1 ;;
     balanced-splits) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
-      for flag in "" --balanced-splits; do
+      for flag in --no-balanced-splits --balanced-splits; do
         decode_graphs --time-decode --graph-max-context 32768 \
           --decode-mix 32x1100 32x1100+3x3100 32x1100+3x6100 31x1100+1x30000 64x1100 128x600+1x20000 1x8000 \
           --split-programs-per-sm 4 8 $flag >> "$out/$dir/times.log" 2>&1
       done
       python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/engine-mixed.json" --balanced-splits \
         > "$out/$dir/engine-mixed.log" 2>&1 ;;
+    balanced-ab) mkdir -p "$out/$dir"
+      synth_2b > "$out/$dir/synth.log" 2>&1
+      for run in 1 2; do
+        for flag in balanced-splits no-balanced-splits; do
+          python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/$flag-$run.json" --$flag \
+            > "$out/$dir/$flag-$run.log" 2>&1
+        done
+      done ;;
     decode-gemms) mkdir -p "$out/$dir"
       python3 -m benchmarks.decode_gemms --models 2b 7b --out "$out/$dir/gemms.json" > "$out/$dir/gemms.log" 2>&1 ;;
     engine-mixed-defaults) mkdir -p "$out/$dir"

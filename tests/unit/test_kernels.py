@@ -260,12 +260,17 @@ def test_split_k(heads: int, kv_heads: int, head_dim: int, num_splits: int, dtyp
     check_attention(*batch, num_splits=num_splits, block_n=16)
 
 
+@pytest.mark.parametrize("balanced", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [GEOMETRIES[0], GEOMETRIES[2]])
-def test_decode_batch_splits_by_itself(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-    """A small decode-only batch with a long context: the heuristic splits it (700 keys: 10 splits)."""
+def test_decode_batch_splits_by_itself(
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, balanced: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small decode-only batch with a long context: the heuristic splits it (700 keys: 10 splits), each
+    sequence into that many (balanced off) or into splits of one length for the batch (on, the default)."""
     from workers.kernels import attention_triton
 
+    monkeypatch.setattr(attention_triton, "BALANCED_DECODE_SPLITS", balanced)
     context_lens = [700, 65, 1]
     assert attention_triton.choose_num_splits(len(context_lens) * kv_heads, max(context_lens), 132) == 10
     batch = paged_batch([1, 1, 1], context_lens, 16, heads, kv_heads, head_dim, dtype, seed=3)

@@ -49,9 +49,11 @@ SPLIT_PROGRAMS_PER_SM = 4
 DEFAULT_SM_COUNT = 132  # H200; used when the device cannot be asked (the interpreter)
 # Decode launches cut every sequence's keys into splits of one length for the whole batch (`_balanced_tiles`),
 # instead of each sequence into the same number of splits: then a long context among short ones gets more
-# programs rather than longer ones. Off until measured on a GPU (benchmarks.engine --balanced-splits): it
-# launches a larger grid whose unused programs exit at once.
-BALANCED_DECODE_SPLITS = False
+# programs rather than longer ones. On the H200 (2b-shaped, decode graphs with max context 32,768, 4 programs
+# per SM): 128 x 600 + 1 x 20,000 took 6.95 ms against 17.68; 31 x 1,100 + 1 x 30,000 4.09 against 5.44;
+# 32 x 1,100 + 3 x 6,100 2.58 against 2.79; uniform batches the same (32 x 1,100: 2.22 against 2.23)
+# (benchmarks/results/2026-11-30-h200x2-balanced-splits-55bcdf5). A module setting so benchmarks can compare.
+BALANCED_DECODE_SPLITS = True
 
 
 @dataclass(frozen=True)
