@@ -20,10 +20,13 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRMSNorm
 
 from tests.unit import hf_reference as hf
 from workers.models.frame_attention import (
+    FrameRun,
     PaddedFrames,
     SegmentFrames,
     frame_bucket,
     frame_chunks,
+    frame_runs,
+    grouped_item_order,
     segment_attention,
     segment_attention_reference,
 )
@@ -315,8 +318,16 @@ def test_missing_tensor_is_a_value_error(hub_checkpoint: Checkpoint) -> None:
 
 @pytest.mark.parametrize(
     "grids",
-    [[(1, 4, 6)], [(1, 6, 4), (1, 2, 2), (1, 8, 10)], [(3, 4, 4)], [(1, 4, 4), (2, 2, 6)]],
-    ids=["one_image", "three_images", "video", "image_and_video"],
+    [
+        [(1, 4, 6)],
+        [(1, 6, 4), (1, 2, 2), (1, 8, 10)],
+        [(3, 4, 4)],
+        [(1, 4, 4), (2, 2, 6)],
+        # Frames of one length apart (24 patches as 4x6 and 6x4, 4 as 2x2): the tower groups them, then
+        # puts its rows back in the items' order.
+        [(1, 4, 6), (1, 2, 2), (1, 6, 4), (2, 2, 2), (1, 4, 6), (1, 8, 10), (1, 2, 2)],
+    ],
+    ids=["one_image", "three_images", "video", "image_and_video", "sizes_interleaved"],
 )
 def test_vision_tower_matches_transformers(checkpoint: Checkpoint, grids: list[Grid]) -> None:
     spec = checkpoint.spec.vision
@@ -352,8 +363,13 @@ def test_patch_embed_as_linear_equals_the_conv(hub_checkpoint: Checkpoint) -> No
         embed.proj.weight = original
 
 
-def test_segment_attention_matches_block_diagonal_reference() -> None:
-    grid = torch.tensor([[2, 2, 4], [1, 4, 2], [3, 2, 2]])
+@pytest.mark.parametrize(
+    "grid",
+    [[[2, 2, 4], [1, 4, 2], [3, 2, 2]], [[1, 2, 4], [2, 4, 2], [1, 2, 2], [1, 2, 2], [1, 4, 4]]],
+    ids=["lengths_differ", "runs_of_one_length"],
+)
+def test_segment_attention_matches_block_diagonal_reference(grid: list[list[int]]) -> None:
+    grid = torch.tensor(grid)
     n = int(grid.prod(dim=1).sum())
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, 2, 8, generator=gen) for _ in range(3))
@@ -366,15 +382,17 @@ def test_segment_attention_matches_block_diagonal_reference() -> None:
 def test_padded_frames_attend_as_the_unpadded(head_dim: int) -> None:
     """The cuDNN path pads frames to bucket lengths and masks the padded keys through an extra coordinate;
     the real rows must come out as without padding, rotary included. Frames of 4 and 312 patches (padded),
-    256 (a bucket already), an 11-frame video (batches of 8, 2 and 1), and one of 2,112 (above
-    CUDNN_MIN_FRAME: no kernel restriction). Here the CPU's reference rotary
-    writes the padded layout; tests/unit/test_kernels.py checks the Triton kernel writes the same."""
-    grid = torch.tensor([[1, 2, 2], [1, 12, 26], [1, 16, 16], [11, 2, 4], [1, 32, 66]])
+    256 (a bucket already, two images in one call), an 11-frame video with an image of its frames' length
+    (12 frames: batches of 8 and 4), and one of 2,112 (above CUDNN_MIN_FRAME: no kernel restriction). Here
+    the CPU's reference rotary writes the padded layout; tests/unit/test_kernels.py checks the Triton kernel
+    writes the same."""
+    grid = torch.tensor([[1, 2, 2], [1, 12, 26], [1, 16, 16], [1, 16, 16], [11, 2, 4], [1, 4, 2], [1, 32, 66]])
     heads, n = 2, int(grid.prod(dim=1).sum())
     qkv = torch.randn(n, 3 * heads * head_dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 4
     cos, sin = (t.to(torch.float64) for t in vision_rotary_cos_sin(vision_rotary_positions(grid, 2), head_dim, 1e4))
     padded = PaddedFrames.plan(grid, heads, head_dim, qkv)
-    assert padded.qkv.shape[1] == 256 + 512 + 256 + 11 * 256 + 2304  # the frames' buckets
+    assert padded.qkv.shape[1] == 256 + 512 + 2 * 256 + 12 * 256 + 2304  # the frames' buckets
+    assert [c.frames for c in padded.chunks] == [1, 1, 2, 8, 4, 1]
     got = padded(qkv, cos, sin, heads)
     torch.testing.assert_close(got, SegmentFrames(grid)(qkv, cos, sin, heads), rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(padded(qkv, cos, sin, heads), got, rtol=0, atol=0)  # reusable by every block
@@ -388,6 +406,15 @@ def test_frame_buckets_are_few_and_waste_little() -> None:
         assert bucket >= n and bucket % 256 == 0
         assert n < 4096 or bucket <= n * 1.0625  # large frames, where attention's cost is, waste <= 6.25%
     assert frame_bucket(3996) == 4096 and frame_bucket(4784) == 4864  # 768x1024, 1280x720
+
+
+def test_frame_runs_join_neighbours_of_one_length() -> None:
+    grid = torch.tensor([[1, 2, 4], [2, 4, 2], [1, 2, 2], [1, 2, 2], [1, 4, 4]])  # lengths 8, 8, 4, 4, 16
+    assert frame_runs(grid) == [FrameRun(0, 3, 8), FrameRun(24, 2, 4), FrameRun(32, 1, 16)]
+    assert grouped_item_order(grid) is None  # already side by side
+    apart = torch.tensor([[1, 4, 6], [1, 2, 2], [1, 6, 4], [2, 2, 2], [1, 8, 8]])  # 24, 4, 24, 4, 64
+    assert grouped_item_order(apart) == [0, 2, 1, 3, 4]
+    assert len(frame_runs(apart[grouped_item_order(apart)])) == 3
 
 
 def test_frame_chunks_are_powers_of_two_up_to_eight() -> None:

@@ -1,8 +1,10 @@
 """The vision tower's attention: every frame of every image or video attends to itself alone.
 
-Two ways to run it, both starting from a block's qkv projection (rotary applied on the way):
-- `SegmentFrames`: one SDPA call per item on its frames as they are (FlashAttention-2, or what
-  `VisionTower.tune_attention` picked), the CPU's path too;
+Two ways to run it, both starting from a block's qkv projection (rotary applied on the way), both one SDPA
+call per run of consecutive frames of one length (`frame_runs`: a video's frames, images of one size side
+by side), the frames its batch:
+- `SegmentFrames`: the frames as they are (FlashAttention-2, or what `VisionTower.tune_attention` picked),
+  the CPU's path too;
 - `PaddedFrames`: for cuDNN's attention, which compiles a kernel plan per shape: 41-74 ms per new frame
   length on the H200 against 0.34-0.6 ms per call once built (`benchmarks.vit_profile`, session 7), and
   runs a 768x1024 frame in 0.23 ms against FlashAttention-2's 0.34. Images come in every size, so each
@@ -70,6 +72,38 @@ class SegmentFrames:
         return segment_attention(q, k, v, self.grid_thw)
 
 
+@dataclass(frozen=True)
+class FrameRun:
+    """Consecutive frames of one length: a video's, or those of images of one size next to each other."""
+
+    row: int  # its first patch row
+    frames: int
+    length: int  # patches per frame
+
+
+def frame_runs(grid_thw: torch.Tensor) -> list[FrameRun]:
+    """The items' frames as runs of one length, in row order: attention batches each run's frames (a
+    frame attends to itself alone), so three 768x1024 images take one call per block, not three."""
+    runs: list[FrameRun] = []
+    row = 0
+    for t, h, w in grid_thw.tolist():
+        if runs and runs[-1].length == h * w:
+            runs[-1] = FrameRun(runs[-1].row, runs[-1].frames + t, h * w)
+        else:
+            runs.append(FrameRun(row, t, h * w))
+        row += t * h * w
+    return runs
+
+
+def grouped_item_order(grid_thw: torch.Tensor) -> list[int] | None:
+    """The items reordered so that those of one frame length sit together (in order of each length's first
+    item), or None where they already do: `frame_runs` then finds one run per length."""
+    lengths = (grid_thw[:, 1] * grid_thw[:, 2]).tolist()
+    first = {length: lengths.index(length) for length in lengths}
+    order = sorted(range(len(lengths)), key=lambda item: first[lengths[item]])
+    return None if order == sorted(order) else order
+
+
 def frame_bucket(length: int) -> int:
     """The length a frame of ``length`` patches is padded to: a multiple of 1/16 of the power of two below it,
     and of 256 at least. From 4,096 patches up (where attention's cost is) at most 6.25% more rows; 16
@@ -114,15 +148,15 @@ class PaddedFrames:
     @classmethod
     def plan(cls, grid_thw: torch.Tensor, heads: int, head_dim: int, like: torch.Tensor) -> PaddedFrames:
         chunks, dest = [], []
-        row = padded_row = 0
-        for t, h, w in grid_thw.tolist():
-            length = h * w
-            padded = frame_bucket(length)
-            for frames in frame_chunks(t):
-                chunks.append(PaddedChunk(row, padded_row, frames, length, padded))
+        padded_row = 0
+        for run in frame_runs(grid_thw):
+            padded = frame_bucket(run.length)
+            row = run.row
+            for frames in frame_chunks(run.frames):
+                chunks.append(PaddedChunk(row, padded_row, frames, run.length, padded))
                 starts = torch.arange(frames) * padded + padded_row
-                dest.append((starts[:, None] + torch.arange(length)).flatten())
-                row += frames * length
+                dest.append((starts[:, None] + torch.arange(run.length)).flatten())
+                row += frames * run.length
                 padded_row += frames * padded
         # A multiple of 16 (80 -> 96, not 88): Triton assumes alignment only of integer arguments divisible by
         # 16, so at 88 the rotary kernel's scattered stores cannot be wide. At 88 it took 2.8 ms per forward
@@ -154,19 +188,16 @@ class PaddedFrames:
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
     """Non-causal attention restricted to each frame of each item. q/k/v: [N, heads, head_dim].
 
-    All frames of one item have the same length, so each item is one batched SDPA call (batch = t)
-    instead of one call per frame.
+    One batched SDPA call per run of frames of one length (`frame_runs`), not one call per frame.
     """
     out = []
-    start = 0
-    for t, h, w in grid_thw.tolist():
-        count = t * h * w
-        qs, ks, vs = (x[start : start + count].view(t, h * w, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+    for run in frame_runs(grid_thw):
+        rows = slice(run.row, run.row + run.frames * run.length)
+        qs, ks, vs = (x[rows].view(run.frames, run.length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
         # Explicit scale: SDPA's internally derived 1/sqrt(d) can differ from d**-0.5 in the last bit,
         # which the reference passes, and bf16 then drifts from it block by block.
         attn = F.scaled_dot_product_attention(qs, ks, vs, scale=q.shape[-1] ** -0.5)
-        out.append(attn.transpose(1, 2).reshape(count, *q.shape[1:]))
-        start += count
+        out.append(attn.transpose(1, 2).reshape(run.frames * run.length, *q.shape[1:]))
     return torch.cat(out, dim=0)
 
 

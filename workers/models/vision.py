@@ -7,6 +7,7 @@ consecutive). The merger relies on that order: it concatenates every ``merge**2`
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -22,6 +23,7 @@ from workers.models.frame_attention import (
     ATTENTION_CANDIDATES,
     FrameAttention,
     attention_for,
+    grouped_item_order,
     sdpa_choice,
 )
 from workers.models.spec import ModelSpec, VisionSpec
@@ -80,6 +82,13 @@ def apply_vision_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     xf = x.float()
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+def rows_in_order(counts: list[int], order: list[int], device: torch.device) -> torch.Tensor:
+    """The row indices that gather blocks of ``counts`` rows (block i: ``counts[i]`` rows, blocks back to back)
+    in ``order``."""
+    starts = [0, *itertools.accumulate(counts)]
+    return torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in order]).to(device)
 
 
 def cu_seqlens_from_grid(grid_thw: torch.Tensor) -> torch.Tensor:
@@ -269,9 +278,22 @@ class VisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [num_patches, patch_dim], grid_thw [num_items, 3] -> [num_patches // merge**2, out_hidden]."""
         grid_thw = self._validate(pixel_values, grid_thw)
+        pixel_values = pixel_values.to(self.device)
+        order = grouped_item_order(grid_thw)
+        if order is None:
+            return self._forward(pixel_values, grid_thw)
+        # Items of one frame length side by side, so attention batches their frames (`frame_runs`); every
+        # other step is per row or per frame, so only the rows' order changes, and it is undone at the end.
+        patches = grid_thw.prod(dim=1).tolist()
+        merged = [n // self.spec.spatial_merge_size**2 for n in patches]
+        back = sorted(range(len(order)), key=order.__getitem__)
+        embeds = self._forward(pixel_values[rows_in_order(patches, order, self.device)], grid_thw[order])
+        return embeds[rows_in_order([merged[item] for item in order], back, self.device)]
+
+    def _forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         positions = vision_rotary_positions(grid_thw, self.spec.spatial_merge_size).to(self.device)
         cos, sin = vision_rotary_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
-        x = self.patch_embed(pixel_values.to(self.device))
+        x = self.patch_embed(pixel_values)
         attend = attention_for(self.backends, grid_thw, self.spec.num_heads, self.spec.head_dim, x)
         with sdpa_choice(self.backends):  # set once per forward, around every block
             for block in self.blocks:
