@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         "--balanced-splits",
         action=argparse.BooleanOptionalAction,
         default=attention_triton.BALANCED_DECODE_SPLITS,
-        help="decode attention's splits of one length for the whole batch (the server's default: on)",
+        help="decode attention's splits of one length for the whole batch (the server's default: off)",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -268,7 +268,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--balanced-splits",
         action=argparse.BooleanOptionalAction,
         default=attention_triton.BALANCED_DECODE_SPLITS,
-        help="decode attention's splits of one length for the whole batch (the server's default: on)",
+        help="decode attention's splits of one length for the whole batch (the server's default: off)",
     )
     parser.add_argument("--profile", action="store_true")
     return parser.parse_args(argv)

@@ -267,7 +267,7 @@ def test_decode_batch_splits_by_itself(
     heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, balanced: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A small decode-only batch with a long context: the heuristic splits it (700 keys: 10 splits), each
-    sequence into that many (balanced off) or into splits of one length for the batch (on, the default)."""
+    sequence into that many (balanced off, the default) or into splits of one length for the batch (on)."""
     from workers.kernels import attention_triton
 
     monkeypatch.setattr(attention_triton, "BALANCED_DECODE_SPLITS", balanced)

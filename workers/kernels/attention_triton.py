@@ -49,11 +49,14 @@ SPLIT_PROGRAMS_PER_SM = 4
 DEFAULT_SM_COUNT = 132  # H200; used when the device cannot be asked (the interpreter)
 # Decode launches cut every sequence's keys into splits of one length for the whole batch (`_balanced_tiles`),
 # instead of each sequence into the same number of splits: then a long context among short ones gets more
-# programs rather than longer ones. On the H200 (2b-shaped, decode graphs with max context 32,768, 4 programs
-# per SM): 128 x 600 + 1 x 20,000 took 6.95 ms against 17.68; 31 x 1,100 + 1 x 30,000 4.09 against 5.44;
-# 32 x 1,100 + 3 x 6,100 2.58 against 2.79; uniform batches the same (32 x 1,100: 2.22 against 2.23)
-# (benchmarks/results/2026-11-30-h200x2-balanced-splits-55bcdf5). A module setting so benchmarks can compare.
-BALANCED_DECODE_SPLITS = True
+# programs rather than longer ones. Off: on the H200 (2b-shaped, 4 programs per SM) it wins big on skewed
+# decode graphs (128 x 600 + 1 x 20,000: 6.95 ms against 17.68; 31 x 1,100 + 1 x 30,000: 4.09 against 5.44),
+# but in the engine under mixed's load its decode steps were 1.7-3.9% slower on the text streams' batch
+# (32 x 1,000-1,256 keys) in four A/B pairs, and no faster with image contexts among them
+# (benchmarks/results/2026-11-30-h200-balanced-splits-69770c5). Every program sums the batch's context
+# lengths itself; a total computed once per step is the next thing to try. A module setting so benchmarks
+# can compare (--balanced-splits).
+BALANCED_DECODE_SPLITS = False
 
 
 @dataclass(frozen=True)
@@ -233,9 +236,9 @@ def _balanced_tiles(
     for start in range(0, num_seqs, 128):
         offs = start + tl.arange(0, 128)
         total += tl.sum(tl.load(context_lens_ptr + offs, mask=offs < num_seqs, other=0))
-    # Rounded to nearest, not up: 32 x 1,000-1,256 keys at 2 kv heads is 2.2 tiles a program at 4 programs per
-    # SM: rounded up to 3 (384 programs) the engine's decode steps were 1.7% slower than unbalanced at 2 (576).
-    split_tiles = tl.maximum((tl.cdiv(total, BLOCK_N) * num_kv_heads + split_target // 2) // split_target, 1)
+    # Rounded up: to nearest (more, shorter programs) the engine's decode steps were slower still (3.9% against
+    # 1.7% over unbalanced on 32 x 1,000-1,256 keys).
+    split_tiles = tl.maximum(tl.cdiv(tl.cdiv(total, BLOCK_N) * num_kv_heads, split_target), 1)
     return tl.maximum(split_tiles, tl.cdiv(num_tiles, num_splits))
 
 
