@@ -45,16 +45,19 @@ def attention_launches(
 ) -> Iterator[tuple[str, Launch]]:
     from workers.kernels import attention_triton
 
-    cases = {  # (query_lens' total, max query len, num_seqs, max context, forced splits)
+    cases = {  # (query_lens' total, max query len, num_seqs, max context, forced splits or None: balanced)
         "decode": (64, 1, 64, 3072, 1),
         "decode-split": (1, 1, 1, 3072, 8),
+        "decode-balanced": (32, 1, 32, 32768, None),
         "mixed": (640, 512, 64, 3072, 1),
     }
     for case, (tokens, max_q, seqs, max_ctx, splits) in cases.items():
         metadata = _metadata(tokens, max_q, seqs, max_ctx, block_size=16)
         q = torch.empty((tokens, heads, head_dim), dtype=dtype, device=META)
         cache = torch.empty((4096 * 16, kv_heads, head_dim), dtype=dtype, device=META)
-        _, launches = attention_triton.plan(q, cache, cache, metadata, head_dim**-0.5, num_splits=splits)
+        _, launches = attention_triton.plan(
+            q, cache, cache, metadata, head_dim**-0.5, num_splits=splits, balanced=splits is None
+        )
         for launch in launches:
             yield f"{name} {launch.kernel.__name__.strip('_')} {case}", launch
 

@@ -11,6 +11,7 @@ The kernel reads per-sequence metadata as int32 tensors (`AttentionMetadata`); t
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -50,6 +51,12 @@ class AttentionMetadata:
     @property
     def device(self) -> torch.device:
         return self.query_lens.device
+
+    @functools.cached_property
+    def context_total(self) -> torch.Tensor:
+        """int32 [1]: the batch's keys in all, summed on the device once for every layer of a step (in a
+        captured graph, once per replay): balanced decode splits are cut from it."""
+        return self.context_lens.sum(dtype=torch.int32).view(1)
 
     @classmethod
     def from_layout(cls, layout: BatchLayout, device: torch.device | str | None = None) -> AttentionMetadata:

@@ -90,6 +90,7 @@ def _paged_attention_kernel(
     query_starts_ptr,
     query_lens_ptr,
     context_lens_ptr,
+    context_total_ptr,
     block_table_ptr,
     num_seqs,
     num_heads,
@@ -148,7 +149,7 @@ def _paged_attention_kernel(
     num_tiles = tl.cdiv(kv_len, BLOCK_N)
     if BALANCED:
         tiles_per_split = _balanced_tiles(
-            context_lens_ptr, num_seqs, tl.num_programs(1), split_target, num_tiles, num_splits, BLOCK_N
+            context_total_ptr, tl.num_programs(1), split_target, num_tiles, num_splits, BLOCK_N
         )
         if (split > 0) & (split * tiles_per_split >= num_tiles):
             return  # a split this sequence does not use: the merge does not read it
@@ -226,16 +227,12 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _balanced_tiles(
-    context_lens_ptr, num_seqs, num_kv_heads, split_target, num_tiles, num_splits, BLOCK_N: tl.constexpr
-):
+def _balanced_tiles(context_total_ptr, num_kv_heads, split_target, num_tiles, num_splits, BLOCK_N: tl.constexpr):
     """Key tiles per split when splits are cut to one length for the whole batch: about ``split_target``
     programs with work in all, so a long context gets more splits, not longer ones (up to the grid's
-    ``num_splits``; past that its splits grow)."""
-    total = 0
-    for start in range(0, num_seqs, 128):
-        offs = start + tl.arange(0, 128)
-        total += tl.sum(tl.load(context_lens_ptr + offs, mask=offs < num_seqs, other=0))
+    ``num_splits``; past that its splits grow). The batch's keys in all are one number summed once a step:
+    in session 10's first try each program summed the context lengths itself."""
+    total = tl.load(context_total_ptr)
     # Rounded up: to nearest (more, shorter programs) the engine's decode steps were slower still (3.9% against
     # 1.7% over unbalanced on 32 x 1,000-1,256 keys).
     split_tiles = tl.maximum(tl.cdiv(tl.cdiv(total, BLOCK_N) * num_kv_heads, split_target), 1)
@@ -250,6 +247,7 @@ def _reduce_splits_kernel(
     part_sum_ptr,
     query_starts_ptr,
     context_lens_ptr,
+    context_total_ptr,
     num_seqs,
     num_heads,
     num_kv_heads,
@@ -279,7 +277,7 @@ def _reduce_splits_kernel(
             else:
                 hi = mid
         num_tiles = tl.cdiv(tl.load(context_lens_ptr + lo - 1), BLOCK_N)
-        tiles = _balanced_tiles(context_lens_ptr, num_seqs, num_kv_heads, split_target, num_tiles, num_splits, BLOCK_N)
+        tiles = _balanced_tiles(context_total_ptr, num_kv_heads, split_target, num_tiles, num_splits, BLOCK_N)
         used = tl.maximum(tl.cdiv(num_tiles, tiles), 1)
     s_ok = offs_s < used
     part = (token * num_heads + head) * num_splits + offs_s
@@ -327,9 +325,11 @@ def plan(
     block_n: int | None = None,
     interpreted_mode: bool = False,
     tiles: Tiles | None = None,
+    balanced: bool | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output tensor and the launches that fill it (the attention kernel, then the split merge if any).
-    ``tiles`` replaces the default tile shape of the batch's kind; ``block_m``/``block_n`` override it."""
+    ``tiles`` replaces the default tile shape of the batch's kind; ``block_m``/``block_n`` override it;
+    ``balanced`` (default `BALANCED_DECODE_SPLITS`) applies to decode batches with no forced split count."""
     tokens, heads, head_dim = q.shape
     kv_heads = kv_k.shape[1]
     group = heads // kv_heads
@@ -340,7 +340,7 @@ def plan(
     _check_blocks(block_m, block_n, group)
     # Decode-only batches put one token per program: more query rows would only be padding.
     block_q = 1 if decode_only else block_m // group
-    balanced = BALANCED_DECODE_SPLITS and decode_only and num_splits is None
+    balanced = (BALANCED_DECODE_SPLITS if balanced is None else balanced) and decode_only and num_splits is None
     if num_splits is None:
         busy = -(-tokens // block_q) * kv_heads  # programs with work (the grid also holds spares)
         num_splits = choose_num_splits(busy, metadata.max_context_len, sm_count(q.device))
@@ -375,6 +375,7 @@ def plan(
             "query_starts_ptr": metadata.query_starts,
             "query_lens_ptr": metadata.query_lens,
             "context_lens_ptr": metadata.context_lens,
+            "context_total_ptr": metadata.context_total if balanced else metadata.context_lens,  # read if balanced
             "block_table_ptr": metadata.block_table,
             "num_seqs": metadata.num_seqs,
             "num_heads": heads,
@@ -420,6 +421,7 @@ def plan(
             "part_sum_ptr": part_sum,
             "query_starts_ptr": metadata.query_starts,
             "context_lens_ptr": metadata.context_lens,
+            "context_total_ptr": metadata.context_total if balanced else metadata.context_lens,
             "num_seqs": metadata.num_seqs,
             "num_heads": heads,
             "num_kv_heads": kv_heads,
