@@ -18,6 +18,8 @@ Tolerances (measured worst cases are in the comments beside them):
 - reshape_and_cache: bit for bit.
 - rms_norm, fused_add_rms_norm: fp32 within FP32_ULPS units in the last place (measured 3: the fp32 sum's
   order), 16-bit within 1 ulp (measured 0); the fused residual sum bit for bit.
+- fused_add_layer_norm: fp32 within LAYER_NORM_FP32 of the row's scale (an output near zero is a difference
+  of near-equal terms, so ulps say nothing there), 16-bit within 1 ulp; the residual sum bit for bit.
 - silu_and_mul: fp32 within FP32_ULPS (measured 3: exp), 16-bit within 2 ulps (measured 2 in fp16, 0 in bf16:
   an fp32 ulp of exp can flip the rounding of silu(gate), which the product with up then scales).
 - apply_mrope: bit for bit in every dtype (products of 16-bit values are exact in fp32, roundings as torch's).
@@ -127,6 +129,7 @@ def _kernels_run_here(request: pytest.FixtureRequest) -> None:
 ATTN_FP32 = {"atol": 2e-6, "rtol": 1e-5}  # measured worst: 6.4e-7 absolute on outputs up to 3.4
 ATTN_BF16 = {"atol": 1.6e-2, "rtol": 1.6e-2}  # measured worst: 7.8e-3, one bf16 ulp in [1, 2)
 FP32_ULPS = 4  # measured worst: 3
+LAYER_NORM_FP32 = 2e-6  # absolute, on outputs of unit scale; measured worst: 4.8e-7
 GEOMETRIES = [  # (heads, kv_heads, head_dim): GQA ratios 2 (the tiny model), 1, 7, 7 with a single kv head
     pytest.param(4, 2, 16, id="tiny-4x2x16"),
     pytest.param(4, 4, 64, id="mha-4x4x64"),
@@ -504,6 +507,31 @@ def test_fused_add_rms_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     expected_normed, expected_summed = norm.fused_add_rms_norm_reference(x, residual, weight, 1e-6)
     assert torch.equal(summed, expected_summed)
     assert_ulps(normed, expected_normed)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", [*NORM_SHAPES, (4, 1280)])  # and the vision tower's width
+def test_fused_add_layer_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Against torch's add then LayerNorm: the sum exactly, the normalised rows within a few ulps (torch
+    takes the variance by Welford's method, the kernel in two passes)."""
+    x, residual, weight = _norm_inputs(shape, dtype, seed=15)
+    bias = (0.1 * torch.randn(shape[-1], generator=torch.Generator().manual_seed(16))).to(dtype)
+    x = x + 2.5  # a mean far from zero: the kernel must centre the rows
+    normed, summed = norm.fused_add_layer_norm_triton(x, residual, weight, bias, 1e-6)
+    expected_normed, expected_summed = norm.fused_add_layer_norm_reference(x, residual, weight, bias, 1e-6)
+    assert torch.equal(summed, expected_summed)
+    if dtype == torch.float32:
+        torch.testing.assert_close(normed, expected_normed, rtol=0, atol=LAYER_NORM_FP32)
+    else:
+        assert_ulps(normed, expected_normed)
+
+
+def test_fused_add_layer_norm_rejects_mismatches() -> None:
+    x, w = torch.zeros(2, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="bias"):
+        norm.fused_add_layer_norm_triton(x, x, w, torch.zeros(4), 1e-6)
+    with pytest.raises(ValueError, match="dtype"):
+        norm.fused_add_layer_norm_triton(x.bfloat16(), x.bfloat16(), w, torch.zeros(8), 1e-6)
 
 
 def test_rms_norm_fp32_weight_on_bf16_rows_promotes_like_torch() -> None:

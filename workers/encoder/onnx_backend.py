@@ -88,7 +88,8 @@ class HostInputsVisionTower(nn.Module):
     ) -> torch.Tensor:
         allowed = segment_ids[:, None] == segment_ids[None, :]
         x = self.tower.patch_embed(pixel_values)
-        # Same residual structure as `VisionBlock.forward`, only the attention call differs.
+        # The residual structure of `VisionBlock` (unfused: the exporter traces torch ops), only the attention
+        # call differs.
         for block in self.tower.blocks:
             x = x + _masked_attention(block.attn, block.norm1(x), cos, sin, allowed)
             x = x + block.mlp(block.norm2(x))

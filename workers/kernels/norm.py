@@ -1,12 +1,15 @@
-"""RMSNorm, alone and fused with the residual add that precedes it in every decoder layer.
+"""RMSNorm, alone and fused with the residual add that precedes it in every decoder layer; and LayerNorm
+fused with the residual add before it (the vision tower's blocks).
 
-Numerically as `workers.models.language.rms_norm`: the mean square in fp32, the normalised row cast back
-to the input dtype, then multiplied by the weight (in the promoted dtype of weight and input).
+RMSNorm numerically as `workers.models.language.rms_norm`: the mean square in fp32, the normalised row cast
+back to the input dtype, then multiplied by the weight (in the promoted dtype of weight and input).
+LayerNorm as torch's: statistics and the affine map in fp32, rounded once to the input dtype.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from workers.kernels._launch import use_triton
 from workers.models.language import rms_norm as _rms_norm
@@ -68,3 +71,38 @@ def check_inputs(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor |
     tensors = [x, weight] if residual is None else [x, weight, residual]
     if len({t.device for t in tensors}) != 1:
         raise ValueError("x, weight and residual must be on one device")
+
+
+def fused_add_layer_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm(x + residual), x + residual), the sum rounded to the input dtype first."""
+    summed = x + residual
+    return F.layer_norm(summed, (summed.shape[-1],), weight, bias, eps), summed
+
+
+def fused_add_layer_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, x + residual): one pass over the rows where torch takes two kernels and five. Triton on CUDA
+    tensors, the reference otherwise."""
+    if use_triton(x, residual, weight, bias):
+        return fused_add_layer_norm_triton(x, residual, weight, bias, eps)
+    return fused_add_layer_norm_reference(x, residual, weight, bias, eps)
+
+
+def fused_add_layer_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from workers.kernels import norm_triton
+
+    check_inputs(x, weight, residual)
+    if bias.shape != weight.shape or bias.dtype != weight.dtype or bias.device != weight.device:
+        raise ValueError(
+            f"bias must match weight {weight.dtype} {tuple(weight.shape)}, got {bias.dtype} {tuple(bias.shape)}"
+        )
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight must be in x's dtype {x.dtype} (the tower's are), got {weight.dtype}")
+    normed, summed = norm_triton.launch_layer_norm(x, residual, weight, bias, eps)
+    assert summed is not None  # a residual was given
+    return normed, summed

@@ -97,3 +97,90 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _num_warps(block: int) -> int:
     # About 8 to 16 fp32 values per thread: the whole row stays in registers without spilling.
     return min(16, max(1, block // 256))
+
+
+@triton.jit
+def _layer_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    bias_ptr,
+    out_ptr,
+    summed_ptr,
+    n_cols,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_s,
+    eps,
+    BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = to_dtype(x + r, summed_ptr.dtype.element_ty, INTERPRETED)  # rounded, as torch's add is
+        tl.store(summed_ptr + row * stride_s + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    # As torch's LayerNorm: statistics in fp32, the affine map in fp32, one rounding at the end.
+    mean = tl.sum(x, 0) / n_cols
+    centred = tl.where(mask, x - mean, 0.0)
+    rstd = tl.rsqrt(tl.sum(centred * centred, 0) / n_cols + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = to_dtype(centred * rstd * w + b, out_ptr.dtype.element_ty, INTERPRETED)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+
+
+def launch_layer_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    check_launchable(x.device)
+    out, summed, step = plan_layer_norm(x, residual, weight, bias, eps, interpreted())
+    if out.numel():
+        step()
+    return out, summed
+
+
+def plan_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    interpreted_mode: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, Launch]:
+    """(normed, summed or None, the launch that fills them); normed in x's dtype, as torch's LayerNorm."""
+    hidden = x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty_like(x)
+    summed = torch.empty_like(x) if residual is not None else None
+    r2 = _rows(residual) if residual is not None else x2
+    s2 = summed.view(-1, hidden) if summed is not None else x2  # unused without ADD_RESIDUAL
+    o2 = out.view(-1, hidden)
+    block = next_power_of_2(hidden)
+    step = Launch(
+        _layer_norm_kernel,
+        grid=(x2.shape[0],),
+        args={
+            "x_ptr": x2,
+            "residual_ptr": r2,
+            "weight_ptr": weight.contiguous(),
+            "bias_ptr": bias.contiguous(),
+            "out_ptr": o2,
+            "summed_ptr": s2,
+            "n_cols": hidden,
+            "stride_x": x2.stride(0),
+            "stride_r": r2.stride(0),
+            "stride_o": o2.stride(0),
+            "stride_s": s2.stride(0),
+            "eps": eps,
+        },
+        constexprs={"BLOCK": block, "ADD_RESIDUAL": residual is not None, "INTERPRETED": interpreted_mode},
+        num_warps=_num_warps(block),
+    )
+    return out, summed, step

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend
 
+from workers.kernels.norm import fused_add_layer_norm
 from workers.kernels.vision import quick_gelu
 from workers.models.frame_attention import (
     ATTENTION_CANDIDATES,
@@ -150,7 +151,16 @@ class VisionMlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+def add_and_norm(update: torch.Tensor, stream: torch.Tensor, norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stream + update, norm of it): one Triton kernel on CUDA, torch's add and LayerNorm elsewhere."""
+    normed, summed = fused_add_layer_norm(update, stream, norm.weight, norm.bias, norm.eps)
+    return summed, normed
+
+
 class VisionBlock(nn.Module):
+    """``x + attn(norm1(x))``, then ``+ mlp(norm2(x))``. Each residual add is fused with the LayerNorm after
+    it, so a block takes its input already normalised by norm1 and hands on the next LayerNorm's output."""
+
     def __init__(self, spec: VisionSpec) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(spec.embed_dim, eps=LAYER_NORM_EPS)
@@ -158,9 +168,18 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(spec)
         self.mlp = VisionMlp(spec)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: FrameAttention) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, attend)
-        return x + self.mlp(self.norm2(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: FrameAttention,
+        next_norm: nn.LayerNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, norm1(x)) -> (the block's output, next_norm of it)."""
+        x, normed = add_and_norm(self.attn(normed, cos, sin, attend), x, self.norm2)
+        return add_and_norm(self.mlp(normed), x, next_norm)
 
 
 class PatchMerger(nn.Module):
@@ -176,7 +195,11 @@ class PatchMerger(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
+        return self.project(self.ln_q(x))
+
+    def project(self, normed: torch.Tensor) -> torch.Tensor:
+        """The merger after its LayerNorm: every merge**2 consecutive rows concatenated, then the MLP."""
+        return self.mlp(normed.view(-1, self.merged_dim))
 
 
 class VisionTower(nn.Module):
@@ -295,10 +318,12 @@ class VisionTower(nn.Module):
         cos, sin = vision_rotary_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
         x = self.patch_embed(pixel_values)
         attend = attention_for(self.backends, grid_thw, self.spec.num_heads, self.spec.head_dim, x)
+        normed = self.blocks[0].norm1(x)
+        next_norms = [*(block.norm1 for block in self.blocks[1:]), self.merger.ln_q]
         with sdpa_choice(self.backends):  # set once per forward, around every block
-            for block in self.blocks:
-                x = block(x, cos, sin, attend)
-        return self.merger(x)
+            for block, next_norm in zip(self.blocks, next_norms, strict=True):
+                x, normed = block(x, normed, cos, sin, attend, next_norm)
+        return self.merger.project(normed)
 
     def _validate(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         if pixel_values.ndim != 2 or pixel_values.shape[1] != self.spec.patch_dim:
