@@ -123,6 +123,22 @@ def test_decode(heads: int, kv_heads: int, head_dim: int, batch: int) -> None:
     check_attention(*paged_batch([1] * batch, context_lens, heads, kv_heads, head_dim, seed=batch))
 
 
+@pytest.mark.parametrize("balanced", [False, True], ids=["splits_per_sequence", "balanced_splits"])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), MODELS)
+def test_decode_with_one_long_context_among_short(
+    heads: int, kv_heads: int, head_dim: int, balanced: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """31 decodes of about 1,100 keys and one of 30,000: each sequence cut into the heuristic's split count,
+    or every one into splits of one length for the batch (`BALANCED_DECODE_SPLITS`, the long one then gets
+    up to 32 splits and the short ones few)."""
+    from workers.kernels import attention_triton
+
+    monkeypatch.setattr(attention_triton, "BALANCED_DECODE_SPLITS", balanced)
+    rng = random.Random(7)
+    context_lens = [rng.randrange(900, 1300) for _ in range(31)] + [30_000]
+    check_attention(*paged_batch([1] * 32, context_lens, heads, kv_heads, head_dim, seed=7))
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 16, 32])
 def test_forced_splits(num_splits: int) -> None:
     batch = paged_batch([64, 1, 1], [2000, 3000, 700], 12, 2, 128)
@@ -201,6 +217,19 @@ def test_norms(hidden: int) -> None:
     assert ulps_apart(norm.rms_norm(x, weight, 1e-6), norm.rms_norm_reference(x, weight, 1e-6)) <= 2
     normed, summed = norm.fused_add_rms_norm(x, residual, weight, 1e-6)
     expected_normed, expected_summed = norm.fused_add_rms_norm_reference(x, residual, weight, 1e-6)
+    assert torch.equal(summed, expected_summed)
+    assert ulps_apart(normed, expected_normed) <= 2
+
+
+@pytest.mark.parametrize("hidden", [1280])  # the vision tower's width (2b and 7b)
+def test_fused_add_layer_norm(hidden: int) -> None:
+    g = torch.Generator(device=CUDA).manual_seed(3)
+    x = (3 * torch.randn((4099, hidden), generator=g, device=CUDA) + 2.5).bfloat16()
+    residual = torch.randn((4099, hidden), generator=g, device=CUDA).bfloat16()
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g, device=CUDA)).bfloat16()
+    bias = (0.1 * torch.randn(hidden, generator=g, device=CUDA)).bfloat16()
+    normed, summed = norm.fused_add_layer_norm(x, residual, weight, bias, 1e-6)
+    expected_normed, expected_summed = norm.fused_add_layer_norm_reference(x, residual, weight, bias, 1e-6)
     assert torch.equal(summed, expected_summed)
     assert ulps_apart(normed, expected_normed) <= 2
 

@@ -49,13 +49,13 @@ SPLIT_PROGRAMS_PER_SM = 4
 DEFAULT_SM_COUNT = 132  # H200; used when the device cannot be asked (the interpreter)
 # Decode launches cut every sequence's keys into splits of one length for the whole batch (`_balanced_tiles`),
 # instead of each sequence into the same number of splits: then a long context among short ones gets more
-# programs rather than longer ones. Off: on the H200 (2b-shaped, 4 programs per SM) it wins big on skewed
-# decode graphs (128 x 600 + 1 x 20,000: 6.95 ms against 17.68; 31 x 1,100 + 1 x 30,000: 4.09 against 5.44),
-# but in the engine under mixed's load its decode steps were 1.7-3.9% slower on the text streams' batch
-# (32 x 1,000-1,256 keys) in four A/B pairs, and no faster with image contexts among them
-# (benchmarks/results/2026-11-30-h200-balanced-splits-69770c5). Every program sums the batch's context
-# lengths itself; a total computed once per step is the next thing to try. A module setting so benchmarks
-# can compare (--balanced-splits).
+# programs rather than longer ones. On the H200 (2b-shaped, decode graphs with max context 32,768, 4 programs
+# per SM) that wins big on skewed batches: 128 x 600 + 1 x 20,000 took 6.95 ms against 17.68; 31 x 1,100 +
+# 1 x 30,000 4.09 against 5.44. In the engine under mixed's load it costs the text streams' own batch
+# (32 x 1,000-1,256 keys) 1.1-1.4% a decode step, and saves 0.7% with image contexts among them
+# (benchmarks/results/2026-11-30-h200-balanced-splits-vit-4aa9354). Off until a GPU parity run covers it
+# (tests/gpu/test_kernels_gpu.py has the test); then on is the better default: a long conversation among
+# short ones no longer slows every stream by 2.5x. A module setting so benchmarks can compare.
 BALANCED_DECODE_SPLITS = False
 
 
@@ -233,8 +233,8 @@ def _balanced_tiles(context_total_ptr, num_kv_heads, split_target, num_tiles, nu
     ``num_splits``; past that its splits grow). The batch's keys in all are one number summed once a step:
     in session 10's first try each program summed the context lengths itself."""
     total = tl.load(context_total_ptr)
-    # Rounded up: to nearest (more, shorter programs) the engine's decode steps were slower still (3.9% against
-    # 1.7% over unbalanced on 32 x 1,000-1,256 keys).
+    # Rounded up: to nearest (more, shorter programs) the engine's decode steps were slower (3.9% against 1.7%
+    # over unbalanced on 32 x 1,000-1,256 keys, when each program still summed the context lengths itself).
     split_tiles = tl.maximum(tl.cdiv(tl.cdiv(total, BLOCK_N) * num_kv_heads, split_target), 1)
     return tl.maximum(split_tiles, tl.cdiv(num_tiles, num_splits))
 
