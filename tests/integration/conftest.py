@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import http.server
 import json
@@ -134,32 +135,54 @@ def hf(stack: Stack) -> HfChat:
     return HfChat(load_config(stack.config_path).model_path())
 
 
+SLOW_MEDIA_S = 0.5  # how long the media server holds a /slow/ path before answering
+
+
+class _MediaServer(http.server.ThreadingHTTPServer):
+    hits: collections.Counter[str]
+
+
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    server: _MediaServer
+
     def log_message(self, *args: object) -> None:
         pass
+
+    def do_GET(self) -> None:
+        self.server.hits[self.path] += 1
+        if self.path.startswith("/slow/"):  # the file itself, late: requests for it overlap
+            time.sleep(SLOW_MEDIA_S)
+            self.path = self.path.removeprefix("/slow")
+        super().do_GET()
 
 
 @dataclass
 class MediaServer:
     root: Path
     base_url: str
+    hits: collections.Counter[str]  # GET requests by path, /slow/ included
 
     def put(self, name: str, data: bytes) -> str:
         (self.root / name).write_bytes(data)
         return f"{self.base_url}/{name}"
 
+    def slow_url(self, name: str) -> str:
+        """The URL of file ``name`` answered SLOW_MEDIA_S late."""
+        return f"{self.base_url}/slow/{name}"
+
 
 @pytest.fixture(scope="session")
 def media_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MediaServer]:
     root = tmp_path_factory.mktemp("media")
-    server = http.server.ThreadingHTTPServer(
+    server = _MediaServer(
         ("127.0.0.1", 0),
         lambda *a: _QuietHandler(*a, directory=str(root)),  # type: ignore[misc]
     )
+    server.hits = collections.Counter()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield MediaServer(root, f"http://127.0.0.1:{server.server_address[1]}")
+        yield MediaServer(root, f"http://127.0.0.1:{server.server_address[1]}", server.hits)
     finally:
         server.shutdown()
 

@@ -1,7 +1,8 @@
 """The fetcher process: turns a ``GenerateRequest`` into a ``PreparedRequest`` for the decoder.
 
-Per media item: download and preprocess (in a thread, off the socket loop), look the content
-hash up in the cache daemon, and on a miss send an ``EncodeJob`` to a live encoder. The
+Per media item: download and preprocess (in a thread, off the socket loop; once for every request that
+asks for the same item while it loads), look the content hash up in the cache daemon, and on a miss send
+an ``EncodeJob`` to a live encoder. The
 request goes to the decoder as soon as every item is found or reserved; the decoder waits for
 the embeddings through the cache, so encoding overlaps with the hand-off.
 """
@@ -120,6 +121,9 @@ class FetcherWorker:
         )
         self.threads = ThreadPoolExecutor(cfg.fetcher.threads, thread_name_prefix="fetch")
         self.inflight: dict[str, InFlight] = {}
+        # Items being loaded -> the (request, index) pairs waiting for each: an item asked for again while it
+        # loads (the n choices of one request, clients sending one URL at once) is downloaded once.
+        self.loading: dict[MediaInput, list[tuple[str, int]]] = {}
         self.calls: dict[str, CacheCall] = {}
         self.chunked: dict[str, ChunkedEncode] = {}  # job id -> its video's parts
         self.loop = EventLoop()
@@ -129,7 +133,13 @@ class FetcherWorker:
         for k, channel in enumerate(self.encoders):
             self.loop.on_message(channel, lambda _peer, msg, k=k: self.on_encoder(k, msg))
         self.loop.every(cfg.liveness.heartbeat_s, self.heartbeat)
-        self.counters = {"items_loaded": 0.0, "load_s": 0.0, "thread_wait_s": 0.0, "encode_jobs": 0.0}
+        self.counters = {
+            "items_loaded": 0.0,
+            "items_shared": 0.0,
+            "load_s": 0.0,
+            "thread_wait_s": 0.0,
+            "encode_jobs": 0.0,
+        }
         self.window = CounterWindow(self.counters)
         self.loop.every(REPORT_EVERY_S, self.report)
         self.heartbeat()
@@ -157,10 +167,12 @@ class FetcherWorker:
         loaded = grew["items_loaded"]
         if loaded:
             log.info(
-                "fetcher: %d images or videos loaded over %.1fs, %.0f ms each in a thread after waiting %.0f ms "
-                "for one; %d encode jobs sent, %d queued for an encoder, %d at encoders",
+                "fetcher: %d images or videos loaded over %.1fs (%d more asked for while loading), %.0f ms each "
+                "in a thread after waiting %.0f ms for one; %d encode jobs sent, %d queued for an encoder, "
+                "%d at encoders",
                 loaded,
                 seconds,
+                grew["items_shared"],
                 1e3 * grew["load_s"] / loaded,
                 1e3 * grew["thread_wait_s"] / loaded,
                 grew["encode_jobs"],
@@ -183,15 +195,25 @@ class FetcherWorker:
                     return
                 if not msg.media:
                     self.forward(state)
-                # One task per item: a request's images load side by side, not one after another.
                 for index, media in enumerate(msg.media):
-                    self.threads.submit(self.load_one, rid, index, media, time.monotonic())
+                    self.start_load(rid, index, media)
             case Abort(request_id=rid):
                 self.inflight.pop(rid, None)
             case _:
                 pass
 
-    def load_one(self, request_id: str, index: int, media: MediaInput, submitted: float) -> None:
+    def start_load(self, request_id: str, index: int, media: MediaInput) -> None:
+        """One thread task per item, so a request's images load side by side; or, where the same item is
+        loading already, a place among those waiting for it."""
+        waiting = self.loading.get(media)
+        if waiting is not None:
+            waiting.append((request_id, index))
+            self.counters["items_shared"] += 1
+            return
+        self.loading[media] = [(request_id, index)]
+        self.threads.submit(self.load_one, media, time.monotonic())
+
+    def load_one(self, media: MediaInput, submitted: float) -> None:
         """Thread: fetch and preprocess one item; the loop gets the result through ``loaded``."""
         started = time.monotonic()
         result: LoadedImage | MediaError
@@ -202,13 +224,17 @@ class FetcherWorker:
         except Exception as exc:
             log.exception("loading media failed")
             result = MediaError(500, f"media processing failed: {exc}")
-        self.loaded.post((request_id, index, result, started - submitted, time.monotonic() - started))
+        self.loaded.post((media, result, started - submitted, time.monotonic() - started))
 
     def on_loaded(self, item: object) -> None:
-        request_id, index, result, thread_wait_s, load_s = item  # type: ignore[misc]
+        media, result, thread_wait_s, load_s = item  # type: ignore[misc]
         self.counters["items_loaded"] += 1
         self.counters["thread_wait_s"] += thread_wait_s
         self.counters["load_s"] += load_s
+        for request_id, index in self.loading.pop(media, []):
+            self.item_arrived(request_id, index, result)
+
+    def item_arrived(self, request_id: str, index: int, result: LoadedImage | MediaError) -> None:
         state = self.inflight.get(request_id)
         if state is None:
             return  # aborted or failed meanwhile (the first bad item answers for the request)
