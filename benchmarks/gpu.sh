@@ -7,7 +7,8 @@
 #        daemon, encoders (decoder ranks) capped at MPS_SM% (MPS_DECODER_SM%) of the SMs, the encoders' client
 #        priority below the decoder's unless MPS_LOW_PRIORITY=false,
 #        TP=2 for a tensor-parallel decoder over two GPUs, DEVICE_POOL=1 for the CUDA IPC embedding pool,
-#        ENCODERS=N for N encoder processes instead of one per GPU, ENCODER_GPUS=1 (a comma list) to place
+#        ENCODERS=N for N encoder processes instead of one per GPU, ENCODER_OVERLAP=1/0 for [encoder]
+#        overlap_batches, ENCODER_GPUS=1 (a comma list) to place
 #        the encoders on those GPUs: with the decoder on GPU 0, ENCODER_GPUS=1 gives vision its own GPU,
 #        DECODING_BUDGET=512 for the decoder's tokens per step while streams decode, OVERLAP_MIXED=1/0 to
 #        set [decoder] overlap_mixed (steps with prefill chunks staged ahead too; on by default),
@@ -20,7 +21,7 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLM_CONFIG="$PWD/benchmarks/gpu.toml"
 if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
-  || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${DECODING_BUDGET:-}${SPILL_BYTES:-}${POOL_BYTES:-}${OVERLAP_MIXED:-}" ]; then  # variants of gpu.toml
+  || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${ENCODER_OVERLAP:-}${DECODING_BUDGET:-}${SPILL_BYTES:-}${POOL_BYTES:-}${OVERLAP_MIXED:-}" ]; then  # variants of gpu.toml
   cp benchmarks/gpu.toml /tmp/gpu-variant.toml
   # DEVICE_POOL=1: the embedding pool in GPU memory, handed over by CUDA IPC
   [ "${DEVICE_POOL:-0}" = 1 ] && sed -i "/^\[cache\]/a device_pool = true" /tmp/gpu-variant.toml
@@ -31,6 +32,9 @@ if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
   [ "${MPS:-0}" = 1 ] && sed -i "s/^mps = false.*/mps = true\nmps_encoder_sm_percent = ${MPS_SM:-100}\nmps_decoder_sm_percent = ${MPS_DECODER_SM:-100}\nmps_encoder_low_priority = ${MPS_LOW_PRIORITY:-true}/" /tmp/gpu-variant.toml
   [ -n "${ENCODERS:-}" ] && sed -i "/^\[encoder\]/a count = ${ENCODERS}" /tmp/gpu-variant.toml
   [ -n "${ENCODER_GPUS:-}" ] && sed -i "/^\[encoder\]/a gpus = [${ENCODER_GPUS}]" /tmp/gpu-variant.toml
+  # ENCODER_OVERLAP=1 or 0: [encoder] overlap_batches (the next batch's forward queued before the last one's
+  # rows are handed out)
+  [ -n "${ENCODER_OVERLAP:-}" ] && sed -i "/^\[encoder\]/a overlap_batches = $([ "$ENCODER_OVERLAP" = 1 ] && echo true || echo false)" /tmp/gpu-variant.toml
   # TP=N: a tensor-parallel decoder over N GPUs (needs N GPUs; one encoder per GPU comes with them)
   [ "${TP:-1}" != 1 ] && sed -i "/^\[decoder\]/a tensor_parallel = ${TP}" /tmp/gpu-variant.toml
   # OVERLAP_MIXED=1 or 0: every decoder step staged while the previous one runs, prefill steps too (the

@@ -58,10 +58,13 @@ def worker(checkpoint: Path, tmp_path: Path) -> Iterator[EncoderWorker]:
     encoder.cache.close()
 
 
-def test_the_worker_batches_queued_jobs_over_its_socket(worker: EncoderWorker) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["one_batch_at_a_time", "next_batch_queued_first"])
+def test_the_worker_batches_queued_jobs_over_its_socket(worker: EncoderWorker, overlap: bool) -> None:
     """Jobs sent back to back over the real ZMQ socket are encoded in few forwards (the patch budget
     splits them), each slot gets that image's rows, and a job whose pixels do not match its grid fails
-    alone with a 500 while the others of its batch succeed."""
+    alone with a 500 while the others of its batch succeed. With overlap (a GPU's default is off; forced
+    here on the CPU, where launching is computing) each step launches a batch before delivering the last."""
+    worker.overlap = overlap
     tower, merge = worker.tower, worker.tower.spec.spatial_merge_size
     jobs_grids = [*GRIDS, *GRIDS]  # 8 images: 232 patches > the budget of 200
     bad = 5

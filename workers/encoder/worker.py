@@ -4,6 +4,10 @@ Jobs that arrive together are encoded together: the event loop drains the socket
 the queued images of any requests into one forward (each image its own attention segments), bounded
 by ``max_batch_patches``, and hands every job its own rows. A batch that fails is retried image by
 image, so one bad job fails alone.
+
+On a GPU (`[encoder] overlap_batches`) a step queues the next batch's forward before it hands out the last
+batch's rows: the GPU computes the next batch while the host waits for the last one's rows, copies them
+into their slots and answers, and the socket loop takes in new jobs.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -22,9 +27,29 @@ from common.tensor_ref import ShmAttachments, read_tensor
 from common.transport import Channel, EventLoop, worker_identity
 from workers.encoder.backends import VisionBackend, load_vision_backend
 from workers.fetcher.image import Normalization, normalize_patches
-from workers.models.runtime import claim_device, encoder_gpu, resolve_dtype
+from workers.models.runtime import claim_device, encoder_gpu, resolve_dtype, to_device_async
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Staged:
+    """One job of a launched batch: its embeddings on their way to its slot, or why it failed."""
+
+    peer: bytes
+    job: EncodeJob
+    slot: torch.Tensor | None = None
+    host_rows: torch.Tensor | None = None  # rows still to copy into a host slot, once the batch is done
+    error: Exception | None = None
+
+
+@dataclass
+class Launched:
+    """A batch whose forward (and copies) may still be running: ``done`` is recorded after them on the
+    tower's stream (None: nothing of it is left on a device)."""
+
+    staged: list[Staged]
+    done: torch.cuda.Event | None
 
 
 class EncoderWorker:
@@ -51,6 +76,9 @@ class EncoderWorker:
         self.window = CounterWindow(self.counters)
         self.queued: deque[tuple[bytes, EncodeJob, float]] = deque()  # (peer, job, when it arrived)
         self.max_batch_patches = cfg.encoder.max_batch_patches
+        # Only where forwards run asynchronously: on the CPU a batch queued first would only delay the last one.
+        self.overlap = cfg.encoder.overlap_batches and self.device.type == "cuda"
+        self.in_flight: Launched | None = None
         self.loop = EventLoop()
         self.loop.on_message(self.jobs, self.handle)
         self.loop.every(REPORT_EVERY_S, self.report)
@@ -86,18 +114,40 @@ class EncoderWorker:
                 log.warning("unexpected %s", msg.TAG)
 
     def step(self) -> bool:
-        """Encode one batch of the queued jobs; True while more are queued."""
-        if not self.queued:
+        """Launch one batch of the queued jobs and hand out the last one's rows; True while work remains."""
+        if not self.queued and self.in_flight is None:
             return False
-        batch = self.take_batch()
+        started = time.monotonic()
+        launched = self.launch(self.take_batch()) if self.queued else None
+        if self.in_flight is not None:
+            self.deliver(self.in_flight)
+        self.in_flight = launched
+        if not self.overlap and self.in_flight is not None:
+            self.deliver(self.in_flight)
+            self.in_flight = None
+        self.counters["busy_s"] += time.monotonic() - started
+        return bool(self.queued) or self.in_flight is not None
+
+    def launch(self, batch: list[tuple[bytes, EncodeJob, float]]) -> Launched:
+        """The batch's forward and its copies toward the slots, queued on the device (run, on the CPU)."""
         started = time.monotonic()
         self.counters["queue_wait_s"] += sum(started - arrived for _, _, arrived in batch)
-        for (peer, _, _), result in zip(batch, self.encode_batch([job for _, job, _ in batch]), strict=True):
-            self.jobs.send_to(peer, result)
-        for peer in {peer for peer, _, _ in batch}:
+        outputs = self.encode_batch([job for _, job, _ in batch])
+        staged = [self.stage(peer, job, out) for (peer, job, _), out in zip(batch, outputs, strict=True)]
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+        return Launched(staged, done)
+
+    def deliver(self, launched: Launched) -> None:
+        """Once the batch's copies are done: the rows into their host slots, the cache told, the peers answered."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        for item in launched.staged:
+            self.jobs.send_to(item.peer, self.finish(item))
+        for peer in {item.peer for item in launched.staged}:
             self.jobs.send_to(peer, self.status())
-        self.counters["busy_s"] += time.monotonic() - started
-        return bool(self.queued)
 
     def report(self) -> None:
         """A line per period with work: how busy the encoder was and how long jobs waited for it, which
@@ -126,7 +176,8 @@ class EncoderWorker:
             patches += size
         return batch
 
-    def encode_batch(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
+    def encode_batch(self, jobs: list[EncodeJob]) -> list[torch.Tensor | Exception]:
+        """Each job's embeddings (on the tower's device, maybe still being computed), or why it failed."""
         if len(jobs) > 1:
             try:
                 pixels = [model_pixels(job, self.device, self.tower.spec.in_chans) for job in jobs]
@@ -135,33 +186,52 @@ class EncoderWorker:
                 log.exception("a batch of %d images failed; encoding them one by one", len(jobs))
             else:
                 self.counters["batches"] += 1
-                return [self.finish(job, e, p.shape[0]) for job, e, p in zip(jobs, embeds, pixels, strict=True)]
+                return list(embeds)
         return [self.encode(job) for job in jobs]
 
-    def encode(self, job: EncodeJob) -> EncodeResult:
+    def encode(self, job: EncodeJob) -> torch.Tensor | Exception:
         try:
             pixels = model_pixels(job, self.device, self.tower.spec.in_chans)
             (embeds,) = encode_images(self.tower, [pixels], [job.grid_thw])
         except Exception as exc:  # one bad job must not take the encoder down
-            return self.fail(job, exc)
+            return exc
         self.counters["batches"] += 1
-        return self.finish(job, embeds, pixels.shape[0])
+        return embeds
 
-    def finish(self, job: EncodeJob, embeds: torch.Tensor, patches: int) -> EncodeResult:
-        """Write one job's rows into its slot and tell the cache."""
+    def stage(self, peer: bytes, job: EncodeJob, out: torch.Tensor | Exception) -> Staged:
+        """The job's slot checked and its rows sent toward it: into a GPU slot at once (queued after the
+        forward), toward a host slot as a copy into pinned memory, to be finished by `finish`."""
+        if isinstance(out, Exception):
+            return Staged(peer, job, error=out)
         try:
             if job.slot.shm_name not in self.pools.pools:
                 self.pools.forget_except("")  # a restarted cache daemon made a new pool; drop the old map
             slot = self.pools.view(job.slot)
-            if tuple(slot.shape) != tuple(embeds.shape):
-                raise ValueError(f"slot shape {list(slot.shape)} != embedding shape {list(embeds.shape)}")
-            slot.copy_(embeds.to(slot.device, slot.dtype))
-            if slot.is_cuda:  # a GPU pool: the rows must be there before the cache says they are
+            if tuple(slot.shape) != tuple(out.shape):
+                raise ValueError(f"slot shape {list(slot.shape)} != embedding shape {list(out.shape)}")
+            rows = out.to(slot.dtype)
+            if slot.is_cuda or not rows.is_cuda:
+                slot.copy_(rows)
+                return Staged(peer, job, slot)
+            # Non-blocking into pinned memory: the host goes on (to the next batch) while the rows come over.
+            return Staged(peer, job, slot, host_rows=rows.to("cpu", non_blocking=True))
+        except Exception as exc:
+            return Staged(peer, job, error=exc)
+
+    def finish(self, item: Staged) -> EncodeResult:
+        """After the batch's copies: the rows in the job's slot, the cache told."""
+        job, slot = item.job, item.slot
+        if item.error is not None or slot is None:
+            return self.fail(job, item.error or RuntimeError("no slot was staged"))
+        try:
+            if item.host_rows is not None:
+                slot.copy_(item.host_rows)
+            elif slot.is_cuda:  # a GPU pool: the rows must be there before the cache says they are
                 torch.cuda.synchronize(slot.device)
         except Exception as exc:
             return self.fail(job, exc)
         self.counters["images_encoded"] += 1
-        self.counters["patches_encoded"] += patches
+        self.counters["patches_encoded"] += job_patches(job)
         if job.commit:
             self.cache.send(CacheCommit(job.content_hash))
         return EncodeResult(job.job_id, job.content_hash)
@@ -179,13 +249,13 @@ def model_pixels(job: EncodeJob, device: torch.device, channels: int) -> torch.T
     the bytes) and then rescaled and normalised there, bit-identical to the processor's host arithmetic."""
     pixels = read_tensor(job.pixels)
     if pixels.dtype != torch.uint8:
-        return pixels
+        return to_device_async(pixels, device)
     if job.image_mean and not len(job.image_mean) == len(job.image_std) == channels:
         raise ValueError(
             f"uint8 pixels need one mean and std per channel ({channels}), got {job.image_mean} and {job.image_std}"
         )
     norm = Normalization(job.rescale_factor, tuple(job.image_mean) or None, tuple(job.image_std) or None)
-    return normalize_patches(pixels.to(device), norm)
+    return normalize_patches(to_device_async(pixels, device), norm)
 
 
 def job_patches(job: EncodeJob) -> int:
@@ -199,8 +269,8 @@ def encode_images(tower: VisionBackend, pixels: list[torch.Tensor], grids: list[
     Attention never crosses an image (the tower's segments are per frame), so each image's rows equal
     what encoding it alone gives, up to the float rounding of batched matrix products."""
     merge = tower.spec.spatial_merge_size
-    flat = torch.cat([p.to(tower.device, tower.dtype) for p in pixels])
-    grid = torch.tensor(grids, dtype=torch.int64, device=tower.device)
+    flat = torch.cat([to_device_async(p, tower.device).to(tower.dtype) for p in pixels])
+    grid = torch.tensor(grids, dtype=torch.int64)  # the towers read it on the host (no device round trip)
     with torch.inference_mode():
         embeds = tower(flat, grid)
     return list(embeds.split([t * h * w // merge**2 for t, h, w in grids]))

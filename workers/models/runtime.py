@@ -59,3 +59,14 @@ def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     if cfg.model.dtype not in names:
         raise ValueError(f"[model] dtype must be one of auto, {', '.join(names)}; got {cfg.model.dtype!r}")
     return names[cfg.model.dtype]
+
+
+def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` without making the host wait for the work already queued there: a copy from
+    pageable memory can wait for the stream (the driver stages it), one from pinned memory does not. (The
+    pinned block stays reserved until the copy is done: torch's host allocator records the stream.)"""
+    if device.type != "cuda" or tensor.device == device:
+        return tensor.to(device)
+    if tensor.device.type == "cpu" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
