@@ -47,7 +47,7 @@ CATEGORIES = (  # first match wins; names lower-cased
     ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "sm90")),
     ("rotary", ("rotary",)),
     ("gelu", ("gelu",)),
-    ("layernorm", ("layer_norm", "layernorm")),
+    ("layernorm", ("layer_norm", "layernorm", "_norm_kernel")),  # ours: LayerNorm fused with the residual add
     ("conv", ("conv", "implicit")),
     ("copy", ("copy", "cat", "memcpy", "memset")),
 )

@@ -74,6 +74,7 @@ def other_launches(name: str, heads: int, kv_heads: int, head_dim: int, hidden: 
     weight = torch.empty(hidden, dtype=bf16, device=META)
     yield f"{name} rms_norm", norm_triton.plan(x, None, weight, 1e-6)[2]
     yield f"{name} fused_add_rms_norm", norm_triton.plan(x, x, weight, 1e-6)[2]
+    yield f"{name} fused_add_layer_norm", norm_triton.plan(x, x, weight, 1e-6, bias=weight)[2]
     gate_up = torch.empty((tokens, 2 * intermediate), dtype=bf16, device=META)
     yield f"{name} silu_and_mul", activation_triton.plan(gate_up[:, :intermediate], gate_up[:, intermediate:])[1]
     qkv = torch.empty((tokens, heads + 2 * kv_heads, head_dim), dtype=bf16, device=META)

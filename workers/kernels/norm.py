@@ -103,6 +103,5 @@ def fused_add_layer_norm_triton(
         )
     if weight.dtype != x.dtype:
         raise ValueError(f"weight must be in x's dtype {x.dtype} (the tower's are), got {weight.dtype}")
-    normed, summed = norm_triton.launch_layer_norm(x, residual, weight, bias, eps)
-    assert summed is not None  # a residual was given
+    normed, summed = norm_triton.launch(x, residual, weight, eps, bias)
     return normed, summed
