@@ -2,9 +2,8 @@
 
 Per media item: download and preprocess (in a thread, off the socket loop; once for every request that
 asks for the same item while it loads), look the content hash up in the cache daemon, and on a miss send
-an ``EncodeJob`` to a live encoder. The
-request goes to the decoder as soon as every item is found or reserved; the decoder waits for
-the embeddings through the cache, so encoding overlaps with the hand-off.
+an ``EncodeJob`` to a live encoder. The request goes to the decoder as soon as every item is found or
+reserved; the decoder waits for the embeddings through the cache, so encoding overlaps with the hand-off.
 """
 
 from __future__ import annotations
