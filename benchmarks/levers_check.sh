@@ -18,6 +18,8 @@
 #   decode-mix       decode-graph step times at batch 32..48 and with a few long (image) contexts among 32 text
 #                    ones, captured as the server does (max context 32,768): why mixed's decode steps are 22% slower
 #   decode-splits    those decode steps with the attention's split count aimed at 2, 4, 8 and 16 programs per SM
+#   skinny-gemm      the 2b's decode projections (batch 32) through workers.kernels.skinny_gemm, each tile shape
+#                    of a small grid checked and timed, the best against cuBLAS (benchmarks.decode_gemms --triton)
 #   decode-gemms     each projection of a decode layer at batch 1..64 per BLAS library, against HBM bandwidth
 #   engine-mixed-defaults   engine-mixed at the server's defaults only
 #   balanced-splits  decode steps with the attention's splits of one length for the whole batch (on by default
@@ -91,6 +93,8 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
             > "$out/$dir/$flag-$run.log" 2>&1
         done
       done ;;
+    skinny-gemm) mkdir -p "$out/$dir"
+      python3 -m benchmarks.decode_gemms --models 2b --triton --out "$out/$dir/gemms.json" > "$out/$dir/gemms.log" 2>&1 ;;
     decode-gemms) mkdir -p "$out/$dir"
       python3 -m benchmarks.decode_gemms --models 2b 7b --out "$out/$dir/gemms.json" > "$out/$dir/gemms.log" 2>&1 ;;
     engine-mixed-defaults) mkdir -p "$out/$dir"

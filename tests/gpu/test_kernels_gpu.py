@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.kernels import activation, attention, cache, norm, rotary
+from workers.kernels import activation, attention, cache, norm, rotary, skinny_gemm
 from workers.kernels._launch import triton_available
 from workers.models.language import LanguageModel, mrope_cos_sin, rope_inv_freq
 from workers.models.paged import BatchLayout, PagedKVCache, paged_attention_reference, paged_forward
@@ -232,6 +232,20 @@ def test_fused_add_layer_norm(hidden: int) -> None:
     expected_normed, expected_summed = norm.fused_add_layer_norm_reference(x, residual, weight, bias, 1e-6)
     assert torch.equal(summed, expected_summed)
     assert ulps_apart(normed, expected_normed) <= 2
+
+
+@pytest.mark.parametrize("split_k", [1, 4, 16])
+@pytest.mark.parametrize(("k", "n", "bias"), [(1536, 2048, True), (8960, 1536, False)], ids=["2b-qkv", "2b-down"])
+@pytest.mark.parametrize("m", [1, 32, 64])
+def test_skinny_gemm(m: int, k: int, n: int, bias: bool, split_k: int) -> None:
+    """Decode projections through the split-K kernel against cuBLAS, in bf16 (both sum in fp32)."""
+    g = torch.Generator(device=CUDA).manual_seed(4)
+    x = torch.randn((m, k), generator=g, device=CUDA).bfloat16()
+    w = (torch.randn((n, k), generator=g, device=CUDA) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=g, device=CUDA).bfloat16() if bias else None
+    tiles = skinny_gemm.SkinnyTiles(block_n=32, block_k=128, split_k=split_k)
+    out = skinny_gemm.skinny_gemm_triton(x, w, b, tiles)
+    assert ulps_apart(out, skinny_gemm.skinny_gemm_reference(x, w, b)) <= 2
 
 
 @pytest.mark.parametrize("intermediate", [8960, 18944])  # 2b, 7b

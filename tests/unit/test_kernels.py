@@ -23,6 +23,7 @@ Tolerances (measured worst cases are in the comments beside them):
 - silu_and_mul: fp32 within FP32_ULPS (measured 3: exp), 16-bit within 2 ulps (measured 2 in fp16, 0 in bf16:
   an fp32 ulp of exp can flip the rounding of silu(gate), which the product with up then scales).
 - apply_mrope: bit for bit in every dtype (products of 16-bit values are exact in fp32, roundings as torch's).
+- skinny_gemm: fp32 within 1e-5 (the summation order), 16-bit within 1 ulp of F.linear (both sum in fp32).
 - vision_rotary_qk: bit for bit (fp32 arithmetic from the same tables, no fused multiply-add); quick_gelu:
   fp32 within FP32_ULPS, 16-bit within 2 ulps (an fp32 ulp of exp can flip a rounding, as in silu).
 """
@@ -48,6 +49,7 @@ from workers.kernels import (
     cache,
     norm,
     rotary,
+    skinny_gemm,
     vision,
 )
 from workers.kernels.attention import AttentionMetadata, attention_metadata
@@ -613,6 +615,48 @@ def test_vision_rotary_qk_rejects_mismatched_tables() -> None:
 def test_quick_gelu(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     x = (torch.randn(shape, generator=torch.Generator().manual_seed(22)) * 4).to(dtype)
     assert_ulps(vision.quick_gelu_triton(x), vision.quick_gelu_reference(x), ulps16=2)
+
+
+# --- skinny GEMM (decode projections) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("m", "n", "k", "split_k", "bias"),
+    [
+        (1, 40, 100, 3, True),
+        (5, 64, 256, 4, False),
+        (32, 48, 300, 2, True),
+        (17, 33, 129, 1, True),
+        (64, 16, 64, 8, False),
+    ],
+)
+def test_skinny_gemm(m: int, n: int, k: int, split_k: int, bias: bool, dtype: torch.dtype) -> None:
+    """K cut in splits (the last one short, or more splits asked for than K has steps), ragged M and N:
+    as F.linear, to the summation order (fp32) or one rounding (16-bit: both accumulate in fp32)."""
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    tiles = skinny_gemm.SkinnyTiles(block_n=16, block_k=32, split_k=split_k)
+    out = skinny_gemm.skinny_gemm_triton(x, w, b, tiles)
+    expected = skinny_gemm.skinny_gemm_reference(x, w, b)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert_ulps(out, expected)
+
+
+def test_skinny_gemm_rejects_what_it_does_not_do() -> None:
+    x, w = torch.zeros(4, 8), torch.zeros(6, 8)
+    with pytest.raises(ValueError, match="rows"):
+        skinny_gemm.skinny_gemm_triton(torch.zeros(65, 8), w)
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        skinny_gemm.skinny_gemm_triton(x, torch.zeros(6, 9))
+    with pytest.raises(ValueError, match="bias"):
+        skinny_gemm.skinny_gemm_triton(x, w, torch.zeros(5))
+    with pytest.raises(ValueError, match="dtype"):
+        skinny_gemm.skinny_gemm_triton(x, w.bfloat16())
 
 
 # --- M-RoPE -------------------------------------------------------------------------------------------

@@ -63,7 +63,8 @@ def attention_launches(
 
 
 def other_launches(name: str, heads: int, kv_heads: int, head_dim: int, hidden: int, intermediate: int):
-    from workers.kernels import activation_triton, cache_triton, norm_triton, rotary_triton
+    from workers.kernels import activation_triton, cache_triton, norm_triton, rotary_triton, skinny_gemm_triton
+    from workers.kernels.skinny_gemm import SkinnyTiles
 
     tokens, bf16 = 256, torch.bfloat16
     k = torch.empty((tokens, kv_heads, head_dim), dtype=bf16, device=META)
@@ -75,6 +76,11 @@ def other_launches(name: str, heads: int, kv_heads: int, head_dim: int, hidden: 
     yield f"{name} rms_norm", norm_triton.plan(x, None, weight, 1e-6)[2]
     yield f"{name} fused_add_rms_norm", norm_triton.plan(x, x, weight, 1e-6)[2]
     yield f"{name} fused_add_layer_norm", norm_triton.plan(x, x, weight, 1e-6, bias=weight)[2]
+    rows = torch.empty((32, hidden), dtype=bf16, device=META)
+    projection = torch.empty((hidden, hidden), dtype=bf16, device=META)
+    partial, total = skinny_gemm_triton.plan(rows, projection, weight, SkinnyTiles())[1]
+    yield f"{name} skinny_gemm partials", partial
+    yield f"{name} skinny_gemm sum", total
     gate_up = torch.empty((tokens, 2 * intermediate), dtype=bf16, device=META)
     yield f"{name} silu_and_mul", activation_triton.plan(gate_up[:, :intermediate], gate_up[:, intermediate:])[1]
     qkv = torch.empty((tokens, heads + 2 * kv_heads, head_dim), dtype=bf16, device=META)
