@@ -245,7 +245,9 @@ def test_skinny_gemm(m: int, k: int, n: int, bias: bool, split_k: int) -> None:
     b = torch.randn(n, generator=g, device=CUDA).bfloat16() if bias else None
     tiles = skinny_gemm.SkinnyTiles(block_n=32, block_k=128, split_k=split_k)
     out = skinny_gemm.skinny_gemm_triton(x, w, b, tiles)
-    assert ulps_apart(out, skinny_gemm.skinny_gemm_reference(x, w, b)) <= 2
+    # Outputs of unit scale: one bf16 rounding apart at most (8e-3 below 2). Not in ulps: near zero the two
+    # fp32 sums' order alone can move a tiny output by more than its own ulp.
+    torch.testing.assert_close(out, skinny_gemm.skinny_gemm_reference(x, w, b), rtol=8e-3, atol=8e-3)
 
 
 @pytest.mark.parametrize("intermediate", [8960, 18944])  # 2b, 7b
