@@ -231,7 +231,9 @@ def test_fused_add_layer_norm(hidden: int) -> None:
     normed, summed = norm.fused_add_layer_norm(x, residual, weight, bias, 1e-6)
     expected_normed, expected_summed = norm.fused_add_layer_norm_reference(x, residual, weight, bias, 1e-6)
     assert torch.equal(summed, expected_summed)
-    assert ulps_apart(normed, expected_normed) <= 2
+    # One bf16 rounding apart at unit scale; not in ulps: the bias makes outputs near zero, where torch's
+    # Welford statistics and the kernel's two passes differ by more than such an output's own ulp.
+    torch.testing.assert_close(normed, expected_normed, rtol=8e-3, atol=8e-3)
 
 
 @pytest.mark.parametrize("split_k", [1, 4, 16])
