@@ -80,7 +80,7 @@ def run(models: list[str]) -> list[dict[str, Any]]:
         for model in models:
             for name, k, n, bias in PROJECTIONS[model]:
                 for batch in BATCHES:
-                    row = {"library": library, "model": model, "projection": name, "batch": batch}
+                    row = {"library": library, "model": model, "projection": name, "batch": batch, "k": k, "n": n}
                     row |= time_projection(k, n, bias, batch)
                     rows.append(row)
                     print(
@@ -93,16 +93,19 @@ def run(models: list[str]) -> list[dict[str, Any]]:
 
 
 def sweep_skinny(models: list[str]) -> list[dict[str, Any]]:
-    """Each projection (but the LM head, already near the bandwidth) at batch 32 with every tile shape."""
+    """Each projection (but the LM head, already near the bandwidth) at batch 32 with every tile shape, and
+    cuBLAS beside it (the baseline `load_tuned` compares with)."""
     rows = []
     for model in models:
         for name, k, n, bias in PROJECTIONS[model]:
             if name == "lm_head":
                 continue
+            case = {"model": model, "projection": name, "batch": SKINNY_BATCH, "k": k, "n": n}
+            blas = {"library": "cublas", **case} | time_projection(k, n, bias, SKINNY_BATCH)
+            rows.append(blas)
             timed = []
             for tiles in SKINNY_TILES:
-                row = {"library": "triton-skinny", "model": model, "projection": name, "batch": SKINNY_BATCH}
-                row["tiles"] = tiles.__dict__
+                row: dict[str, Any] = {"library": "triton-skinny", **case, "tiles": tiles.__dict__}
                 try:
                     row |= time_projection(k, n, bias, SKINNY_BATCH, tiles)
                 except (ValueError, RuntimeError) as exc:  # a shape that does not fit or compute: say so
@@ -115,7 +118,7 @@ def sweep_skinny(models: list[str]) -> list[dict[str, Any]]:
                 print(
                     f"triton    {model} {name:8s} M={SKINNY_BATCH:3d}: {best['us']:7.1f} us, "
                     f"{best['weight_gb_per_s']:6.0f} GB/s ({100 * best['of_peak']:.0f}% of HBM), best of "
-                    f"{len(timed)}: {best['tiles']}",
+                    f"{len(timed)}: {best['tiles']}; cuBLAS {blas['us']:.1f} us",
                     flush=True,
                 )
             torch.cuda.empty_cache()

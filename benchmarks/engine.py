@@ -33,7 +33,7 @@ import torch
 from common.protocol import PreparedRequest, SamplingParams
 from workers.decoder.engine import Engine
 from workers.decoder.graphs import StepGraphs, StepInputs
-from workers.kernels import attention_triton, paged_attention
+from workers.kernels import attention_triton, paged_attention, skinny_gemm
 from workers.models.language import LanguageModel
 from workers.models.paged import BatchLayout, FusedLayer, PagedKVCache, fuse_layers, paged_forward
 from workers.models.spec import ModelSpec
@@ -338,6 +338,13 @@ def parse_mix(text: str) -> list[tuple[int, int]]:
     return mix
 
 
+def use_skinny_tiles(sweep: Path) -> None:
+    """The decode projections that beat cuBLAS in a `benchmarks.decode_gemms --triton` sweep run through
+    the skinny kernel from now on (as `skinny_gemm.TUNED_TILES` would make the server do)."""
+    skinny_gemm.TUNED_TILES.update(skinny_gemm.load_tuned(sweep))
+    print(f"skinny GEMM tiles: {skinny_gemm.TUNED_TILES or 'none won'}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
@@ -369,10 +376,15 @@ def main(argv: list[str] | None = None) -> None:
         default=attention_triton.BALANCED_DECODE_SPLITS,
         help="decode attention's splits of one length for the whole batch (the server's default: off)",
     )
+    parser.add_argument(
+        "--skinny-tiles", type=Path, help="decode projections through workers.kernels.skinny_gemm where they won"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.engine needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
+    if args.skinny_tiles:
+        use_skinny_tiles(args.skinny_tiles)
     grid = (
         [(1, 1000), (32, 1000), (64, 3000)]
         if args.quick

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.engine import use_skinny_tiles
 from common.config import DecoderConfig
 from common.protocol import PreparedMedia, PreparedRequest, SamplingParams
 from workers.decoder.engine import Engine
@@ -270,6 +271,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=attention_triton.BALANCED_DECODE_SPLITS,
         help="decode attention's splits of one length for the whole batch (the server's default: off)",
     )
+    parser.add_argument(
+        "--skinny-tiles", type=Path, help="decode projections through workers.kernels.skinny_gemm where they won"
+    )
     parser.add_argument("--profile", action="store_true")
     return parser.parse_args(argv)
 
@@ -305,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.prefill_tiles:
         use_prefill_tiles(args.prefill_tiles)
     attention_triton.BALANCED_DECODE_SPLITS = args.balanced_splits
+    if args.skinny_tiles:
+        use_skinny_tiles(args.skinny_tiles)
     spec = ModelSpec.from_dir(args.model)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = LanguageModel.from_checkpoint(args.model, device=args.device, dtype=dtype)
@@ -318,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         "overlap_mixed": args.overlap_mixed,
         "decoding_budget": args.decoding_budget,
         "balanced_splits": args.balanced_splits,
+        "skinny_tiles": str(args.skinny_tiles),
     }
     results = {"model": str(args.model), "load": load.__dict__, "seconds": args.seconds, **settings}
     results |= {"prefill_tiles": str(args.prefill_tiles)} | measure(engine, feeder, args.seconds)

@@ -19,7 +19,8 @@
 #                    ones, captured as the server does (max context 32,768): why mixed's decode steps are 22% slower
 #   decode-splits    those decode steps with the attention's split count aimed at 2, 4, 8 and 16 programs per SM
 #   skinny-gemm      the 2b's decode projections (batch 32) through workers.kernels.skinny_gemm, each tile shape
-#                    of a small grid checked and timed, the best against cuBLAS (benchmarks.decode_gemms --triton)
+#                    of a small grid checked and timed against cuBLAS (benchmarks.decode_gemms --triton); then
+#                    decode graphs and engine-mixed with the shapes that won (--skinny-tiles) and without
 #   decode-gemms     each projection of a decode layer at batch 1..64 per BLAS library, against HBM bandwidth
 #   engine-mixed-defaults   engine-mixed at the server's defaults only
 #   balanced-splits  decode steps with the attention's splits of one length for the whole batch (on by default
@@ -94,7 +95,16 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
         done
       done ;;
     skinny-gemm) mkdir -p "$out/$dir"
-      python3 -m benchmarks.decode_gemms --models 2b --triton --out "$out/$dir/gemms.json" > "$out/$dir/gemms.log" 2>&1 ;;
+      synth_2b > "$out/$dir/synth.log" 2>&1
+      tuned="$out/$dir/gemms.json"
+      python3 -m benchmarks.decode_gemms --models 2b --triton --no-blas --out "$tuned" > "$out/$dir/gemms.log" 2>&1
+      for variant in cublas skinny; do
+        extra=(); [ $variant = skinny ] && extra=(--skinny-tiles "$tuned")
+        decode_graphs --time-decode --graph-max-context 32768 --decode-mix 1x1100 8x1100 32x1100 64x1100 \
+          32x1100+3x3100 "${extra[@]}" > "$out/$dir/decode-$variant.log" 2>&1
+        python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/engine-mixed-$variant.json" \
+          "${extra[@]}" > "$out/$dir/engine-mixed-$variant.log" 2>&1
+      done ;;
     decode-gemms) mkdir -p "$out/$dir"
       python3 -m benchmarks.decode_gemms --models 2b 7b --out "$out/$dir/gemms.json" > "$out/$dir/gemms.log" 2>&1 ;;
     engine-mixed-defaults) mkdir -p "$out/$dir"

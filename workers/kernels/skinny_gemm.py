@@ -7,15 +7,21 @@ its qkv (6.3 MB) takes 5.9 us at every batch from 1 to 64, 22% of HBM bandwidth,
 long K leave most SMs idle. Here a launch cuts K into ``split_k`` parts, so narrow products get enough
 programs to fill the GPU, and a second launch sums the parts (and adds the bias) in fp32.
 
-Not used by the model yet: `benchmarks.decode_gemms --triton` sweeps its tile shapes against cuBLAS first.
+`decode_linear` is what the model's fused decode layers call: the kernel for a weight shape with tiles in
+`TUNED_TILES`, F.linear for every other (empty by default, so cuBLAS everywhere). `benchmarks.decode_gemms
+--triton` sweeps the tile shapes against cuBLAS; `load_tuned` takes its best where they win.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from workers.kernels._launch import use_triton
 
 MAX_ROWS = 64  # beyond a decode batch the product is compute bound: cuBLAS's territory
 
@@ -29,6 +35,35 @@ class SkinnyTiles:
     split_k: int = 4
     num_warps: int = 4
     num_stages: int = 4
+
+
+# (out features, in features) -> the tiles the kernel runs that weight shape with; other shapes use F.linear.
+TUNED_TILES: dict[tuple[int, int], SkinnyTiles] = {}
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the kernel where ``x`` has few rows and ``weight``'s shape has tuned tiles."""
+    if x.ndim == 2 and x.shape[0] <= MAX_ROWS and TUNED_TILES and use_triton(x, weight):
+        tiles = TUNED_TILES.get((weight.shape[0], weight.shape[1]))
+        if tiles is not None:
+            return skinny_gemm_triton(x, weight, bias, tiles)
+    return F.linear(x, weight, bias)
+
+
+def load_tuned(path: Path, min_gain: float = 1.1) -> dict[tuple[int, int], SkinnyTiles]:
+    """From a `benchmarks.decode_gemms --triton` JSON: per weight shape the fastest tiles, where they beat
+    cuBLAS at the same batch by ``min_gain`` at least."""
+    rows = json.loads(path.read_text())["rows"]
+    blas = {(r["n"], r["k"], r["batch"]): r["us"] for r in rows if r["library"] == "cublas"}
+    best: dict[tuple[int, int], tuple[float, SkinnyTiles]] = {}
+    for r in rows:
+        if r["library"] != "triton-skinny":
+            continue
+        shape, us = (r["n"], r["k"]), r["us"]
+        baseline = blas.get((r["n"], r["k"], r["batch"]))
+        if baseline is not None and baseline >= min_gain * us and (shape not in best or us < best[shape][0]):
+            best[shape] = (us, SkinnyTiles(**r["tiles"]))
+    return {shape: tiles for shape, (_, tiles) in best.items()}
 
 
 def skinny_gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
