@@ -41,6 +41,7 @@ class Job:
     deadline: float
     attempts: int = 0
     peer: bytes | None = None
+    prefer: bytes | None = None  # the worker to give it to while that one has a free credit
 
 
 class Dispatcher:
@@ -86,8 +87,10 @@ class Dispatcher:
                 self.queue.appendleft(job_id)
 
     # ------------------------------------------------------------------ jobs
-    def submit(self, job_id: str, payload: Message | bytes, timeout_s: float) -> None:
-        self.jobs[job_id] = Job(job_id, payload, time.monotonic() + timeout_s)
+    def submit(self, job_id: str, payload: Message | bytes, timeout_s: float, prefer: bytes | None = None) -> None:
+        """Queue a job (``prefer``: go to that worker if it is live with a free credit, as to the one holding
+        related work; to the freest otherwise)."""
+        self.jobs[job_id] = Job(job_id, payload, time.monotonic() + timeout_s, prefer=prefer)
         self.queue.append(job_id)
         self.dispatch()
 
@@ -110,12 +113,14 @@ class Dispatcher:
 
     def dispatch(self) -> None:
         while self.queue:
-            peer = max(self.peers.values(), key=lambda p: p.free, default=None)
-            if peer is None or peer.free <= 0:
+            freest = max(self.peers.values(), key=lambda p: p.free, default=None)
+            if freest is None or freest.free <= 0:
                 return
             job = self.jobs.get(self.queue.popleft())
             if job is None or job.peer is not None:
                 continue
+            preferred = self.peers.get(job.prefer) if job.prefer is not None else None
+            peer = preferred if preferred is not None and preferred.free > 0 else freest
             if job.attempts >= self.max_attempts:
                 self._fail(job, f"gave up after {job.attempts} attempts: its workers kept dying")
                 continue

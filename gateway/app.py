@@ -210,7 +210,9 @@ class Gateway:
                 request_id = completion_id if chat.n == 1 else f"{completion_id}-{index}"
                 seed = None if sampling.seed is None else sampling.seed + index
                 params = dataclasses.replace(sampling, seed=seed)
-                await self.pipeline.submit(GenerateRequest(request_id, prompt.token_ids, prompt.media, params), events)
+                first = choices[0].request_id if choices else None  # its fetcher loads the media for all
+                request = GenerateRequest(request_id, prompt.token_ids, prompt.media, params)
+                await self.pipeline.submit(request, events, beside=first)
                 choices.append(ChoiceStream(index, request_id, self.prompts.tokenizer, stops))
         except BaseException:  # (a hang-up too, while a large request is encoded): none may run on for nobody
             for choice in choices:

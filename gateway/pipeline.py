@@ -80,14 +80,23 @@ class Pipeline:
             channel.close()
 
     # ------------------------------------------------------------------ submitting
-    async def submit(self, request: GenerateRequest, events: asyncio.Queue[TokenDelta | RequestError]) -> Tracked:
+    async def submit(
+        self,
+        request: GenerateRequest,
+        events: asyncio.Queue[TokenDelta | RequestError],
+        beside: str | None = None,
+    ) -> Tracked:
+        """Send a request on its way (``beside``: another request with the same media, whose fetcher this
+        one should share, as the choices of one request do: a fetcher loads an item once for all it serves)."""
         frame = None
         if request.media:  # encoded once and re-sent as is; off the event loop where inline media makes it large
             frame = await off_loop_if_large(sum(len(m.url) for m in request.media), encode, request)
         tracked = self.requests[request.request_id] = Tracked(request.request_id, events)
         try:
             if frame is not None:
-                self.fetchers.submit(request.request_id, frame, self.cfg.server.request_timeout_s)
+                sibling = self.fetchers.jobs.get(beside) if beside is not None else None
+                prefer = sibling.peer if sibling is not None else None
+                self.fetchers.submit(request.request_id, frame, self.cfg.server.request_timeout_s, prefer)
             else:  # text only: straight to the decoder
                 tracked.stage = "decode"
                 self._send(self.decoder, PreparedRequest(request.request_id, request.prompt_ids, [], request.sampling))

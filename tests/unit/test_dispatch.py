@@ -96,6 +96,21 @@ def test_a_worker_with_zero_credits_gets_nothing(h: Harness) -> None:
     assert h.sent == [(b"w1", "j1")]
 
 
+def test_a_preferred_worker_takes_the_job_while_it_has_credit(h: Harness) -> None:
+    """The choices of one request go to the fetcher of the first (it loads their media once), unless that
+    fetcher is full or gone: then to the freest, as any job."""
+    h.status(b"small", credits=2)
+    h.status(b"big", credits=4)
+    h.dispatcher.submit("first", Ping("first"), 60.0)
+    assert h.sent == [(b"big", "first")]
+    h.dispatcher.submit("second", Ping("second"), 60.0, prefer=b"small")
+    h.dispatcher.submit("third", Ping("third"), 60.0, prefer=b"small")
+    assert h.sent_to(b"small") == ["second", "third"]  # though big had more free credits
+    h.dispatcher.submit("fourth", Ping("fourth"), 60.0, prefer=b"small")  # small is full
+    h.dispatcher.submit("fifth", Ping("fifth"), 60.0, prefer=b"gone")  # no such worker
+    assert h.sent_to(b"big") == ["first", "fourth", "fifth"]
+
+
 def test_never_beyond_credits(h: Harness) -> None:
     h.status(b"w1", credits=2)
     for i in range(5):
