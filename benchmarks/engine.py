@@ -338,11 +338,26 @@ def parse_mix(text: str) -> list[tuple[int, int]]:
     return mix
 
 
-def use_skinny_tiles(sweep: Path) -> None:
-    """The decode projections that beat cuBLAS in a `benchmarks.decode_gemms --triton` sweep run through
-    the skinny kernel from now on (as `skinny_gemm.TUNED_TILES` would make the server do)."""
-    skinny_gemm.TUNED_TILES.update(skinny_gemm.load_tuned(sweep))
-    print(f"skinny GEMM tiles: {skinny_gemm.TUNED_TILES or 'none won'}", flush=True)
+def add_decode_kernel_options(parser: argparse.ArgumentParser) -> None:
+    """The decode kernels' settings that are off in the server until measured (this and engine_mixed)."""
+    parser.add_argument(
+        "--balanced-splits",
+        action=argparse.BooleanOptionalAction,
+        default=attention_triton.BALANCED_DECODE_SPLITS,
+        help="decode attention's splits of one length for the whole batch (the server's default: off)",
+    )
+    parser.add_argument(
+        "--skinny-tiles", type=Path, help="decode projections through workers.kernels.skinny_gemm where they won"
+    )
+
+
+def use_decode_kernel_options(args: argparse.Namespace) -> None:
+    """Set them process-wide, as the server's module settings would be: the attention's splits, and the
+    decode projections that beat cuBLAS in a `benchmarks.decode_gemms --triton` sweep (`TUNED_TILES`)."""
+    attention_triton.BALANCED_DECODE_SPLITS = args.balanced_splits
+    if args.skinny_tiles:
+        skinny_gemm.TUNED_TILES.update(skinny_gemm.load_tuned(args.skinny_tiles))
+        print(f"skinny GEMM tiles: {skinny_gemm.TUNED_TILES or 'none won'}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -370,21 +385,12 @@ def main(argv: list[str] | None = None) -> None:
         help="decode attention's split target (programs per SM), each tried on each --decode-mix",
     )
     parser.add_argument("--graph-max-context", type=int, default=0, help="captured for this context (the split count)")
-    parser.add_argument(
-        "--balanced-splits",
-        action=argparse.BooleanOptionalAction,
-        default=attention_triton.BALANCED_DECODE_SPLITS,
-        help="decode attention's splits of one length for the whole batch (the server's default: off)",
-    )
-    parser.add_argument(
-        "--skinny-tiles", type=Path, help="decode projections through workers.kernels.skinny_gemm where they won"
-    )
+    add_decode_kernel_options(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.engine needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
-    if args.skinny_tiles:
-        use_skinny_tiles(args.skinny_tiles)
+    use_decode_kernel_options(args)
     grid = (
         [(1, 1000), (32, 1000), (64, 3000)]
         if args.quick
@@ -398,7 +404,6 @@ def main(argv: list[str] | None = None) -> None:
         profile_prefill(model, 820)
         return
     if args.profile_decode or args.time_decode:
-        attention_triton.BALANCED_DECODE_SPLITS = args.balanced_splits
         for per_sm, mix in itertools.product(args.split_programs_per_sm, args.decode_mix):
             attention_triton.SPLIT_PROGRAMS_PER_SM = per_sm
             print(f"split target: {per_sm} programs per SM, balanced splits {args.balanced_splits}", flush=True)

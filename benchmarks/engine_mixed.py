@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.engine import use_skinny_tiles
+from benchmarks.engine import add_decode_kernel_options, use_decode_kernel_options
 from common.config import DecoderConfig
 from common.protocol import PreparedMedia, PreparedRequest, SamplingParams
 from workers.decoder.engine import Engine
@@ -265,15 +265,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="[decoder] tokens_per_step_while_decoding (default: the server's; 0: the prefill budget)",
     )
     parser.add_argument("--prefill-tiles", type=Path, help="the attention's prefill tiles: a bench_prefill JSON's best")
-    parser.add_argument(
-        "--balanced-splits",
-        action=argparse.BooleanOptionalAction,
-        default=attention_triton.BALANCED_DECODE_SPLITS,
-        help="decode attention's splits of one length for the whole batch (the server's default: off)",
-    )
-    parser.add_argument(
-        "--skinny-tiles", type=Path, help="decode projections through workers.kernels.skinny_gemm where they won"
-    )
+    add_decode_kernel_options(parser)
     parser.add_argument("--profile", action="store_true")
     return parser.parse_args(argv)
 
@@ -308,9 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     if args.prefill_tiles:
         use_prefill_tiles(args.prefill_tiles)
-    attention_triton.BALANCED_DECODE_SPLITS = args.balanced_splits
-    if args.skinny_tiles:
-        use_skinny_tiles(args.skinny_tiles)
+    use_decode_kernel_options(args)
     spec = ModelSpec.from_dir(args.model)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = LanguageModel.from_checkpoint(args.model, device=args.device, dtype=dtype)
