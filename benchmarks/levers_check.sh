@@ -43,6 +43,12 @@ set -uo pipefail
 begin_check "$0" "${1:?usage: benchmarks/levers_check.sh OUT_DIR}"
 # Decode graphs of the 2b checkpoint, timed or profiled by benchmarks.engine (its --decode-mix and more in "$@").
 decode_graphs() { python3 -m benchmarks.engine --model /tmp/qwen2-vl-2b-synth --out /dev/null "$@"; }
+# benchmarks.engine_mixed on the 2b checkpoint into the part's folder as NAME.json and NAME.log (options in "$@").
+engine_mixed() {  # name, options...
+  local name=$1; shift
+  python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/$name.json" "$@" \
+    > "$out/$dir/$name.log" 2>&1
+}
 small_pool=(CUDA_VISIBLE_DEVICES=0 DEVICE_POOL=1 POOL_BYTES=536870912 C32_REQUESTS=256 ONLY="seed3img-anchor-c32 multiturn-c32")
 for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; do
   part=${entry%@*} dir=${entry/@/-}
@@ -58,8 +64,7 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       for variant in "cpu --no-overlap-mixed" "cuda --no-overlap-mixed" "cpu --overlap-mixed"; do
         name=$(echo "$variant" | tr -d ' -')
         extra=(); [ "$name" = cpunooverlapmixed ] && extra=(--profile)
-        python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/$name.json" --media $variant \
-          "${extra[@]}" > "$out/$dir/$name.log" 2>&1
+        engine_mixed "$name" --media $variant "${extra[@]}"
       done ;;
     decode-profile) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
@@ -84,14 +89,12 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
           --decode-mix 32x1100 32x1100+3x3100 32x1100+3x6100 31x1100+1x30000 64x1100 128x600+1x20000 1x8000 \
           --split-programs-per-sm 4 8 $flag >> "$out/$dir/times.log" 2>&1
       done
-      python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/engine-mixed.json" --balanced-splits \
-        > "$out/$dir/engine-mixed.log" 2>&1 ;;
+      engine_mixed engine-mixed --balanced-splits ;;
     balanced-ab) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
       for run in 1 2; do
         for flag in balanced-splits no-balanced-splits; do
-          python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/$flag-$run.json" --$flag \
-            > "$out/$dir/$flag-$run.log" 2>&1
+          engine_mixed "$flag-$run" --$flag
         done
       done ;;
     skinny-gemm) mkdir -p "$out/$dir"
@@ -102,20 +105,17 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
         extra=(); [ $variant = skinny ] && extra=(--skinny-tiles "$tuned")
         decode_graphs --time-decode --graph-max-context 32768 --decode-mix 1x1100 8x1100 32x1100 64x1100 \
           32x1100+3x3100 "${extra[@]}" > "$out/$dir/decode-$variant.log" 2>&1
-        python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/engine-mixed-$variant.json" \
-          "${extra[@]}" > "$out/$dir/engine-mixed-$variant.log" 2>&1
+        engine_mixed "engine-mixed-$variant" "${extra[@]}"
       done ;;
     decode-gemms) mkdir -p "$out/$dir"
       python3 -m benchmarks.decode_gemms --models 2b 7b --out "$out/$dir/gemms.json" > "$out/$dir/gemms.log" 2>&1 ;;
     engine-mixed-defaults) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
-      python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/default.json" \
-        > "$out/$dir/default.log" 2>&1 ;;
+      engine_mixed default ;;
     engine-budgets) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
       for budget in 1024 512 256 128; do
-        python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/budget-$budget.json" \
-          --decoding-budget $budget > "$out/$dir/budget-$budget.log" 2>&1
+        engine_mixed "budget-$budget" --decoding-budget $budget
       done ;;
     prefill) mkdir -p "$out/$dir"
       synth_2b > "$out/$dir/synth.log" 2>&1
@@ -124,8 +124,7 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
         extra=()
         [ "$variant" = tuned ] && extra=(--prefill-tiles "$out/$dir/sweep.json")
         [ "$variant" = no-overlap ] && extra=(--no-overlap-mixed)
-        python3 -m benchmarks.engine_mixed --model /tmp/qwen2-vl-2b-synth --out "$out/$dir/$variant.json" "${extra[@]}" \
-          > "$out/$dir/$variant.log" 2>&1
+        engine_mixed "$variant" "${extra[@]}"
       done ;;
     none) stack "$dir" CUDA_VISIBLE_DEVICES=0 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
     mps) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
