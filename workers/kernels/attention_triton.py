@@ -124,16 +124,7 @@ def _paged_attention_kernel(
     split = tl.program_id(2)
 
     # The sequence: the last s with query_starts[s] // BLOCK_Q + s <= program.
-    lo: tl.int32 = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first = tl.load(query_starts_ptr + mid) // BLOCK_Q + mid
-        if first <= program:
-            lo = mid + 1
-        else:
-            hi = mid
-    seq = lo - 1
+    seq = _sequence_at(query_starts_ptr, num_seqs, program, BLOCK_Q, True)
 
     q_start = tl.load(query_starts_ptr + seq)
     q_len = tl.load(query_lens_ptr + seq)
@@ -227,6 +218,24 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _sequence_at(query_starts_ptr, num_seqs, position, BLOCK_Q: tl.constexpr, SPARE_PER_SEQ: tl.constexpr):
+    """The last sequence s whose first program, query_starts[s] // BLOCK_Q (plus s where every sequence has a
+    spare program before the next), is at or before ``position``: a binary search over query_starts."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_starts_ptr + mid) // BLOCK_Q
+        if SPARE_PER_SEQ:
+            first += mid
+        if first <= position:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
 def _balanced_tiles(context_total_ptr, num_kv_heads, split_target, num_tiles, num_splits, BLOCK_N: tl.constexpr):
     """Key tiles per split when splits are cut to one length for the whole batch: about ``split_target``
     programs with work in all, so a long context gets more splits, not longer ones (up to the grid's
@@ -268,15 +277,8 @@ def _reduce_splits_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     used = num_splits
     if BALANCED:  # (decode only: the token's keys are its sequence's whole context)
-        lo: tl.int32 = 0
-        hi = num_seqs
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if tl.load(query_starts_ptr + mid) <= token:
-                lo = mid + 1
-            else:
-                hi = mid
-        num_tiles = tl.cdiv(tl.load(context_lens_ptr + lo - 1), BLOCK_N)
+        seq = _sequence_at(query_starts_ptr, num_seqs, token, 1, False)
+        num_tiles = tl.cdiv(tl.load(context_lens_ptr + seq), BLOCK_N)
         tiles = _balanced_tiles(context_total_ptr, num_kv_heads, split_target, num_tiles, num_splits, BLOCK_N)
         used = tl.maximum(tl.cdiv(num_tiles, tiles), 1)
     s_ok = offs_s < used
@@ -354,6 +356,7 @@ def plan(
     split = num_splits > 1
     balanced = balanced and split  # (one split has nothing to balance)
     split_target = SPLIT_PROGRAMS_PER_SM * sm_count(q.device)
+    context_total = metadata.context_total if balanced else metadata.context_lens  # (read only if balanced)
     if split:
         part_max = torch.empty((tokens, heads, num_splits), dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
@@ -375,7 +378,7 @@ def plan(
             "query_starts_ptr": metadata.query_starts,
             "query_lens_ptr": metadata.query_lens,
             "context_lens_ptr": metadata.context_lens,
-            "context_total_ptr": metadata.context_total if balanced else metadata.context_lens,  # read if balanced
+            "context_total_ptr": context_total,
             "block_table_ptr": metadata.block_table,
             "num_seqs": metadata.num_seqs,
             "num_heads": heads,
@@ -421,7 +424,7 @@ def plan(
             "part_sum_ptr": part_sum,
             "query_starts_ptr": metadata.query_starts,
             "context_lens_ptr": metadata.context_lens,
-            "context_total_ptr": metadata.context_total if balanced else metadata.context_lens,
+            "context_total_ptr": context_total,
             "num_seqs": metadata.num_seqs,
             "num_heads": heads,
             "num_kv_heads": kv_heads,
