@@ -339,12 +339,12 @@ def parse_mix(text: str) -> list[tuple[int, int]]:
 
 
 def add_decode_kernel_options(parser: argparse.ArgumentParser) -> None:
-    """The decode kernels' settings that are off in the server until measured (this and engine_mixed)."""
+    """The decode kernels' settings a benchmark can compare (this and engine_mixed)."""
     parser.add_argument(
         "--balanced-splits",
         action=argparse.BooleanOptionalAction,
         default=attention_triton.BALANCED_DECODE_SPLITS,
-        help="decode attention's splits of one length for the whole batch (the server's default: off)",
+        help="decode attention's splits of one length for the whole batch (the server's default: on)",
     )
     parser.add_argument(
         "--skinny-tiles", type=Path, help="decode projections through workers.kernels.skinny_gemm where they won"

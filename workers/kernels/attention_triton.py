@@ -53,10 +53,10 @@ DEFAULT_SM_COUNT = 132  # H200; used when the device cannot be asked (the interp
 # per SM) that wins big on skewed batches: 128 x 600 + 1 x 20,000 took 6.95 ms against 17.68; 31 x 1,100 +
 # 1 x 30,000 4.09 against 5.44. In the engine under mixed's load it costs the text streams' own batch
 # (32 x 1,000-1,256 keys) 1.1-1.4% a decode step, and saves 0.7% with image contexts among them
-# (benchmarks/results/2026-11-30-h200-balanced-splits-vit-4aa9354). Off until a GPU parity run covers it
-# (tests/gpu/test_kernels_gpu.py has the test); then on is the better default: a long conversation among
-# short ones no longer slows every stream by 2.5x. A module setting so benchmarks can compare.
-BALANCED_DECODE_SPLITS = False
+# (benchmarks/results/2026-11-30-h200-balanced-splits-vit-4aa9354). On since its GPU parity test passed
+# (tests/gpu/test_kernels_gpu.py, session 11): a long conversation among short ones no longer slows every
+# stream by 2.5x, for about 1% on uniform batches. A module setting so benchmarks can compare.
+BALANCED_DECODE_SPLITS = True
 
 
 @dataclass(frozen=True)
