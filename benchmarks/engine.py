@@ -349,12 +349,18 @@ def add_decode_kernel_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skinny-tiles", type=Path, help="decode projections through workers.kernels.skinny_gemm where they won"
     )
+    parser.add_argument(
+        "--decode-tiles", type=Path, help="decode attention's tile shape: the best of a workers.kernels.bench sweep"
+    )
 
 
 def use_decode_kernel_options(args: argparse.Namespace) -> None:
     """Set them process-wide, as the server's module settings would be: the attention's splits, and the
     decode projections that beat cuBLAS in a `benchmarks.decode_gemms --triton` sweep (`TUNED_TILES`)."""
     attention_triton.BALANCED_DECODE_SPLITS = args.balanced_splits
+    if args.decode_tiles:
+        attention_triton.DECODE_TILES = attention_triton.Tiles(**json.loads(args.decode_tiles.read_text())["best"])
+        print(f"decode tiles: {attention_triton.DECODE_TILES}", flush=True)
     if args.skinny_tiles:
         skinny_gemm.TUNED_TILES.update(skinny_gemm.load_tuned(args.skinny_tiles))
         print(f"skinny GEMM tiles: {skinny_gemm.TUNED_TILES or 'none won'}", flush=True)

@@ -315,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         "decoding_budget": args.decoding_budget,
         "balanced_splits": args.balanced_splits,
         "skinny_tiles": str(args.skinny_tiles),
+        "decode_tiles": str(args.decode_tiles),
     }
     results = {"model": str(args.model), "load": load.__dict__, "seconds": args.seconds, **settings}
     results |= {"prefill_tiles": str(args.prefill_tiles)} | measure(engine, feeder, args.seconds)

@@ -21,6 +21,8 @@
 #   skinny-gemm      the 2b's decode projections (batch 32) through workers.kernels.skinny_gemm, each tile shape
 #                    of a small grid checked and timed against cuBLAS (benchmarks.decode_gemms --triton); then
 #                    decode graphs and engine-mixed with the shapes that won (--skinny-tiles) and without
+#   decode-tiles     decode attention's tile shapes swept (workers.kernels.bench --tiles-sweep, 2b and 7b, batch 1/32/64,
+#                    1,100 and 3,100 keys); then decode graphs and engine-mixed with the best shape and with DECODE_TILES
 #   decode-gemms     each projection of a decode layer at batch 1..64 per BLAS library, against HBM bandwidth
 #   engine-mixed-defaults   engine-mixed at the server's defaults only
 #   balanced-splits  decode steps with the attention's splits of one length for the whole batch (on by default
@@ -105,6 +107,17 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
         extra=(); [ $variant = skinny ] && extra=(--skinny-tiles "$tuned")
         decode_graphs --time-decode --graph-max-context 32768 --decode-mix 1x1100 8x1100 32x1100 64x1100 \
           32x1100+3x3100 "${extra[@]}" > "$out/$dir/decode-$variant.log" 2>&1
+        engine_mixed "engine-mixed-$variant" "${extra[@]}"
+      done ;;
+    decode-tiles) mkdir -p "$out/$dir"
+      synth_2b > "$out/$dir/synth.log" 2>&1
+      sweep="$out/$dir/sweep.json"
+      python3 -m workers.kernels.bench --tiles-sweep --models 2b,7b --batches 1,32,64 --contexts 1100,3100 \
+        --out "$sweep" > "$out/$dir/sweep.log" 2>&1
+      for variant in default best; do
+        extra=(); [ $variant = best ] && extra=(--decode-tiles "$sweep")
+        decode_graphs --time-decode --graph-max-context 32768 --decode-mix 1x1100 32x1100 35x1100 64x1100 \
+          32x1100+3x1500 32x1100+3x3100 "${extra[@]}" > "$out/$dir/decode-$variant.log" 2>&1
         engine_mixed "engine-mixed-$variant" "${extra[@]}"
       done ;;
     decode-gemms) mkdir -p "$out/$dir"

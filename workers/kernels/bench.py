@@ -12,17 +12,24 @@ Two timings per case:
   Python and launch overhead show against the kernel time.
 
 ``--splits-sweep`` times every split count for each case (``*`` marks the heuristic's): that is how to
-tune `choose_num_splits`. ``--reference`` adds the per-sequence SDPA reference's eager time.
+tune `choose_num_splits`. ``--tiles-sweep`` times every decode tile shape of a small grid with the server's
+own split plan (each launch checked against the fp32 reference first; ``*`` marks `DECODE_TILES`), and
+prints the shape with the least time over all cases: that is how to choose `DECODE_TILES`. ``--reference``
+adds the per-sequence SDPA reference's eager time.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
+import json
 import random
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -93,6 +100,73 @@ def graph_us(inputs: DecodeInputs, scale: float, splits: int) -> float:
             paged_attention_triton(inputs.q, inputs.kv_k[i], inputs.kv_v[i], inputs.metadata, scale, num_splits=splits)
 
     return graph_replay_us(calls) / inputs.copies
+
+
+def tile_grid() -> list[Any]:
+    """Decode tile shapes to try: keys per step, and the compiler's warps and pipeline stages (the rows
+    stay 16, a tensor-core tile; `plan` widens them to the head group)."""
+    from workers.kernels.attention_triton import Tiles
+
+    shapes = ((1, 1), (2, 2), (4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
+    grid = itertools.product((16, 32, 64, 128), shapes)
+    return [Tiles(16, block_n, warps, stages) for block_n, (warps, stages) in grid]
+
+
+def tile_times(inputs: DecodeInputs, scale: float, grid: list[Any]) -> dict[Any, float]:
+    """Kernel microseconds of each tile shape with the server's split plan; inf where the launch fails to
+    compile or its answer is wrong (not a candidate)."""
+    expected = paged_attention_reference(
+        inputs.q.float(), inputs.kv_k[0].float(), inputs.kv_v[0].float(), inputs.layout, scale
+    )
+    times = {}
+    for tiles in grid:
+
+        def calls(t: Any = tiles) -> None:
+            for i in range(inputs.copies):
+                paged_attention_triton(inputs.q, inputs.kv_k[i], inputs.kv_v[i], inputs.metadata, scale, tiles=t)
+
+        try:
+            out = paged_attention_triton(inputs.q, inputs.kv_k[0], inputs.kv_v[0], inputs.metadata, scale, tiles=tiles)
+            error = (out.float() - expected).abs().max().item()
+            if error > 0.05:  # bf16 inputs and probabilities: a few 1e-3 when right
+                raise ArithmeticError(f"max error {error:.3g} against the fp32 reference")
+            times[tiles] = graph_replay_us(calls) / inputs.copies
+        except Exception as exc:  # a shape the compiler refuses, or a wrong one
+            print(f"  {tiles}: {type(exc).__name__}: {exc}", flush=True)
+            times[tiles] = float("inf")
+    return times
+
+
+def run_tiles_sweep(cases: Sequence[Case], block_size: int, device: torch.device) -> dict[str, Any]:
+    """Each case's time at every tile shape, then the shape with the least total time: the report that
+    ``--out`` writes (``best`` is what ``benchmarks.engine --decode-tiles`` takes)."""
+    from workers.kernels.attention_triton import DECODE_TILES
+
+    grid = tile_grid()
+    totals = dict.fromkeys(grid, 0.0)
+    for case in cases:
+        inputs = decode_inputs(case, block_size, device)
+        times = tile_times(inputs, case.geometry[2] ** -0.5, grid)
+        for tiles, us in sorted(times.items(), key=lambda item: item[1]):
+            rate = inputs.bytes_read / (us * 1e-6)
+            mark = "*" if tiles == DECODE_TILES else ""
+            print(
+                f"{case.model:>5} {case.batch:>5} {case.context:>7} {tiles.block_n:>4} {tiles.num_warps:>2} "
+                f"{tiles.num_stages:>2}{mark:1} {us:>9.1f} {rate / 1e9:>7.0f} {100 * rate / PEAK_BYTES_PER_S:>6.1f}%"
+            )
+            totals[tiles] += us
+        torch.cuda.empty_cache()
+    best = min(totals, key=totals.__getitem__)
+    print(f"best over all cases: {best}: {totals[best]:.1f} us in all (DECODE_TILES {totals[DECODE_TILES]:.1f})")
+    return {
+        "device": torch.cuda.get_device_name(device),
+        "cases": [asdict(case) for case in cases],
+        "default": asdict(DECODE_TILES),
+        "default_total_us": totals[DECODE_TILES],
+        "best": asdict(best),
+        "best_total_us": totals[best],
+        "totals": [{**asdict(tiles), "total_us": us} for tiles, us in totals.items()],
+    }
 
 
 def graph_replay_us(fn: Callable[[], object], replays: int = GRAPH_REPLAYS) -> float:
@@ -175,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--contexts", default="1024,3072")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--splits-sweep", action="store_true", help="time every split count")
+    parser.add_argument("--tiles-sweep", action="store_true", help="time every decode tile shape of a grid")
+    parser.add_argument("--out", type=Path, help="with --tiles-sweep: write its report (JSON) here")
     parser.add_argument("--reference", action="store_true", help="also time the plain-torch reference")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -190,6 +266,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {sorted(GEOMETRIES)}")
     with torch.inference_mode():
+        if args.tiles_sweep:
+            print(
+                f"{'model':>5} {'batch':>5} {'context':>7} {'keys':>4} {'w':>2} {'s':>2}  {'graph us':>9} "
+                f"{'GB/s':>7} {'% peak':>7}"
+            )
+            report = run_tiles_sweep(cases, args.block_size, torch.device("cuda"))
+            if args.out:
+                args.out.write_text(json.dumps(report, indent=1))
+            return 0
         run(cases, args.block_size, args.splits_sweep, args.reference, torch.device("cuda"))
     return 0
 
