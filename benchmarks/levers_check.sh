@@ -34,6 +34,7 @@
 #                    server's defaults, with the sweep's best tiles, and without overlap_mixed
 #   overlap-batches  seed3img-anchor (MPS, the defaults) and the greedy parity prompts with [encoder] overlap_batches
 #                    off and on, the two parity records compared (the same answers, within bf16 tolerance)
+#   mixed-overlap-ab mixed and its control (MPS, 200 image requests) with [encoder] overlap_batches off, then on
 #   mixed-vision-gpu1   mixed and its control on two GPUs: the decoder on GPU 0, the encoder on GPU 1 alone
 #                    ([encoder] gpus = [1]; needs a two-GPU kind), no MPS
 #   overlap-mixed    mixed and its control (MPS, 200 image requests) with [decoder] overlap_mixed; and
@@ -155,6 +156,11 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       done
       python3 -m benchmarks.parity compare "$out/$dir/overlap-0/parity.json" "$out/$dir/overlap-1/parity.json" \
         > "$out/$dir/parity-compare.log" 2>&1; echo "compare exit $?" >> "$out/$dir/parity-compare.log" ;;
+    mixed-overlap-ab) mkdir -p "$out/$dir"
+      for setting in 0 1; do
+        stack "$dir/overlap-$setting" CUDA_VISIBLE_DEVICES=0 MPS=1 ENCODER_OVERLAP=$setting MIXED_REQUESTS=200 \
+          ONLY="mixed mixed-text-only"
+      done ;;
     mixed-vision-gpu1) stack "$dir" ENCODER_GPUS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-mps) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-mps-normal-priority) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MPS_LOW_PRIORITY=false MIXED_REQUESTS=200 \
