@@ -347,6 +347,12 @@ def add_decode_kernel_options(parser: argparse.ArgumentParser) -> None:
         help="decode attention's splits of one length for the whole batch (the server's default: on)",
     )
     parser.add_argument(
+        "--decode-program-per-sequence",
+        action=argparse.BooleanOptionalAction,
+        default=attention_triton.DECODE_PROGRAM_PER_SEQUENCE,
+        help="decode attention's grid: a program per sequence, no search (the server's default: on)",
+    )
+    parser.add_argument(
         "--skinny-tiles", type=Path, help="decode projections through workers.kernels.skinny_gemm where they won"
     )
     parser.add_argument(
@@ -358,6 +364,7 @@ def use_decode_kernel_options(args: argparse.Namespace) -> None:
     """Set them process-wide, as the server's module settings would be: the attention's splits, and the
     decode projections that beat cuBLAS in a `benchmarks.decode_gemms --triton` sweep (`TUNED_TILES`)."""
     attention_triton.BALANCED_DECODE_SPLITS = args.balanced_splits
+    attention_triton.DECODE_PROGRAM_PER_SEQUENCE = args.decode_program_per_sequence
     if args.decode_tiles:
         attention_triton.DECODE_TILES = attention_triton.Tiles(**json.loads(args.decode_tiles.read_text())["best"])
         print(f"decode tiles: {attention_triton.DECODE_TILES}", flush=True)

@@ -314,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         "overlap_mixed": args.overlap_mixed,
         "decoding_budget": args.decoding_budget,
         "balanced_splits": args.balanced_splits,
+        "decode_program_per_sequence": args.decode_program_per_sequence,
         "skinny_tiles": str(args.skinny_tiles),
         "decode_tiles": str(args.decode_tiles),
     }

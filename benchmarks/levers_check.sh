@@ -23,6 +23,9 @@
 #                    decode graphs and engine-mixed with the shapes that won (--skinny-tiles) and without
 #   decode-tiles     decode attention's tile shapes swept (workers.kernels.bench --tiles-sweep, 2b and 7b, batch 1/32/64,
 #                    1,100 and 3,100 keys); then decode graphs and engine-mixed with the best shape and with DECODE_TILES
+#   decode-per-seq   the kernel and engine GPU tests, then decode graphs with decode attention's program per sequence
+#                    (DECODE_PROGRAM_PER_SEQUENCE) and with the general grid's search, alternating
+#   decode-per-seq-engine   engine-mixed with the two, one run each
 #   decode-gemms     each projection of a decode layer at batch 1..64 per BLAS library, against HBM bandwidth
 #   engine-mixed-defaults   engine-mixed at the server's defaults only
 #   balanced-splits  decode steps with the attention's splits of one length for the whole batch (on by default
@@ -120,6 +123,18 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
         decode_graphs --time-decode --graph-max-context 32768 --decode-mix 1x1100 32x1100 35x1100 64x1100 \
           32x1100+3x1500 32x1100+3x3100 "${extra[@]}" > "$out/$dir/decode-$variant.log" 2>&1
         engine_mixed "engine-mixed-$variant" "${extra[@]}"
+      done ;;
+    decode-per-seq) mkdir -p "$out/$dir"
+      synth_2b > "$out/$dir/synth.log" 2>&1
+      python3 -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py tests/gpu/test_engine_gpu.py > "$out/$dir/pytest.log" 2>&1
+      for flag in decode-program-per-sequence no-decode-program-per-sequence; do
+        decode_graphs --time-decode --graph-max-context 32768 --decode-mix 1x1100 32x1100 35x1100 64x1100 \
+          32x1100+3x3100 128x600+1x20000 --$flag > "$out/$dir/decode-$flag.log" 2>&1
+      done ;;
+    decode-per-seq-engine) mkdir -p "$out/$dir"
+      synth_2b > "$out/$dir/synth.log" 2>&1
+      for flag in decode-program-per-sequence no-decode-program-per-sequence; do
+        engine_mixed "engine-mixed-$flag" --$flag
       done ;;
     decode-gemms) mkdir -p "$out/$dir"
       python3 -m benchmarks.decode_gemms --models 2b 7b --out "$out/$dir/gemms.json" > "$out/$dir/gemms.log" 2>&1 ;;

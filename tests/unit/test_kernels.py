@@ -305,12 +305,15 @@ def test_balanced_decode_splits(
 # The padding rows merge scratch that no program wrote (as in a graph, where nothing reads them): numpy may warn.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:divide by zero:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_balanced_decode_splits_with_graph_padding(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("per_sequence", [True, False])
+def test_balanced_decode_splits_with_graph_padding(monkeypatch: pytest.MonkeyPatch, per_sequence: bool) -> None:
     """As a padded decode graph launches it: empty sequences and tokens of no sequence after the real ones,
-    splits planned for a longer context than any present. The real rows match the reference."""
+    splits planned for a longer context than any present. The real rows match the reference, with a
+    program per sequence (`DECODE_PROGRAM_PER_SEQUENCE`) and with the general grid's search."""
     from workers.kernels import attention_triton
 
     monkeypatch.setattr(attention_triton, "BALANCED_DECODE_SPLITS", True)
+    monkeypatch.setattr(attention_triton, "DECODE_PROGRAM_PER_SEQUENCE", per_sequence)
     heads, kv_heads, head_dim = GEOMETRIES[2].values
     q, kv_k, kv_v, layout = paged_batch([1] * 8, SKEWED_CONTEXT_LENS, 16, heads, kv_heads, head_dim, torch.float32)
     real = attention_metadata(layout)
@@ -327,6 +330,9 @@ def test_balanced_decode_splits_with_graph_padding(monkeypatch: pytest.MonkeyPat
         block_size=16,
     )
     q_padded = torch.cat([q, torch.randn(pad, heads, head_dim)])
+    _, launches = attention_triton.plan(q_padded, kv_k, kv_v, padded, 0.1, block_n=16)
+    assert [launch.constexprs["DECODE"] for launch in launches] == [per_sequence] * 2
+    assert launches[0].grid[0] == (8 + pad if per_sequence else 2 * (8 + pad))
     out = attention.paged_attention_triton(q_padded, kv_k, kv_v, padded, head_dim**-0.5, block_n=16)
     expected = paged_attention_reference(q, kv_k, kv_v, layout, head_dim**-0.5)
     torch.testing.assert_close(out[:8], expected, **ATTN_FP32)

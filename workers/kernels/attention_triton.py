@@ -58,6 +58,12 @@ DEFAULT_SM_COUNT = 132  # H200; used when the device cannot be asked (the interp
 # stream by 2.5x, for about 1% on uniform batches. A module setting so benchmarks can compare.
 BALANCED_DECODE_SPLITS = True
 
+# Decode launches with one program per sequence (token s is sequence s's query) instead of the general
+# grid's program per query block plus a spare per sequence, each found by a binary search over
+# query_starts: every program of a decode launch, the many that exit at once included, began with that
+# search's chain of dependent loads. A module setting so benchmarks can compare.
+DECODE_PROGRAM_PER_SEQUENCE = True
+
 
 @dataclass(frozen=True)
 class Tiles:
@@ -116,6 +122,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     BALANCED: tl.constexpr,
     HEAVY_FIRST: tl.constexpr,
+    DECODE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -123,15 +130,26 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # The sequence: the last s with query_starts[s] // BLOCK_Q + s <= program.
-    seq = _sequence_at(query_starts_ptr, num_seqs, program, BLOCK_Q, True)
-
-    q_start = tl.load(query_starts_ptr + seq)
-    q_len = tl.load(query_lens_ptr + seq)
-    ctx_len = tl.load(context_lens_ptr + seq)
-    q_block = program - (q_start // BLOCK_Q + seq)
-    if q_block * BLOCK_Q >= q_len:
-        return  # the spare program of this sequence
+    if DECODE:
+        # One program per sequence, whose one query is token `seq`: no search, no spare programs. Every one
+        # of them starts with this chain of dependent loads, so it is short (a padded graph's empty
+        # sequences, query length 0, leave at once).
+        seq = program
+        q_start = program
+        q_len = tl.load(query_lens_ptr + seq)
+        ctx_len = tl.load(context_lens_ptr + seq)
+        q_block = 0
+        if q_len == 0:
+            return
+    else:
+        # The sequence: the last s with query_starts[s] // BLOCK_Q + s <= program.
+        seq = _sequence_at(query_starts_ptr, num_seqs, program, BLOCK_Q, True)
+        q_start = tl.load(query_starts_ptr + seq)
+        q_len = tl.load(query_lens_ptr + seq)
+        ctx_len = tl.load(context_lens_ptr + seq)
+        q_block = program - (q_start // BLOCK_Q + seq)
+        if q_block * BLOCK_Q >= q_len:
+            return  # the spare program of this sequence
     if HEAVY_FIRST:
         q_block = tl.cdiv(q_len, BLOCK_Q) - 1 - q_block
 
@@ -268,6 +286,7 @@ def _reduce_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     BALANCED: tl.constexpr,
+    DECODE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
@@ -277,7 +296,7 @@ def _reduce_splits_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     used = num_splits
     if BALANCED:  # (decode only: the token's keys are its sequence's whole context)
-        seq = _sequence_at(query_starts_ptr, num_seqs, token, 1, False)
+        seq = token if DECODE else _sequence_at(query_starts_ptr, num_seqs, token, 1, False)
         num_tiles = tl.cdiv(tl.load(context_lens_ptr + seq), BLOCK_N)
         tiles = _balanced_tiles(context_total_ptr, num_kv_heads, split_target, num_tiles, num_splits, BLOCK_N)
         used = tl.maximum(tl.cdiv(num_tiles, tiles), 1)
@@ -356,6 +375,9 @@ def plan(
     split = num_splits > 1
     balanced = balanced and split  # (one split has nothing to balance)
     split_target = SPLIT_PROGRAMS_PER_SM * sm_count(q.device)
+    # A program per sequence where token s is sequence s's one query: a decode batch, the empty sequences of
+    # a padded graph (if any) after the real ones, as `BatchLayout` and the graphs lay them out.
+    one_per_seq = DECODE_PROGRAM_PER_SEQUENCE and decode_only and tokens == metadata.num_seqs
     context_total = metadata.context_total if balanced else metadata.context_lens  # (read only if balanced)
     if split:
         part_max = torch.empty((tokens, heads, num_splits), dtype=torch.float32, device=q.device)
@@ -366,7 +388,8 @@ def plan(
 
     attend = Launch(
         _paged_attention_kernel,
-        grid=(tokens // block_q + metadata.num_seqs, kv_heads, num_splits),
+        # Else a program per query block, plus a spare per sequence, since blocks do not cross sequences.
+        grid=(metadata.num_seqs if one_per_seq else tokens // block_q + metadata.num_seqs, kv_heads, num_splits),
         args={
             "q_ptr": q,
             "k_cache_ptr": kv_k,
@@ -406,6 +429,7 @@ def plan(
             "SPLIT": split,
             "BALANCED": balanced,
             "HEAVY_FIRST": tiles.heavy_first,
+            "DECODE": one_per_seq,
             "INTERPRETED": interpreted_mode,
             "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
         },
@@ -438,6 +462,7 @@ def plan(
             "HEAD_DIM_PAD": head_dim_pad,
             "SPLITS_PAD": next_power_of_2(num_splits),
             "BALANCED": balanced,
+            "DECODE": one_per_seq,
             "BLOCK_N": block_n,
             "INTERPRETED": interpreted_mode,
         },
