@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.config import DecoderConfig
 from common.protocol import PreparedRequest, SamplingParams
 from workers.decoder.engine import Engine
 from workers.decoder.graphs import StepGraphs, StepInputs
@@ -278,7 +279,7 @@ def profile_prefill(model: LanguageModel, tokens: int) -> None:
 
 
 def time_decode_graph(
-    model: LanguageModel, mix: list[tuple[int, int]], max_context: int, profile_kernels: bool
+    model: LanguageModel, mix: list[tuple[int, int]], max_context: int, profile_kernels: bool, block_size: int = 16
 ) -> None:
     """GPU time of one decode-graph replay whose sequences are ``mix``'s (count, context) groups, in graphs
     captured for ``max_context`` (the server captures for max_model_len, which fixes the split count);
@@ -289,10 +290,10 @@ def time_decode_graph(
     batch = len(contexts)
     tables, next_block = [], 0
     for context in contexts:
-        per = -(-(context + 1) // 16)
+        per = -(-(context + 1) // block_size)
         tables.append(list(range(next_block, next_block + per)))
         next_block += per
-    kv = PagedKVCache.for_model(model, next_block + 1, 16)
+    kv = PagedKVCache.for_model(model, next_block + 1, block_size)
     graphs = StepGraphs(
         model,
         kv,
@@ -306,7 +307,9 @@ def time_decode_graph(
     )
     inputs = StepInputs(
         positions=np.asarray([contexts] * 3, dtype=np.int64),
-        slots=np.asarray([t[c // 16] * 16 + c % 16 for t, c in zip(tables, contexts, strict=True)]),
+        slots=np.asarray(
+            [t[c // block_size] * block_size + c % block_size for t, c in zip(tables, contexts, strict=True)]
+        ),
         query_lens=[1] * batch,
         context_lens=[c + 1 for c in contexts],
         block_tables=tables,
@@ -314,7 +317,7 @@ def time_decode_graph(
     )
     shape = " + ".join(f"{count}x{context}" for count, context in mix)
     ms = cuda_time_ms(lambda: graphs.decode(inputs, [17] * batch), 50)
-    print(f"decode {shape} (graph max context {graphs.max_context}): {ms:.3f} ms", flush=True)
+    print(f"decode {shape} (graph max context {graphs.max_context}, block size {block_size}): {ms:.3f} ms", flush=True)
     if not profile_kernels:
         return
     steps = 20
@@ -398,6 +401,9 @@ def main(argv: list[str] | None = None) -> None:
         help="decode attention's split target (programs per SM), each tried on each --decode-mix",
     )
     parser.add_argument("--graph-max-context", type=int, default=0, help="captured for this context (the split count)")
+    parser.add_argument(
+        "--block-size", type=int, default=DecoderConfig().block_size, help="KV block size of --time/profile-decode"
+    )
     add_decode_kernel_options(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -420,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
         for per_sm, mix in itertools.product(args.split_programs_per_sm, args.decode_mix):
             attention_triton.SPLIT_PROGRAMS_PER_SM = per_sm
             print(f"split target: {per_sm} programs per SM, balanced splits {args.balanced_splits}", flush=True)
-            time_decode_graph(model, mix, args.graph_max_context, profile_kernels=args.profile_decode)
+            time_decode_graph(model, mix, args.graph_max_context, args.profile_decode, args.block_size)
         return
     results["language_weight_bytes"] = language_bytes(model)
     results["prefill_unfused"] = bench_prefill(model, prefills, None)

@@ -65,10 +65,16 @@ class Window:
 
 
 def make_engine(
-    model: LanguageModel, spec: ModelSpec, device: str, overlap_mixed: bool, decoding_budget: int | None = None
+    model: LanguageModel,
+    spec: ModelSpec,
+    device: str,
+    overlap_mixed: bool,
+    decoding_budget: int | None = None,
+    block_size: int | None = None,
 ) -> Engine:
     cfg = DecoderConfig()
     cuda = device == "cuda"
+    block_size = block_size or cfg.block_size
     return Engine(
         model,
         spec,
@@ -76,8 +82,8 @@ def make_engine(
         max_running=cfg.max_running,
         prefill_budget=cfg.prefill_tokens_per_step,
         decoding_budget=cfg.tokens_per_step_while_decoding if decoding_budget is None else decoding_budget,
-        num_blocks=12000 if cuda else 2000,
-        block_size=cfg.block_size,
+        num_blocks=(192_000 if cuda else 32_000) // block_size,  # tokens of KV, whatever the block size
+        block_size=block_size,
         prefix_cache=cfg.prefix_cache,
         fuse=cuda,
         graphs="cuda" if cuda else "off",
@@ -264,6 +270,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="[decoder] tokens_per_step_while_decoding (default: the server's; 0: the prefill budget)",
     )
+    parser.add_argument("--block-size", type=int, default=None, help="[decoder] block_size (default: the server's)")
     parser.add_argument("--prefill-tiles", type=Path, help="the attention's prefill tiles: a bench_prefill JSON's best")
     add_decode_kernel_options(parser)
     parser.add_argument("--profile", action="store_true")
@@ -307,12 +314,13 @@ def main(argv: list[str] | None = None) -> None:
     load = Load(rate=args.rate, media_device=args.media)
     if args.device == "cpu":
         load = Load(text_streams=2, text_prompt=20, text_out=4, vision_out=2, rate=args.rate, media_device="cpu")
-    engine = make_engine(model, spec, args.device, args.overlap_mixed, args.decoding_budget)
+    engine = make_engine(model, spec, args.device, args.overlap_mixed, args.decoding_budget, args.block_size)
     feeder = Feeder(spec, load, dtype, seed=0)
     run_window(engine, feeder, min(2.0, args.seconds), load.rate, load.media_device)  # warm-up: graphs, allocators
     settings = {
         "overlap_mixed": args.overlap_mixed,
         "decoding_budget": args.decoding_budget,
+        "block_size": engine.blocks.block_size,
         "balanced_splits": args.balanced_splits,
         "decode_program_per_sequence": args.decode_program_per_sequence,
         "skinny_tiles": str(args.skinny_tiles),

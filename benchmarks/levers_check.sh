@@ -26,6 +26,10 @@
 #   decode-per-seq   the kernel and engine GPU tests, then decode graphs with decode attention's program per sequence
 #                    (DECODE_PROGRAM_PER_SEQUENCE) and with the general grid's search, alternating
 #   decode-per-seq-engine   engine-mixed with the two, one run each
+#   block-size       the KV cache's tokens per block ([decoder] block_size, 16 by default): decode attention
+#                    (workers.kernels.bench) at 16, 32, 64 and 128, the prefill cases (bench_prefill, default tiles),
+#                    decode graphs and engine-mixed at 16 and 64. A tile of 64 keys spans 4 blocks of 16: 4 table
+#                    reads and a gather per tile, where one block of 64 is one read and one contiguous run
 #   decode-gemms     each projection of a decode layer at batch 1..64 per BLAS library, against HBM bandwidth
 #   engine-mixed-defaults   engine-mixed at the server's defaults only
 #   balanced-splits  decode steps with the attention's splits of one length for the whole batch (on by default
@@ -135,6 +139,19 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       synth_2b > "$out/$dir/synth.log" 2>&1
       for flag in decode-program-per-sequence no-decode-program-per-sequence; do
         engine_mixed "engine-mixed-$flag" --$flag
+      done ;;
+    block-size) mkdir -p "$out/$dir"
+      synth_2b > "$out/$dir/synth.log" 2>&1
+      for bs in 16 32 64 128; do
+        python3 -m workers.kernels.bench --models 2b,7b --batches 1,32,64 --contexts 1100,3100 --block-size $bs \
+          > "$out/$dir/decode-attention-$bs.log" 2>&1
+        python3 -m workers.kernels.bench_prefill --models 2b --default-only --block-size $bs \
+          --out "$out/$dir/prefill-$bs.json" > "$out/$dir/prefill-$bs.log" 2>&1
+      done
+      for bs in 16 64; do
+        decode_graphs --time-decode --graph-max-context 32768 --block-size $bs --decode-mix 1x1100 32x1100 35x1100 \
+          64x1100 32x1100+3x3100 > "$out/$dir/decode-graphs-$bs.log" 2>&1
+        engine_mixed "engine-mixed-bs$bs" --block-size $bs
       done ;;
     decode-gemms) mkdir -p "$out/$dir"
       python3 -m benchmarks.decode_gemms --models 2b 7b --out "$out/$dir/gemms.json" > "$out/$dir/gemms.log" 2>&1 ;;

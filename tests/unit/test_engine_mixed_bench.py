@@ -29,8 +29,9 @@ def test_cpu_run_counts_text_tokens_and_vision_requests(tmp_path: Path) -> None:
     out = tmp_path / "engine_mixed.json"
     # 3 s a window: at 1.5 s, a CPU busy with other work (a parallel test run) once finished no vision request.
     argv = ["--model", str(demo_checkpoint()), "--out", str(out), "--device", "cpu", "--seconds", "3"]
-    engine_mixed.main([*argv, "--rate", "4"])
+    engine_mixed.main([*argv, "--rate", "4", "--block-size", "32"])  # (not the server's 16: the option works)
     result = json.loads(out.read_text())
+    assert result["block_size"] == 32
     control, mixed = result["control"], result["mixed"]
     assert control["vision_sent"] == 0 and control["text_tokens_per_s"] > 0
     assert control["forwards"]["prompt_forwards"] > 0  # the text streams' own prompts

@@ -29,7 +29,7 @@ from workers.kernels.attention import AttentionMetadata, paged_attention_referen
 from workers.kernels.bench import GEOMETRIES, eager_us, graph_replay_us
 from workers.models.paged import BatchLayout
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = 16  # the server's default; --block-size tries others
 
 
 @dataclass(frozen=True)
@@ -60,20 +60,22 @@ CASES = [
 ]
 
 
-def inputs(case: PrefillCase, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+def inputs(
+    case: PrefillCase, device: torch.device, block_size: int = BLOCK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
     heads, kv_heads, head_dim = GEOMETRIES[case.model]
     query_lens = [case.chunk] + [1] * case.decodes
     context_lens = [case.context] + [case.decode_context] * case.decodes
-    per_seq = [-(-c // BLOCK_SIZE) for c in context_lens]
+    per_seq = [-(-c // block_size) for c in context_lens]
     pool = list(range(sum(per_seq)))
     random.Random(0).shuffle(pool)
     tables, at = [], 0
     for n in per_seq:
         tables.append(pool[at : at + n])
         at += n
-    layout = BatchLayout.build(query_lens, context_lens, tables, BLOCK_SIZE, device)
+    layout = BatchLayout.build(query_lens, context_lens, tables, block_size, device)
     g = torch.Generator(device=device).manual_seed(0)
-    kv_k = torch.randn((len(pool) * BLOCK_SIZE, kv_heads, head_dim), generator=g, device=device, dtype=torch.bfloat16)
+    kv_k = torch.randn((len(pool) * block_size, kv_heads, head_dim), generator=g, device=device, dtype=torch.bfloat16)
     kv_v = torch.randn_like(kv_k)
     q = torch.randn((sum(query_lens), heads, head_dim), generator=g, device=device, dtype=torch.bfloat16)
     return q, kv_k, kv_v, AttentionMetadata.from_layout(layout, device)
@@ -107,10 +109,12 @@ def tile_grid() -> list[Any]:
 SPLITS = (2, 4, 8)  # forced at the default tile shape (the heuristic never splits a prefill of this size)
 
 
-def time_launches(case: PrefillCase, grid: list[Any], device: torch.device) -> dict[Any, float]:
+def time_launches(
+    case: PrefillCase, grid: list[Any], device: torch.device, block_size: int = BLOCK_SIZE
+) -> dict[Any, float]:
     """Kernel microseconds for each tile shape of ``grid``, and for each forced split count (keyed by the
     int); inf for a launch that fails to compile or gives a wrong answer."""
-    q, kv_k, kv_v, metadata = inputs(case, device)
+    q, kv_k, kv_v, metadata = inputs(case, device, block_size)
     scale = GEOMETRIES[case.model][2] ** -0.5
     expected = paged_attention_reference(q.float(), kv_k.float(), kv_v.float(), metadata, scale)
     calls: dict[Any, Callable[[], torch.Tensor]] = {
@@ -130,15 +134,18 @@ def time_launches(case: PrefillCase, grid: list[Any], device: torch.device) -> d
     return times
 
 
-def run(device: torch.device, models: list[str]) -> dict[str, Any]:
+def run(
+    device: torch.device, models: list[str], block_size: int = BLOCK_SIZE, default_only: bool = False
+) -> dict[str, Any]:
     from workers.kernels.attention_triton import PREFILL_TILES
 
-    grid = tile_grid()
+    grid = [PREFILL_TILES] if default_only else tile_grid()
     totals = dict.fromkeys(grid, 0.0)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "default": asdict(PREFILL_TILES)}
+    report["block_size"] = block_size
     report["cases"] = []
     for case in [c for c in CASES if c.model in models]:
-        measured = time_launches(case, grid, device)
+        measured = time_launches(case, grid, device, block_size)
         times = {tiles: measured[tiles] for tiles in grid}
         for tiles, us in times.items():
             totals[tiles] += us
@@ -174,11 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--models", nargs="+", default=list(GEOMETRIES), choices=list(GEOMETRIES))
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="the KV cache's tokens per block")
+    parser.add_argument("--default-only", action="store_true", help="only PREFILL_TILES (and the forced splits)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("workers.kernels.bench_prefill needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
-    report = run(torch.device("cuda"), args.models)
+    report = run(torch.device("cuda"), args.models, args.block_size, args.default_only)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
 
