@@ -28,8 +28,8 @@
 #   decode-per-seq-engine   engine-mixed with the two, one run each
 #   block-size       the KV cache's tokens per block ([decoder] block_size, 16 by default): decode attention
 #                    (workers.kernels.bench) at 16, 32, 64 and 128, the prefill cases (bench_prefill, default tiles),
-#                    decode graphs and engine-mixed at 16 and 64. A tile of 64 keys spans 4 blocks of 16: 4 table
-#                    reads and a gather per tile, where one block of 64 is one read and one contiguous run
+#                    decode graphs and engine-mixed at 16 and 64. A tile of 64 keys spans 4 blocks of 16: a table
+#                    read per key and a gather; in blocks of 64 or more, one read and a contiguous run of slots
 #   decode-gemms     each projection of a decode layer at batch 1..64 per BLAS library, against HBM bandwidth
 #   engine-mixed-defaults   engine-mixed at the server's defaults only
 #   balanced-splits  decode steps with the attention's splits of one length for the whole batch (on by default

@@ -255,6 +255,25 @@ def test_prefill_tile_shapes(block_m: int, block_n: int, heavy_first: bool) -> N
     check_attention(*batch, tiles=Tiles(block_m, block_n, num_warps=8, num_stages=3, heavy_first=heavy_first))
 
 
+@pytest.mark.parametrize(("block_size", "block_n"), [(32, 16), (64, 32), (32, 32)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [GEOMETRIES[0], GEOMETRIES[2]])
+def test_tiles_within_one_block(
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int, block_n: int
+) -> None:
+    """Blocks a whole number of key tiles long: a tile reads one table entry and a contiguous run of slots.
+    The mixed batch (tiles ending mid-block, a context of 1) and a decode batch split by the heuristic; the
+    slots outside the contexts hold NaN, so a read past a context's end shows."""
+    from workers.kernels import attention_triton
+
+    batch = paged_batch(MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, block_size, heads, kv_heads, head_dim, dtype, seed=5)
+    _, launches = attention_triton.plan(*batch[:3], attention_metadata(batch[3]), 0.1, block_n=block_n)
+    assert launches[0].constexprs["BLOCK_SIZE"] % launches[0].constexprs["BLOCK_N"] == 0
+    check_attention(*batch, block_n=block_n)
+    decode = paged_batch([1] * 4, [700, 65, 1, block_size], block_size, heads, kv_heads, head_dim, dtype, seed=6)
+    check_attention(*decode, block_n=block_n)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [3, 8])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [GEOMETRIES[0], GEOMETRIES[3]])

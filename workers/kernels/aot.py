@@ -45,14 +45,16 @@ def attention_launches(
 ) -> Iterator[tuple[str, Launch]]:
     from workers.kernels import attention_triton
 
-    cases = {  # (query_lens' total, max query len, num_seqs, max context, forced splits or None: balanced)
-        "decode": (64, 1, 64, 3072, 1),
-        "decode-split": (1, 1, 1, 3072, 8),
-        "decode-balanced": (32, 1, 32, 32768, None),
-        "mixed": (640, 512, 64, 3072, 1),
+    cases = {  # (query_lens' total, max query len, num_seqs, max context, forced splits or None: balanced, block size)
+        "decode": (64, 1, 64, 3072, 1, 16),
+        "decode-split": (1, 1, 1, 3072, 8, 16),
+        "decode-balanced": (32, 1, 32, 32768, None, 16),
+        "mixed": (640, 512, 64, 3072, 1, 16),
+        "decode-balanced-block64": (32, 1, 32, 32768, None, 64),  # a tile within one block
+        "mixed-block64": (640, 512, 64, 3072, 1, 64),
     }
-    for case, (tokens, max_q, seqs, max_ctx, splits) in cases.items():
-        metadata = _metadata(tokens, max_q, seqs, max_ctx, block_size=16)
+    for case, (tokens, max_q, seqs, max_ctx, splits, block_size) in cases.items():
+        metadata = _metadata(tokens, max_q, seqs, max_ctx, block_size=block_size)
         q = torch.empty((tokens, heads, head_dim), dtype=dtype, device=META)
         cache = torch.empty((4096 * 16, kv_heads, head_dim), dtype=dtype, device=META)
         _, launches = attention_triton.plan(

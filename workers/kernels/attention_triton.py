@@ -194,8 +194,15 @@ def _paged_attention_kernel(
     for tile in range(tile_begin, tile_end):
         k_pos = tile * BLOCK_N + offs_n
         k_ok = k_pos < kv_len
-        block = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
+        if BLOCK_SIZE % BLOCK_N == 0:
+            # The tile lies in one block: one table read, then a contiguous run of slots (its first key is
+            # within the context, so that entry is a real block).
+            first = tile * BLOCK_N
+            block = tl.load(table_row + first // BLOCK_SIZE).to(tl.int64)
+            slot = block * BLOCK_SIZE + first % BLOCK_SIZE + offs_n
+        else:
+            block = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+            slot = block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
         k = tl.load(  # [HEAD_DIM_PAD, BLOCK_N]: K transposed by the addressing
             k_cache_ptr + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
             mask=k_ok[None, :] & d_ok[:, None],
