@@ -8,7 +8,6 @@ import http.server
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,16 +22,11 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
+from benchmarks.gateway_load import free_port
 from benchmarks.hf_chat import HfChat
 from common.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
