@@ -30,6 +30,9 @@
 #                    (workers.kernels.bench) at 16, 32, 64 and 128, the prefill cases (bench_prefill, default tiles),
 #                    decode graphs and engine-mixed at 16 and 64. A tile of 64 keys spans 4 blocks of 16: a table
 #                    read per key and a gather; in blocks of 64 or more, one read and a contiguous run of slots
+#   mixed-steps      single engine steps from their graphs (benchmarks.mixed_step): decodes alone, prompts alone, and
+#                    the two together as mixed's steps hold them (text prompts, an image prompt's chunks); then the
+#                    kernels of three of them: where a step with prompt tokens spends the ~2 ms over a decode step
 #   decode-gemms     each projection of a decode layer at batch 1..64 per BLAS library, against HBM bandwidth
 #   engine-mixed-defaults   engine-mixed at the server's defaults only
 #   balanced-splits  decode steps with the attention's splits of one length for the whole batch (on by default
@@ -153,6 +156,13 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
           64x1100 32x1100+3x3100 > "$out/$dir/decode-graphs-$bs.log" 2>&1
         engine_mixed "engine-mixed-bs$bs" --block-size $bs
       done ;;
+    mixed-steps) mkdir -p "$out/$dir"
+      synth_2b > "$out/$dir/synth.log" 2>&1
+      python3 -m benchmarks.mixed_step --model /tmp/qwen2-vl-2b-synth --step 32x1100 35x1100 2000:2000 \
+        1000:1000+1000:1000 32x1100+1000:1000+1000:1000 32x1100+2016:2016 32x1100+1352:3400 32x1100+16:1000 \
+        > "$out/$dir/times.log" 2>&1
+      python3 -m benchmarks.mixed_step --model /tmp/qwen2-vl-2b-synth --profile --step 32x1100 \
+        32x1100+1000:1000+1000:1000 32x1100+1352:3400 > "$out/$dir/profile.log" 2>&1 ;;
     decode-gemms) mkdir -p "$out/$dir"
       python3 -m benchmarks.decode_gemms --models 2b 7b --out "$out/$dir/gemms.json" > "$out/$dir/gemms.log" 2>&1 ;;
     engine-mixed-defaults) mkdir -p "$out/$dir"
