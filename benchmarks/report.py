@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -222,9 +223,12 @@ def main(argv: list[str] | None = None) -> None:
     records = data["requests"]
     group_by = [args.group_by] if args.group_by else data["config"].get("group_by", [])
     summary = summarize_run(records, data["summary"]["duration_s"], group_by)
-    plot(records, args.results.with_name(args.results.name.split(".")[0] + ".png"), str(args.results),
-         group_by[0] if group_by else None)  # fmt: skip
     print(json.dumps(summary, indent=2))
+    try:
+        plot(records, args.results.with_name(args.results.name.split(".")[0] + ".png"), str(args.results),
+             group_by[0] if group_by else None)  # fmt: skip
+    except ImportError as exc:  # the figures above stand without the plot
+        print(f"no plot: {exc} (pip install matplotlib)", file=sys.stderr)
 
 
 if __name__ == "__main__":
