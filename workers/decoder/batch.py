@@ -108,24 +108,54 @@ def media_rows(seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch
     return mask, seq.media_embeds[first : first + int(part.sum())]
 
 
-def embeddings(model: LanguageModel, seq: Sequence, start: int, end: int) -> torch.Tensor:
-    """Input embeddings of tokens [start, end): token embeddings, media rows in the placeholders. The ids
-    were range-checked when the request was prepared (`LanguageModel.embed`'s check reads the device)."""
-    ids = torch.tensor(seq.token_ids(start, end), dtype=torch.int64)
-    embeds = model.embed_tokens(upload(ids, model.device))
-    mask, rows = media_rows(seq, start, end)
-    if rows is None:
+Span = tuple[Sequence, int, int]  # a sequence and the tokens [start, end) it computes this step
+
+
+def step_embeddings(model: LanguageModel, spans: list[Span]) -> torch.Tensor:
+    """Input embeddings of a step's tokens, span after span: token embeddings, media rows in the
+    placeholders. All the ids go up in one copy and through one lookup, and all the media rows into their
+    placeholders in one index copy: per span, those were four small device operations and their host
+    calls, and a step with 32-64 decodes spent about a millisecond of host time on them before its
+    forward could start. The ids were range-checked when the request was prepared
+    (`LanguageModel.embed`'s check reads the device)."""
+    ids: list[int] = []
+    at: list[torch.Tensor] = []
+    media: list[torch.Tensor] = []
+    for seq, start, end in spans:
+        if seq.media_embeds is not None and start < len(seq.prompt_ids):
+            mask, rows = media_rows(seq, start, end)
+            if rows is not None:
+                at.append(mask.nonzero().squeeze(1) + len(ids))
+                media.append(rows)
+        ids.extend(seq.token_ids(start, end))
+    embeds = model.embed_tokens(upload(torch.tensor(ids, dtype=torch.int64), model.device))
+    if not media:
         return embeds
-    at = upload(mask.nonzero().squeeze(1), embeds.device)  # (a boolean index on the device would sync)
-    return embeds.index_copy(0, at, upload(rows, embeds.device).to(embeds.dtype))
+    index = upload(torch.cat(at), embeds.device)  # (a boolean index on the device would sync)
+    rows = torch.cat([upload(part, embeds.device) for part in media]).to(embeds.dtype)
+    return embeds.index_copy(0, index, rows)
 
 
 def step_inputs(batch: list[Scheduled], rows: list[int], block_size: int) -> StepInputs:
-    """The staged inputs of a mixed-graph step."""
-    spans = [(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch]
+    """The staged inputs of a mixed-graph step. A one-token span (a decode) takes plain ints, as
+    `decode_inputs` does; only prompt chunks build per-span arrays."""
+    tokens = sum(item.num_new for item in batch)
+    step_positions = np.empty((3, tokens), dtype=np.int64)
+    step_slots = np.empty(tokens, dtype=np.int64)
+    i = 0
+    for item in batch:
+        seq, start, end = item.seq, item.seq.num_computed, item.seq.num_computed + item.num_new
+        if item.num_new == 1:
+            prompt_len = len(seq.prompt_ids)
+            step_positions[:, i] = seq.positions[:, start].tolist() if start < prompt_len else start + seq.delta
+            step_slots[i] = seq.table.blocks[start // block_size] * block_size + start % block_size
+        else:
+            step_positions[:, i : i + item.num_new] = positions(seq, start, end).numpy()
+            step_slots[i : i + item.num_new] = slots(seq, start, end, block_size)
+        i += item.num_new
     return StepInputs(
-        positions=np.concatenate([positions(seq, a, b).numpy() for seq, a, b in spans], axis=1),
-        slots=np.concatenate([slots(seq, a, b, block_size) for seq, a, b in spans]),
+        positions=step_positions,
+        slots=step_slots,
         query_lens=[b.num_new for b in batch],
         context_lens=[b.seq.num_computed + b.num_new for b in batch],
         block_tables=[b.seq.table.blocks for b in batch],

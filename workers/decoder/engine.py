@@ -21,8 +21,8 @@ from workers.decoder.batch import (
     Scheduled,
     Sequence,
     decode_inputs,
-    embeddings,
     positions,
+    step_embeddings,
     step_inputs,
     tp_payload,
 )
@@ -325,10 +325,9 @@ class Engine:
             return self._run_decode_graph(batch, ahead_ids), True
         spans = [(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch]
         known = spans[len(ahead_ids) :] if ahead_ids is not None else spans
-        parts = [embeddings(self.model, seq, start, end) for seq, start, end in known]
-        if ahead_ids is not None:
-            parts.insert(0, self.model.embed_tokens(ahead_ids))  # (not `embed`: its range check would sync)
-        embeds = torch.cat(parts)
+        embeds = step_embeddings(self.model, known)
+        if ahead_ids is not None:  # (`embed_tokens`, not `embed`: its range check would sync)
+            embeds = torch.cat([self.model.embed_tokens(ahead_ids), embeds])
         if mode == MIXED_GRAPH:
             assert self.graphs is not None  # _mode checked
             return self.graphs.mixed(step_inputs(batch, logits_for, self.blocks.block_size), embeds), False
