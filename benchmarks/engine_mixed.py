@@ -31,7 +31,11 @@ import torch
 from benchmarks.engine import add_decode_kernel_options, use_decode_kernel_options
 from common.config import DecoderConfig
 from common.protocol import PreparedMedia, PreparedRequest, SamplingParams
+from workers.decoder import engine as engine_module
+from workers.decoder.batch import Scheduled, Span, media_rows, positions, slots
 from workers.decoder.engine import Engine
+from workers.decoder.graphs import StepInputs
+from workers.decoder.sampling import upload
 from workers.kernels import attention_triton
 from workers.models.language import LanguageModel
 from workers.models.mrope import media_token_count
@@ -62,6 +66,39 @@ class Window:
     vision_sent: int = 0
     vision_ttft_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0  # until the last step of the window returned (the abort drain excluded)
+
+
+def per_span_embeddings(model: LanguageModel, spans: list[Span]) -> torch.Tensor:
+    """A step's input embeddings as the engine built them before 14d3257: span by span (an upload, a
+    lookup and an index copy each), then joined. ``--per-span-inputs`` puts it back, for an A/B."""
+    parts = []
+    for seq, start, end in spans:
+        ids = torch.tensor(seq.token_ids(start, end), dtype=torch.int64)
+        embeds = model.embed_tokens(upload(ids, model.device))
+        mask, rows = media_rows(seq, start, end)
+        if rows is not None:
+            at = upload(mask.nonzero().squeeze(1), embeds.device)
+            embeds = embeds.index_copy(0, at, upload(rows, embeds.device).to(embeds.dtype))
+        parts.append(embeds)
+    return torch.cat(parts) if parts else model.embed_tokens(upload(torch.empty(0, dtype=torch.int64), model.device))
+
+
+def per_span_step_inputs(batch: list[Scheduled], rows: list[int], block_size: int) -> StepInputs:
+    """A mixed graph's staged inputs as built before 14d3257: positions and slots span by span."""
+    spans = [(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch]
+    return StepInputs(
+        positions=np.concatenate([positions(seq, a, b).numpy() for seq, a, b in spans], axis=1),
+        slots=np.concatenate([slots(seq, a, b, block_size) for seq, a, b in spans]),
+        query_lens=[b.num_new for b in batch],
+        context_lens=[b.seq.num_computed + b.num_new for b in batch],
+        block_tables=[b.seq.table.blocks for b in batch],
+        rows=rows,
+    )
+
+
+def use_per_span_inputs() -> None:
+    engine_module.step_embeddings = per_span_embeddings
+    engine_module.step_inputs = per_span_step_inputs
 
 
 def make_engine(
@@ -271,6 +308,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="[decoder] tokens_per_step_while_decoding (default: the server's; 0: the prefill budget)",
     )
     parser.add_argument("--block-size", type=int, default=None, help="[decoder] block_size (default: the server's)")
+    parser.add_argument(
+        "--per-span-inputs", action="store_true", help="mixed steps' inputs built span by span, as before 14d3257"
+    )
     parser.add_argument("--prefill-tiles", type=Path, help="the attention's prefill tiles: a bench_prefill JSON's best")
     add_decode_kernel_options(parser)
     parser.add_argument("--profile", action="store_true")
@@ -308,6 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.prefill_tiles:
         use_prefill_tiles(args.prefill_tiles)
     use_decode_kernel_options(args)
+    if args.per_span_inputs:
+        use_per_span_inputs()
     spec = ModelSpec.from_dir(args.model)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = LanguageModel.from_checkpoint(args.model, device=args.device, dtype=dtype)
@@ -321,6 +363,7 @@ def main(argv: list[str] | None = None) -> None:
         "overlap_mixed": args.overlap_mixed,
         "decoding_budget": args.decoding_budget,
         "block_size": engine.blocks.block_size,
+        "per_span_inputs": args.per_span_inputs,
         "balanced_splits": args.balanced_splits,
         "decode_program_per_sequence": args.decode_program_per_sequence,
         "skinny_tiles": str(args.skinny_tiles),

@@ -33,6 +33,8 @@
 #   mixed-steps      single engine steps from their graphs (benchmarks.mixed_step): decodes alone, prompts alone, and
 #                    the two together as mixed's steps hold them (text prompts, an image prompt's chunks); then the
 #                    kernels of three of them: where a step with prompt tokens spends the ~2 ms over a decode step
+#   step-inputs      engine-mixed with mixed steps' inputs built in one go (the default since 14d3257) and span by span
+#                    (--per-span-inputs), alternating, twice each: the host time a mixed step waited on
 #   decode-gemms     each projection of a decode layer at batch 1..64 per BLAS library, against HBM bandwidth
 #   engine-mixed-defaults   engine-mixed at the server's defaults only
 #   balanced-splits  decode steps with the attention's splits of one length for the whole batch (on by default
@@ -163,6 +165,12 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
         > "$out/$dir/times.log" 2>&1
       python3 -m benchmarks.mixed_step --model /tmp/qwen2-vl-2b-synth --profile --step 32x1100 \
         32x1100+1000:1000+1000:1000 32x1100+1352:3400 > "$out/$dir/profile.log" 2>&1 ;;
+    step-inputs) mkdir -p "$out/$dir"
+      synth_2b > "$out/$dir/synth.log" 2>&1
+      for round in 1 2; do
+        engine_mixed "batched-$round"
+        engine_mixed "per-span-$round" --per-span-inputs
+      done ;;
     decode-gemms) mkdir -p "$out/$dir"
       python3 -m benchmarks.decode_gemms --models 2b 7b --out "$out/$dir/gemms.json" > "$out/$dir/gemms.log" 2>&1 ;;
     engine-mixed-defaults) mkdir -p "$out/$dir"

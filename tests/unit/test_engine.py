@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.engine_mixed import per_span_embeddings, per_span_step_inputs
 from common.protocol import PreparedMedia, PreparedRequest, SamplingParams
-from workers.decoder.batch import Scheduled, Sequence, media_rows, positions, slots, step_embeddings, step_inputs
+from workers.decoder.batch import Scheduled, step_embeddings, step_inputs
 from workers.decoder.engine import Engine, PromptError
 from workers.decoder.graphs import graph_batch_sizes, graph_token_sizes
 from workers.models.language import LanguageModel
@@ -410,17 +411,11 @@ def test_steps_staged_ahead_of_prefills_and_arrivals_emit_what_synchronous_steps
     assert finishes["long"] == "length" and finishes["aborted"] is None and len(synchronous["aborted"]) >= 3
 
 
-def per_span_embeddings(model: LanguageModel, seq: Sequence, start: int, end: int) -> torch.Tensor:
-    """A span's input embeddings built alone: its token embeddings, its media rows in their placeholders."""
-    embeds = model.embed_tokens(torch.tensor(seq.token_ids(start, end), dtype=torch.int64))
-    mask, rows = media_rows(seq, start, end)
-    return embeds if rows is None else embeds.index_copy(0, mask.nonzero().squeeze(1), rows.to(embeds.dtype))
-
-
 def test_step_embeddings_and_inputs_equal_those_built_span_by_span(parts: tuple[LanguageModel, ModelSpec]) -> None:
     """A step's embeddings (one lookup, one index copy) and staged positions and slots (plain ints for
-    one-token spans) are those of each span built alone, concatenated: chunks that start and end inside
-    an image's placeholders, decodes of text and image sequences, prompts beside them."""
+    one-token spans) are those of each span built alone, concatenated (as the engine built them before,
+    kept in benchmarks.engine_mixed for its A/B): chunks that start and end inside an image's
+    placeholders, decodes of text and image sequences, prompts beside them."""
     model, spec = parts
     engine = make_engine(parts, prefill_budget=7, max_running=5)
     pictures = [image_request(f"img{i}", spec, f"hash-{i}", [40 + i, 41, 42, 43, 44], [31, 32 + i]) for i in range(2)]
@@ -432,11 +427,11 @@ def test_step_embeddings_and_inputs_equal_those_built_span_by_span(parts: tuple[
 
     def checking_run(batch: list[Scheduled], ahead_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
         spans = [(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch]
-        expected = torch.cat([per_span_embeddings(model, *span) for span in spans])
-        assert torch.equal(step_embeddings(model, spans), expected)
+        assert torch.equal(step_embeddings(model, spans), per_span_embeddings(model, spans))
         staged = step_inputs(batch, [], engine.blocks.block_size)
-        assert np.array_equal(staged.positions, torch.cat([positions(*span) for span in spans], dim=1).numpy())
-        assert np.array_equal(staged.slots, np.concatenate([slots(*span, engine.blocks.block_size) for span in spans]))
+        expected = per_span_step_inputs(batch, [], engine.blocks.block_size)
+        assert np.array_equal(staged.positions, expected.positions)
+        assert np.array_equal(staged.slots, expected.slots)
         checked.append(sum(b.num_new > 1 for b in batch) and sum(b.num_new == 1 for b in batch))
         return run(batch, ahead_ids)
 
