@@ -11,9 +11,10 @@ import torch
 
 from benchmarks.engine_mixed import per_span_embeddings, per_span_step_inputs
 from common.protocol import PreparedMedia, PreparedRequest, SamplingParams
-from workers.decoder.batch import Scheduled, step_embeddings, step_inputs
+from workers.decoder.batch import Scheduled, media_rows, step_embeddings, step_inputs, tp_payload
 from workers.decoder.engine import Engine, PromptError
 from workers.decoder.graphs import graph_batch_sizes, graph_token_sizes
+from workers.decoder.tp import EAGER
 from workers.models.language import LanguageModel
 from workers.models.spec import ModelSpec
 from workers.models.synth import generate_checkpoint
@@ -414,8 +415,8 @@ def test_steps_staged_ahead_of_prefills_and_arrivals_emit_what_synchronous_steps
 def test_step_embeddings_and_inputs_equal_those_built_span_by_span(parts: tuple[LanguageModel, ModelSpec]) -> None:
     """A step's embeddings (one lookup, one index copy) and staged positions and slots (plain ints for
     one-token spans) are those of each span built alone, concatenated (as the engine built them before,
-    kept in benchmarks.engine_mixed for its A/B): chunks that start and end inside an image's
-    placeholders, decodes of text and image sequences, prompts beside them."""
+    kept in benchmarks.engine_mixed for its A/B), and so are a tensor-parallel step's: chunks that start
+    and end inside an image's placeholders, decodes of text and image sequences, prompts beside them."""
     model, spec = parts
     engine = make_engine(parts, prefill_budget=7, max_running=5)
     pictures = [image_request(f"img{i}", spec, f"hash-{i}", [40 + i, 41, 42, 43, 44], [31, 32 + i]) for i in range(2)]
@@ -432,6 +433,14 @@ def test_step_embeddings_and_inputs_equal_those_built_span_by_span(parts: tuple[
         expected = per_span_step_inputs(batch, [], engine.blocks.block_size)
         assert np.array_equal(staged.positions, expected.positions)
         assert np.array_equal(staged.slots, expected.slots)
+        payload = tp_payload(batch, [], EAGER, engine.blocks.block_size, torch.float32, spec.hidden_size)
+        media = [media_rows(*span) for span in spans]
+        assert payload.ids.tolist() == [i for seq, a, b in spans for i in seq.token_ids(a, b)]
+        assert torch.equal(payload.media_mask, torch.cat([mask for mask, _ in media]))
+        parts = [rows for _, rows in media if rows is not None]
+        assert torch.equal(payload.media_rows, torch.cat(parts) if parts else torch.empty(0, spec.hidden_size))
+        assert np.array_equal(payload.positions.numpy(), expected.positions)
+        assert np.array_equal(payload.slots.numpy(), expected.slots)
         checked.append(sum(b.num_new > 1 for b in batch) and sum(b.num_new == 1 for b in batch))
         return run(batch, ahead_ids)
 

@@ -197,27 +197,31 @@ def tp_payload(
     device_ids: torch.Tensor | None = None,
 ) -> StepPayload:
     """A step as every tensor-parallel rank needs it (each embeds the ids of its vocabulary shard).
-    With ``device_ids`` (an overlapped decode step) the ids are not on the host yet: zeros stand in."""
-    ids, masks, media, step_positions, step_slots = [], [], [], [], []
+    With ``device_ids`` (an overlapped decode step) the ids are not on the host yet: zeros stand in.
+    Positions and slots as `step_inputs` builds them; the media mask is set span by span only where a
+    span holds media."""
+    staged = step_inputs(batch, rows, block_size)
+    ids: list[int] = []
+    mask = torch.zeros(staged.num_tokens, dtype=torch.bool)
+    media = []
     for item in batch:
         seq, start, end = item.seq, item.seq.num_computed, item.seq.num_computed + item.num_new
-        ids.extend(seq.token_ids(start, end) if device_ids is None else [0] * (end - start))
-        mask, rows_of_media = media_rows(seq, start, end)
-        masks.append(mask)
-        if rows_of_media is not None:
-            media.append(rows_of_media)
-        step_positions.append(positions(seq, start, end))
-        step_slots.append(slots(seq, start, end, block_size))
+        if seq.media_embeds is not None and start < len(seq.prompt_ids):
+            span_mask, rows_of_media = media_rows(seq, start, end)
+            if rows_of_media is not None:
+                mask[len(ids) : len(ids) + item.num_new] = span_mask
+                media.append(rows_of_media)
+        ids.extend(seq.token_ids(start, end) if device_ids is None else [0] * item.num_new)
     return StepPayload(
         mode=mode,
-        slots=torch.from_numpy(np.concatenate(step_slots)),
+        slots=torch.from_numpy(staged.slots),
         ids=torch.tensor(ids, dtype=torch.int64),
-        media_mask=torch.cat(masks),
+        media_mask=mask,
         media_rows=torch.cat(media) if media else torch.empty((0, hidden), dtype=media_dtype),
-        positions=torch.cat(step_positions, dim=1),
-        query_lens=[b.num_new for b in batch],
-        context_lens=[b.seq.num_computed + b.num_new for b in batch],
-        block_tables=[list(b.seq.table.blocks) for b in batch],
+        positions=torch.from_numpy(staged.positions),
+        query_lens=staged.query_lens,
+        context_lens=staged.context_lens,
+        block_tables=[list(blocks) for blocks in staged.block_tables],
         rows=rows,
         device_ids=device_ids,
     )
