@@ -234,6 +234,8 @@ def test_static_graph_paths_and_fused_layers_keep_outputs(
     assert engine.graphs is not None
     runs, mixed = engine.graphs.runs, engine.graphs.mixed_runs
     assert engine.counters["graph_steps"] == sum(runs.values()) + sum(mixed.values())
+    assert engine.counters["decode_graph_steps"] == sum(runs.values())  # (the host's launch time, by kind)
+    assert engine.counters["decode_launch_s"] > 0 and engine.counters["other_launch_s"] > 0
     assert any(n < size for n, size in runs), runs  # some steps ran padded rows in the scratch block
     if graph_tokens:
         assert engine.graphs.token_sizes == [32, 46]

@@ -148,6 +148,9 @@ class Engine:
             "graph_steps": 0.0,  # of which steps replayed a graph (decode or mixed)
             "overlapped_steps": 0.0,  # of which steps were staged while the previous one ran
             "overlapped_mixed_steps": 0.0,  # of which steps with prefill chunks or arrivals (overlap_mixed)
+            "decode_graph_steps": 0.0,  # of which steps replayed a decode graph
+            "decode_launch_s": 0.0,  # host time building and launching those steps' forwards
+            "other_launch_s": 0.0,  # and every other step's (prefill chunks, mixed or eager)
         }
 
     # ------------------------------------------------------------------ admission
@@ -311,7 +314,18 @@ class Engine:
     # ------------------------------------------------------------------ run
     def run(self, batch: list[Scheduled], ahead_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
         """Logits of the sampling sequences, and whether the step ran as a decode graph. ``ahead_ids``: the
-        input ids (on the device) of the batch's first rows, those marked `ahead`."""
+        input ids (on the device) of the batch's first rows, those marked `ahead`.
+
+        Counts the host's time building and launching the forward by kind of step: on a GPU the forward
+        itself runs on after this returns, so a step kind whose launch time nears its GPU time leaves the
+        GPU waiting for the host."""
+        started = time.perf_counter()
+        logits, decode_graph = self._run(batch, ahead_ids)
+        self.counters["decode_graph_steps"] += decode_graph
+        self.counters["decode_launch_s" if decode_graph else "other_launch_s"] += time.perf_counter() - started
+        return logits, decode_graph
+
+    def _run(self, batch: list[Scheduled], ahead_ids: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
         self.counters["steps"] += 1
         # A decode graph takes the ids from the host or all from the device, not some from each.
         mode = self._mode(batch, decode_graph=ahead_ids is None or len(ahead_ids) == len(batch))

@@ -51,6 +51,11 @@ from workers.models.tensor_parallel import TensorParallel, load_shard
 log = logging.getLogger(__name__)
 
 
+def per_step_ms(counters: dict[str, float], seconds_key: str, steps: float) -> float:
+    """Milliseconds of ``counters[seconds_key]`` per step (0 with no steps)."""
+    return 1e3 * counters.get(seconds_key, 0.0) / steps if steps else 0.0
+
+
 def kv_cache_blocks(cfg: Config, model: LanguageModel) -> int:
     """KV blocks from ``[decoder] kv_cache_bytes``, or by default a share of what the GPU has free
     after the weights (the encoder and the embedding pool take the rest), or 256 MiB on a CPU."""
@@ -213,8 +218,8 @@ class DecoderWorker:
         if grew["steps"]:
             log.info(
                 "decoder: %d steps over %.1fs, in steps %.0f%%, on requests %.0f%%, on cache answers %.0f%%; "
-                "%.1f ms per step, slowest %.0f ms; %d prompt tokens, %d generated; "
-                "%d running, %d queued, %d waiting for media",
+                "%.1f ms per step, slowest %.0f ms; host launch %.2f ms per decode-graph step, %.2f per other; "
+                "%d prompt tokens, %d generated; %d running, %d queued, %d waiting for media",
                 grew["steps"],
                 seconds,
                 100 * grew["busy_s"] / seconds,
@@ -222,6 +227,8 @@ class DecoderWorker:
                 100 * grew["cache_s"] / seconds,
                 1e3 * grew["busy_s"] / grew["steps"],
                 1e3 * slowest,
+                per_step_ms(engine, "decode_launch_s", engine.get("decode_graph_steps", 0)),
+                per_step_ms(engine, "other_launch_s", engine.get("steps", 0) - engine.get("decode_graph_steps", 0)),
                 engine.get("prompt_tokens", 0),
                 engine.get("generated_tokens", 0),
                 len(self.engine.running),
