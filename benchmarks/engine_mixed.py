@@ -323,15 +323,27 @@ def use_prefill_tiles(sweep: Path) -> None:
     print(f"prefill tiles: {attention_triton.PREFILL_TILES}", flush=True)
 
 
+def launch(grew: dict[str, float]) -> dict[str, float | None]:
+    """The host's milliseconds building and launching a forward, per decode-graph step and per other step
+    (`Engine.run`'s counters over a window)."""
+    decode, other = grew["decode_graph_steps"], grew["steps"] - grew["decode_graph_steps"]
+    return {
+        "decode_graph_ms": 1e3 * grew["decode_launch_s"] / decode if decode else None,
+        "other_ms": 1e3 * grew["other_launch_s"] / other if other else None,
+    }
+
+
 def measure(engine: Engine, feeder: Feeder, seconds: float) -> dict[str, Any]:
     """The control window, then the mixed one, with the forwards of each split by kind."""
     timer = StepTimer(engine)
     results: dict[str, Any] = {}
     for name, rate in (("control", 0.0), ("mixed", feeder.load.rate)):
         timer.take()
+        before = dict(engine.counters)
         seen = run_window(engine, feeder, seconds, rate, feeder.load.media_device)
         forwards = timer.take()  # (the abort drain's forwards are in it too: at most one step)
-        results[name] = summarise(seen) | {"forwards": forward_split(forwards, seen.wall_s)}
+        grew = {key: engine.counters[key] - before.get(key, 0.0) for key in engine.counters}
+        results[name] = summarise(seen) | {"forwards": forward_split(forwards, seen.wall_s), "launch": launch(grew)}
         print(name, json.dumps(results[name]), flush=True)
     control, mixed = results["control"], results["mixed"]
     results["text_share"] = mixed["text_tokens_per_s"] / control["text_tokens_per_s"]

@@ -41,3 +41,4 @@ def test_cpu_run_counts_text_tokens_and_vision_requests(tmp_path: Path) -> None:
     # Each vision prompt holds 3 x 972 media tokens: the mixed window's forwards carry them.
     assert mixed["forwards"]["prompt_tokens"] >= mixed["vision_done"] * 3 * 972
     assert result["text_share"] == pytest.approx(mixed["text_tokens_per_s"] / control["text_tokens_per_s"])
+    assert mixed["launch"]["other_ms"] > 0  # (no graphs on the CPU: every step is "other")
