@@ -449,3 +449,4 @@ def test_step_embeddings_and_inputs_equal_those_built_span_by_span(parts: tuple[
     engine.run = checking_run  # type: ignore[method-assign]
     run_to_end(engine)
     assert len(checked) > 5 and any(checked)  # some steps held prompt chunks and decodes together
+    assert step_embeddings(model, []).shape == (0, spec.hidden_size)  # a step whose rows all came ahead

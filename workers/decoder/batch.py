@@ -128,6 +128,8 @@ def step_embeddings(model: LanguageModel, spans: list[Span]) -> torch.Tensor:
                 at.append(mask.nonzero().squeeze(1) + len(ids))
                 media.append(rows)
         ids.extend(seq.token_ids(start, end))
+    if not ids:  # every row of the step came from the device (`Engine.run`'s ahead ids): nothing to pin
+        return model.embed_tokens.weight.new_empty((0, model.embed_tokens.weight.shape[1]))
     embeds = model.embed_tokens(upload(torch.tensor(ids, dtype=torch.int64), model.device))
     if not media:
         return embeds
