@@ -350,7 +350,7 @@ def test_balanced_decode_splits_with_graph_padding(monkeypatch: pytest.MonkeyPat
     )
     q_padded = torch.cat([q, torch.randn(pad, heads, head_dim)])
     _, launches = attention_triton.plan(q_padded, kv_k, kv_v, padded, 0.1, block_n=16)
-    assert [launch.constexprs["DECODE"] for launch in launches] == [per_sequence] * 2
+    assert [launch.constexprs["ONE_PER_SEQUENCE"] for launch in launches] == [per_sequence] * 2
     assert launches[0].grid[0] == (8 + pad if per_sequence else 2 * (8 + pad))
     out = attention.paged_attention_triton(q_padded, kv_k, kv_v, padded, head_dim**-0.5, block_n=16)
     expected = paged_attention_reference(q, kv_k, kv_v, layout, head_dim**-0.5)

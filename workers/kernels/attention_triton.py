@@ -124,7 +124,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     BALANCED: tl.constexpr,
     HEAVY_FIRST: tl.constexpr,
-    DECODE: tl.constexpr,
+    ONE_PER_SEQUENCE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -132,7 +132,7 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    if DECODE:
+    if ONE_PER_SEQUENCE:
         # One program per sequence, whose one query is token `seq`: no search, no spare programs. Every one
         # of them starts with this chain of dependent loads, so it is short (a padded graph's empty
         # sequences, query length 0, leave at once).
@@ -295,7 +295,7 @@ def _reduce_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     BALANCED: tl.constexpr,
-    DECODE: tl.constexpr,
+    ONE_PER_SEQUENCE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
@@ -305,7 +305,7 @@ def _reduce_splits_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     used = num_splits
     if BALANCED:  # (decode only: the token's keys are its sequence's whole context)
-        seq = token if DECODE else _sequence_at(query_starts_ptr, num_seqs, token, 1, False)
+        seq = token if ONE_PER_SEQUENCE else _sequence_at(query_starts_ptr, num_seqs, token, 1, False)
         num_tiles = tl.cdiv(tl.load(context_lens_ptr + seq), BLOCK_N)
         tiles = _balanced_tiles(context_total_ptr, num_kv_heads, split_target, num_tiles, num_splits, BLOCK_N)
         used = tl.maximum(tl.cdiv(num_tiles, tiles), 1)
@@ -438,7 +438,7 @@ def plan(
             "SPLIT": split,
             "BALANCED": balanced,
             "HEAVY_FIRST": tiles.heavy_first,
-            "DECODE": one_per_seq,
+            "ONE_PER_SEQUENCE": one_per_seq,
             "INTERPRETED": interpreted_mode,
             "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
         },
@@ -471,7 +471,7 @@ def plan(
             "HEAD_DIM_PAD": head_dim_pad,
             "SPLITS_PAD": next_power_of_2(num_splits),
             "BALANCED": balanced,
-            "DECODE": one_per_seq,
+            "ONE_PER_SEQUENCE": one_per_seq,
             "BLOCK_N": block_n,
             "INTERPRETED": interpreted_mode,
         },
