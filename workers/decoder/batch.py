@@ -139,8 +139,9 @@ def step_embeddings(model: LanguageModel, spans: list[Span]) -> torch.Tensor:
 
 
 def step_inputs(batch: list[Scheduled], rows: list[int], block_size: int) -> StepInputs:
-    """The staged inputs of a mixed-graph step. A one-token span (a decode) takes plain ints, as
-    `decode_inputs` does; only prompt chunks build per-span arrays."""
+    """A step's staged inputs, as a mixed graph takes them (and a tensor-parallel step's payload carries
+    them). A one-token span (a decode) takes plain ints, as `decode_inputs` does; only prompt chunks build
+    per-span arrays."""
     tokens = sum(item.num_new for item in batch)
     step_positions = np.empty((3, tokens), dtype=np.int64)
     step_slots = np.empty(tokens, dtype=np.int64)
