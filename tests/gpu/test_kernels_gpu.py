@@ -145,9 +145,12 @@ def test_forced_splits(num_splits: int) -> None:
     check_attention(*batch, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("block_size", [7, 32])
+@pytest.mark.parametrize("block_size", [7, 32, 64, 128])
 def test_other_block_sizes(block_size: int) -> None:
+    """A prefill chunk beside decodes, then decodes alone (balanced splits, a program per sequence). At 64
+    and 128 every 64-key tile lies in one block: one table read and a contiguous run of slots."""
     check_attention(*paged_batch([100, 1, 1], [900, 1500, 33], 28, 4, 128, block_size=block_size))
+    check_attention(*paged_batch([1, 1, 1, 1], [1500, 64, 1, 700], 28, 4, 128, block_size=block_size, seed=1))
 
 
 def test_fp32_uses_ieee_products() -> None:
