@@ -35,10 +35,10 @@ from workers.decoder import engine as engine_module
 from workers.decoder.batch import Scheduled, Span, media_rows, positions, slots
 from workers.decoder.engine import Engine
 from workers.decoder.graphs import StepInputs
-from workers.decoder.sampling import upload
 from workers.kernels import attention_triton
 from workers.models.language import LanguageModel
 from workers.models.mrope import media_token_count
+from workers.models.runtime import upload
 from workers.models.spec import ModelSpec
 
 IMAGE_GRID = [1, 54, 72]  # 768 x 1024 resized to 756 x 1008 (multiples of 28): 972 tokens

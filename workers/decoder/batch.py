@@ -16,9 +16,9 @@ import torch
 from common.protocol import PreparedRequest
 from workers.decoder.blocks import BlockTable
 from workers.decoder.graphs import StepInputs
-from workers.decoder.sampling import upload
 from workers.decoder.tp import StepPayload
 from workers.models.language import LanguageModel
+from workers.models.runtime import upload
 
 
 @dataclass

@@ -28,12 +28,13 @@ from workers.decoder.batch import (
 )
 from workers.decoder.blocks import BlockManager, BlockTable, media_token_keys
 from workers.decoder.graphs import engine_graphs
-from workers.decoder.sampling import Sampled, SampleFuture, SamplingRow, sample_async, sample_batch, upload
+from workers.decoder.sampling import Sampled, SampleFuture, SamplingRow, sample_async, sample_batch
 from workers.decoder.tp import DECODE_GRAPH, EAGER, MIXED_GRAPH, RankForward, StepBroadcast, StepPayload
 from workers.kernels import paged_attention
 from workers.models.language import LanguageModel
 from workers.models.mrope import expand_media_placeholders, rope_positions
 from workers.models.paged import BatchLayout, PagedAttention, PagedKVCache, fuse_layers, paged_forward
+from workers.models.runtime import upload
 from workers.models.spec import ModelSpec
 
 

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.models.runtime import upload
+
 GREEDY_BELOW = 1e-5
 MAX_TOP_LOGPROBS = 20
 # Past this many candidates one full sort costs about what topk does.
@@ -329,16 +331,6 @@ def _draw(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- the batch
-
-
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` on ``device`` without waiting for the device: a plain copy to a GPU waits for the stream to
-    drain, which would serialise sampling, or a step staged ahead, with the forward launched before it.
-    Pinned first, then copied asynchronously (torch keeps the pinned block until the copy is done). A
-    tensor on a GPU already is only moved, if at all."""
-    if device.type != "cuda" or host.device.type != "cpu":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _index(ids: list[int], device: torch.device) -> torch.Tensor:

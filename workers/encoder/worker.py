@@ -27,7 +27,7 @@ from common.tensor_ref import ShmAttachments, read_tensor
 from common.transport import Channel, EventLoop, worker_identity
 from workers.encoder.backends import VisionBackend, load_vision_backend
 from workers.fetcher.image import Normalization, normalize_patches
-from workers.models.runtime import claim_device, encoder_gpu, resolve_dtype, to_device_async
+from workers.models.runtime import claim_device, encoder_gpu, resolve_dtype, upload
 
 log = logging.getLogger(__name__)
 
@@ -249,13 +249,13 @@ def model_pixels(job: EncodeJob, device: torch.device, channels: int) -> torch.T
     the bytes) and then rescaled and normalised there, bit-identical to the processor's host arithmetic."""
     pixels = read_tensor(job.pixels)
     if pixels.dtype != torch.uint8:
-        return to_device_async(pixels, device)
+        return upload(pixels, device)
     if job.image_mean and not len(job.image_mean) == len(job.image_std) == channels:
         raise ValueError(
             f"uint8 pixels need one mean and std per channel ({channels}), got {job.image_mean} and {job.image_std}"
         )
     norm = Normalization(job.rescale_factor, tuple(job.image_mean) or None, tuple(job.image_std) or None)
-    return normalize_patches(to_device_async(pixels, device), norm)
+    return normalize_patches(upload(pixels, device), norm)
 
 
 def job_patches(job: EncodeJob) -> int:
@@ -269,7 +269,7 @@ def encode_images(tower: VisionBackend, pixels: list[torch.Tensor], grids: list[
     Attention never crosses an image (the tower's segments are per frame), so each image's rows equal
     what encoding it alone gives, up to the float rounding of batched matrix products."""
     merge = tower.spec.spatial_merge_size
-    flat = torch.cat([to_device_async(p, tower.device).to(tower.dtype) for p in pixels])
+    flat = torch.cat([upload(p, tower.device).to(tower.dtype) for p in pixels])
     grid = torch.tensor(grids, dtype=torch.int64)  # the towers read it on the host (no device round trip)
     with torch.inference_mode():
         embeds = tower(flat, grid)

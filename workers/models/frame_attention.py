@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from workers.kernels.vision import vision_rotary_qk, vision_rotary_qk_into
-from workers.models.runtime import to_device_async
+from workers.models.runtime import upload
 
 BUCKET_FLOOR = 256
 # Below this many (padded) patches a frame runs FlashAttention-2 on the padded layout instead: cuDNN's
@@ -165,7 +165,7 @@ class PaddedFrames:
         # 80 (0.694 against 0.690 ms for three 768x1024 frames).
         padded_dim = -(-(head_dim + 1) // 16) * 16
         qkv = torch.zeros(3, padded_row, heads, padded_dim, device=like.device, dtype=like.dtype)
-        rows = to_device_async(torch.cat(dest), like.device)
+        rows = upload(torch.cat(dest), like.device)
         qkv[0, :, :, head_dim] = 1.0
         qkv[1, :, :, head_dim] = -MASK_SCORE
         qkv[1, rows, :, head_dim] = 0.0  # the real keys

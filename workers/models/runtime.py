@@ -61,12 +61,12 @@ def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return names[cfg.model.dtype]
 
 
-def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device`` without making the host wait for the work already queued there: a copy from
-    pageable memory can wait for the stream (the driver stages it), one from pinned memory does not. (The
-    pinned block stays reserved until the copy is done: torch's host allocator records the stream.)"""
-    if device.type != "cuda" or tensor.device == device:
-        return tensor.to(device)
-    if tensor.device.type == "cpu" and not tensor.is_pinned():
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without making the host wait for the work already queued there: a plain copy
+    from pageable memory to a GPU waits for the stream to drain, which would serialise the decoder's
+    sampling, or a step staged ahead, with the forward launched before it, and an encoder's next batch
+    with the last one. Pinned first, then copied asynchronously (torch's host allocator keeps the pinned
+    block until the copy is done). A tensor on a GPU already is only moved, if at all."""
+    if device.type != "cuda" or host.device.type != "cpu":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -27,7 +27,7 @@ from workers.models.frame_attention import (
     grouped_item_order,
     sdpa_choice,
 )
-from workers.models.runtime import to_device_async
+from workers.models.runtime import upload
 from workers.models.spec import ModelSpec, VisionSpec
 from workers.models.weights import CheckpointWeights, check_state, load_vision_state
 
@@ -90,7 +90,7 @@ def rows_in_order(counts: list[int], order: list[int], device: torch.device) -> 
     """The row indices that gather blocks of ``counts`` rows (block i: ``counts[i]`` rows, blocks back to back)
     in ``order``."""
     starts = [0, *itertools.accumulate(counts)]
-    return to_device_async(torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in order]), device)
+    return upload(torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in order]), device)
 
 
 def cu_seqlens_from_grid(grid_thw: torch.Tensor) -> torch.Tensor:
@@ -302,7 +302,7 @@ class VisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [num_patches, patch_dim], grid_thw [num_items, 3] -> [num_patches // merge**2, out_hidden]."""
         grid_thw = self._validate(pixel_values, grid_thw)
-        pixel_values = to_device_async(pixel_values, self.device)
+        pixel_values = upload(pixel_values, self.device)
         order = grouped_item_order(grid_thw)
         if order is None:
             return self._forward(pixel_values, grid_thw)
@@ -315,7 +315,7 @@ class VisionTower(nn.Module):
         return embeds[rows_in_order([merged[item] for item in order], back, self.device)]
 
     def _forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        positions = to_device_async(vision_rotary_positions(grid_thw, self.spec.spatial_merge_size), self.device)
+        positions = upload(vision_rotary_positions(grid_thw, self.spec.spatial_merge_size), self.device)
         cos, sin = vision_rotary_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
         x = self.patch_embed(pixel_values)
         attend = attention_for(self.backends, grid_thw, self.spec.num_heads, self.spec.head_dim, x)
