@@ -226,7 +226,11 @@ class EncoderWorker:
         try:
             if item.host_rows is not None:
                 slot.copy_(item.host_rows)
-            elif slot.is_cuda:  # a GPU pool: the rows must be there before the cache says they are
+            elif slot.is_cuda and slot.device != self.device:
+                # A GPU pool: the rows must be there before the cache says they are. On the tower's own
+                # device the batch's `done` event (recorded after these copies, synchronized by `deliver`)
+                # says so; a device-wide sync there would also wait for the next batch's forward, queued by
+                # now with overlap_batches. From another device (or a CPU tower), sync the pool's device.
                 torch.cuda.synchronize(slot.device)
         except Exception as exc:
             return self.fail(job, exc)
