@@ -75,12 +75,12 @@ def per_span_embeddings(model: LanguageModel, spans: list[Span]) -> torch.Tensor
     for seq, start, end in spans:
         ids = torch.tensor(seq.token_ids(start, end), dtype=torch.int64)
         embeds = model.embed_tokens(upload(ids, model.device))
-        mask, rows = media_rows(seq, start, end)
-        if rows is not None:
+        if (found := media_rows(seq, start, end)) is not None:
+            mask, rows = found
             at = upload(mask.nonzero().squeeze(1), embeds.device)
             embeds = embeds.index_copy(0, at, upload(rows, embeds.device).to(embeds.dtype))
         parts.append(embeds)
-    return torch.cat(parts) if parts else model.embed_tokens(upload(torch.empty(0, dtype=torch.int64), model.device))
+    return torch.cat(parts) if parts else model.embed_tokens.weight.new_empty((0, model.embed_tokens.weight.shape[1]))
 
 
 def per_span_step_inputs(batch: list[Scheduled], rows: list[int], block_size: int) -> StepInputs:

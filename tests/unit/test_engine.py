@@ -438,8 +438,12 @@ def test_step_embeddings_and_inputs_equal_those_built_span_by_span(parts: tuple[
         payload = tp_payload(batch, [], EAGER, engine.blocks.block_size, torch.float32, spec.hidden_size)
         media = [media_rows(*span) for span in spans]
         assert payload.ids.tolist() == [i for seq, a, b in spans for i in seq.token_ids(a, b)]
-        assert torch.equal(payload.media_mask, torch.cat([mask for mask, _ in media]))
-        parts = [rows for _, rows in media if rows is not None]
+        masks = [
+            torch.zeros(b - a, dtype=torch.bool) if found is None else found[0]
+            for found, (_, a, b) in zip(media, spans, strict=True)
+        ]
+        assert torch.equal(payload.media_mask, torch.cat(masks))
+        parts = [found[1] for found in media if found is not None]
         assert torch.equal(payload.media_rows, torch.cat(parts) if parts else torch.empty(0, spec.hidden_size))
         assert np.array_equal(payload.positions.numpy(), expected.positions)
         assert np.array_equal(payload.slots.numpy(), expected.slots)

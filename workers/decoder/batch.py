@@ -94,15 +94,16 @@ def slots(seq: Sequence, start: int, end: int, block_size: int) -> np.ndarray:
     return np.asarray(seq.table.blocks, dtype=np.int64)[at // block_size] * block_size + at % block_size
 
 
-def media_rows(seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Which of tokens [start, end) are media placeholders (bool [end - start]) and their embeddings."""
-    mask = torch.zeros(end - start, dtype=torch.bool)
+def media_rows(seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Which of tokens [start, end) are media placeholders (bool [end - start]) and their embeddings; None
+    where the span holds no placeholder (most spans of a step: decodes, text)."""
     prompt_end = min(end, len(seq.prompt_ids))
     if seq.media_embeds is None or start >= prompt_end:
-        return mask, None
+        return None
     part = seq.media_mask[start:prompt_end]
     if not part.any():
-        return mask, None
+        return None
+    mask = torch.zeros(end - start, dtype=torch.bool)
     mask[: prompt_end - start] = part
     first = int(seq.media_mask[:start].sum())
     return mask, seq.media_embeds[first : first + int(part.sum())]
@@ -122,11 +123,9 @@ def step_embeddings(model: LanguageModel, spans: list[Span]) -> torch.Tensor:
     at: list[torch.Tensor] = []
     media: list[torch.Tensor] = []
     for seq, start, end in spans:
-        if seq.media_embeds is not None and start < len(seq.prompt_ids):
-            mask, rows = media_rows(seq, start, end)
-            if rows is not None:
-                at.append(mask.nonzero().squeeze(1) + len(ids))
-                media.append(rows)
+        if (found := media_rows(seq, start, end)) is not None:
+            at.append(found[0].nonzero().squeeze(1) + len(ids))
+            media.append(found[1])
         ids.extend(seq.token_ids(start, end))
     if not ids:  # every row of the step came from the device (`Engine.run`'s ahead ids): nothing to pin
         return model.embed_tokens.weight.new_empty((0, model.embed_tokens.weight.shape[1]))
@@ -201,19 +200,16 @@ def tp_payload(
 ) -> StepPayload:
     """A step as every tensor-parallel rank needs it (each embeds the ids of its vocabulary shard).
     With ``device_ids`` (an overlapped decode step) the ids are not on the host yet: zeros stand in.
-    Positions and slots as `step_inputs` builds them; the media mask is set span by span only where a
-    span holds media."""
+    Positions and slots as `step_inputs` builds them; the media mask is set only where a span holds media."""
     staged = step_inputs(batch, rows, block_size)
     ids: list[int] = []
     mask = torch.zeros(staged.num_tokens, dtype=torch.bool)
     media = []
     for item in batch:
         seq, start, end = item.seq, item.seq.num_computed, item.seq.num_computed + item.num_new
-        if seq.media_embeds is not None and start < len(seq.prompt_ids):
-            span_mask, rows_of_media = media_rows(seq, start, end)
-            if rows_of_media is not None:
-                mask[len(ids) : len(ids) + item.num_new] = span_mask
-                media.append(rows_of_media)
+        if (found := media_rows(seq, start, end)) is not None:
+            mask[len(ids) : len(ids) + item.num_new] = found[0]
+            media.append(found[1])
         ids.extend(seq.token_ids(start, end) if device_ids is None else [0] * item.num_new)
     return StepPayload(
         mode=mode,
