@@ -112,28 +112,37 @@ def tile_grid() -> list[Any]:
     return [Tiles(16, block_n, warps, stages) for block_n, (warps, stages) in grid]
 
 
+def checked_graph_us(
+    label: str, answer: Callable[[], torch.Tensor], expected: torch.Tensor, timed: Callable[[], object], per: int = 1
+) -> float:
+    """Graph-timed microseconds of ``timed()`` (divided by ``per``, the calls it makes) once ``answer()`` is
+    within bf16 tolerance of the fp32 ``expected``; inf, and why printed, for a launch the compiler refuses
+    (shared memory) or one that answers wrong: not a candidate."""
+    try:
+        error = (answer().float() - expected).abs().max().item()
+        if error > 0.05:  # bf16 inputs and probabilities: a few 1e-3 when right
+            raise ArithmeticError(f"max error {error:.3g} against the fp32 reference")
+        return graph_replay_us(timed) / per
+    except Exception as exc:
+        print(f"{label}: {type(exc).__name__}: {exc}", flush=True)
+        return float("inf")
+
+
 def tile_times(inputs: DecodeInputs, scale: float, grid: list[Any]) -> dict[Any, float]:
-    """Kernel microseconds of each tile shape with the server's split plan; inf where the launch fails to
-    compile or its answer is wrong (not a candidate)."""
-    expected = paged_attention_reference(
-        inputs.q.float(), inputs.kv_k[0].float(), inputs.kv_v[0].float(), inputs.layout, scale
-    )
+    """Kernel microseconds of each tile shape with the server's split plan (inf: not a candidate)."""
+    q, kv_k, kv_v, metadata = inputs.q, inputs.kv_k, inputs.kv_v, inputs.metadata
+    expected = paged_attention_reference(q.float(), kv_k[0].float(), kv_v[0].float(), inputs.layout, scale)
     times = {}
     for tiles in grid:
 
         def calls(t: Any = tiles) -> None:
             for i in range(inputs.copies):
-                paged_attention_triton(inputs.q, inputs.kv_k[i], inputs.kv_v[i], inputs.metadata, scale, tiles=t)
+                paged_attention_triton(q, kv_k[i], kv_v[i], metadata, scale, tiles=t)
 
-        try:
-            out = paged_attention_triton(inputs.q, inputs.kv_k[0], inputs.kv_v[0], inputs.metadata, scale, tiles=tiles)
-            error = (out.float() - expected).abs().max().item()
-            if error > 0.05:  # bf16 inputs and probabilities: a few 1e-3 when right
-                raise ArithmeticError(f"max error {error:.3g} against the fp32 reference")
-            times[tiles] = graph_replay_us(calls) / inputs.copies
-        except Exception as exc:  # a shape the compiler refuses, or a wrong one
-            print(f"  {tiles}: {type(exc).__name__}: {exc}", flush=True)
-            times[tiles] = float("inf")
+        def answer(t: Any = tiles) -> torch.Tensor:
+            return paged_attention_triton(q, kv_k[0], kv_v[0], metadata, scale, tiles=t)
+
+        times[tiles] = checked_graph_us(f"  {tiles}", answer, expected, calls, inputs.copies)
     return times
 
 
