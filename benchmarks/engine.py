@@ -284,49 +284,28 @@ def time_decode_graph(
     """GPU time of one decode-graph replay whose sequences are ``mix``'s (count, context) groups, in graphs
     captured for ``max_context`` (the server captures for max_model_len, which fixes the split count);
     with ``profile_kernels``, the time per kernel too (torch.profiler sees the kernels a graph launches)."""
-    from torch.profiler import ProfilerActivity, profile
+    from benchmarks.mixed_step import blocks_needed, print_kernels, step_inputs  # (it imports this module)
 
-    contexts = [context for count, context in mix for _ in range(count)]
-    batch = len(contexts)
-    tables, next_block = [], 0
-    for context in contexts:
-        per = -(-(context + 1) // block_size)
-        tables.append(list(range(next_block, next_block + per)))
-        next_block += per
-    kv = PagedKVCache.for_model(model, next_block + 1, block_size)
+    step = [(1, context + 1) for count, context in mix for _ in range(count)]
+    batch, blocks = len(step), blocks_needed([step], block_size)
+    kv = PagedKVCache.for_model(model, blocks + 1, block_size)
     graphs = StepGraphs(
         model,
         kv,
         max_seqs=batch,
         max_tokens=0,
-        max_context=max(max_context, max(contexts) + 1),
-        scratch_block=next_block,
+        max_context=max(max_context, max(context for _, context in step)),
+        scratch_block=blocks,
         attention=paged_attention,
         fused=fuse_layers(model),
         capture=True,
     )
-    inputs = StepInputs(
-        positions=np.asarray([contexts] * 3, dtype=np.int64),
-        slots=np.asarray(
-            [t[c // block_size] * block_size + c % block_size for t, c in zip(tables, contexts, strict=True)]
-        ),
-        query_lens=[1] * batch,
-        context_lens=[c + 1 for c in contexts],
-        block_tables=tables,
-        rows=[],
-    )
+    inputs = step_inputs(step, block_size)
     shape = " + ".join(f"{count}x{context}" for count, context in mix)
     ms = cuda_time_ms(lambda: graphs.decode(inputs, [17] * batch), 50)
     print(f"decode {shape} (graph max context {graphs.max_context}, block size {block_size}): {ms:.3f} ms", flush=True)
-    if not profile_kernels:
-        return
-    steps = 20
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            graphs.decode(inputs, [17] * batch)
-        torch.cuda.synchronize()
-    print(f"kernels over {steps} replays (divide totals by {steps} for one step):")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    if profile_kernels:
+        print_kernels(lambda: graphs.decode(inputs, [17] * batch))
 
 
 def parse_mix(text: str) -> list[tuple[int, int]]:

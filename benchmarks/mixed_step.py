@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -114,16 +115,17 @@ def run(model: LanguageModel, steps: list[Step], names: list[str], block_size: i
         sys.stdout.flush()
 
 
-def print_kernels(replay: object) -> None:
+def print_kernels(replay: Callable[[], object]) -> None:
+    """The kernels that ``replay`` launches (torch.profiler sees those of a graph), over 20 replays."""
     from torch.profiler import ProfilerActivity, profile
 
-    replays = 10
+    replays = 20
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            replay()  # type: ignore[operator]
+            replay()
         torch.cuda.synchronize()
     print(f"kernels over {replays} replays (divide totals by {replays} for one step):")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
 def main(argv: list[str] | None = None) -> None:
