@@ -47,7 +47,7 @@
 #   overlap-batches  seed3img-anchor (MPS, the defaults) and the greedy parity prompts with [encoder] overlap_batches
 #                    off and on, the two parity records compared (the same answers, within bf16 tolerance)
 #   mixed-overlap-ab mixed and its control (MPS, 200 image requests) with [encoder] overlap_batches off, then on
-#   device-pool-ab   the greedy parity prompts and seed3img-anchor (MPS, the defaults) with the host embedding pool,
+#   device-pool-ab   the greedy parity prompts and seed3img-anchor (no MPS) with the host embedding pool,
 #                    then with [cache] device_pool (CUDA IPC), the parity records compared: the encoder's GPU-pool
 #                    path with overlap_batches (a slot on the tower's device is covered by the batch's event)
 #   mixed-vision-gpu1   mixed and its control on two GPUs: the decoder on GPU 0, the encoder on GPU 1 alone
@@ -216,7 +216,7 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       done ;;
     device-pool-ab) mkdir -p "$out/$dir"
       for pool in 0 1; do
-        stack "$dir/device-pool-$pool" CUDA_VISIBLE_DEVICES=0 MPS=1 DEVICE_POOL=$pool C32_REQUESTS=256 \
+        stack "$dir/device-pool-$pool" CUDA_VISIBLE_DEVICES=0 DEVICE_POOL=$pool C32_REQUESTS=256 \
           ONLY="parity seed3img-anchor-c32"
       done
       python3 -m benchmarks.parity compare "$out/$dir/device-pool-0/parity.json" "$out/$dir/device-pool-1/parity.json" \
