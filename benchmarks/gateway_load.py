@@ -58,7 +58,7 @@ class StandInDecoder:
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self) -> None:
-        status = encode(WorkerStatus("decoder", "stand-in", uuid.uuid4().hex, 1 << 20))
+        status = encode(WorkerStatus("decoder", "decoder", uuid.uuid4().hex, 1 << 20))  # replica 0's name
         next_step = next_beat = time.monotonic()
         while not self.stop.is_set():
             now = time.monotonic()

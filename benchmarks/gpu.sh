@@ -13,6 +13,8 @@
 #        DECODING_BUDGET=512 for the decoder's tokens per step while streams decode, OVERLAP_MIXED=1/0 to
 #        set [decoder] overlap_mixed (steps with prefill chunks staged ahead too; on by default),
 #        DEVICE_POOL=1 SPILL_BYTES=N [POOL_BYTES=N] for the pool's host spill tier (a small pool spills),
+#        REPLICAS=2 [TEXT_REPLICAS=0] [MEDIA_REPLICAS=1] for data-parallel decoder replicas (one GPU each) and
+#        which take text-only requests and which take requests with media,
 #        C32_REQUESTS=256 for longer seed3img runs at 32 clients than the default 64, MIXED_REQUESTS=200 for a
 #        longer mixed and control than the default 60 image requests)
 set -uo pipefail
@@ -21,7 +23,7 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLM_CONFIG="$PWD/benchmarks/gpu.toml"
 if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
-  || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${ENCODER_OVERLAP:-}${DECODING_BUDGET:-}${SPILL_BYTES:-}${POOL_BYTES:-}${OVERLAP_MIXED:-}" ]; then  # variants of gpu.toml
+  || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${ENCODER_OVERLAP:-}${DECODING_BUDGET:-}${SPILL_BYTES:-}${POOL_BYTES:-}${OVERLAP_MIXED:-}${REPLICAS:-}" ]; then  # variants of gpu.toml
   cp benchmarks/gpu.toml /tmp/gpu-variant.toml
   # DEVICE_POOL=1: the embedding pool in GPU memory, handed over by CUDA IPC
   [ "${DEVICE_POOL:-0}" = 1 ] && sed -i "/^\[cache\]/a device_pool = true" /tmp/gpu-variant.toml
@@ -40,6 +42,9 @@ if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
   # OVERLAP_MIXED=1 or 0: every decoder step staged while the previous one runs, prefill steps too (the
   # default since 78ae5c7), or only decode steps
   [ -n "${OVERLAP_MIXED:-}" ] && sed -i "/^\[decoder\]/a overlap_mixed = $([ "$OVERLAP_MIXED" = 1 ] && echo true || echo false)" /tmp/gpu-variant.toml
+  # REPLICAS=N: N whole decoders (replica r on GPU r); TEXT_REPLICAS / MEDIA_REPLICAS (comma lists): which
+  # replicas take text-only requests and which take requests with images (default: all)
+  [ -n "${REPLICAS:-}" ] && sed -i "/^\[decoder\]/a replicas = ${REPLICAS}\ntext_replicas = [${TEXT_REPLICAS:-}]\nmedia_replicas = [${MEDIA_REPLICAS:-}]" /tmp/gpu-variant.toml
   # DECODING_BUDGET=512: the decoder's tokens per step while any stream decodes
   [ -n "${DECODING_BUDGET:-}" ] && sed -i "/^\[decoder\]/a tokens_per_step_while_decoding = ${DECODING_BUDGET}" /tmp/gpu-variant.toml
   export VLM_CONFIG=/tmp/gpu-variant.toml

@@ -52,6 +52,11 @@
 #                    path with overlap_batches (a slot on the tower's device is covered by the batch's event)
 #   mixed-vision-gpu1   mixed and its control on two GPUs: the decoder on GPU 0, the encoder on GPU 1 alone
 #                    ([encoder] gpus = [1]; needs a two-GPU kind), no MPS
+#   mixed-dp-routed  mixed and its control on two GPUs, two decoder replicas routed by modality: text-only requests
+#                    to replica 0 (GPU 0), requests with images to replica 1 (GPU 1) beside the encoder
+#                    ([decoder] replicas = 2, text_replicas = [0], media_replicas = [1], [encoder] gpus = [1]), MPS
+#   mixed-dp         the same with both replicas taking both kinds and an encoder on each GPU, MPS
+#   seed3img-dp      seed3img-anchor (256 requests) with two replicas taking both kinds, an encoder on each GPU, MPS
 #   overlap-mixed    mixed and its control (MPS, 200 image requests) with [decoder] overlap_mixed; and
 #                    seed3img-anchor with it (compare with mixed-mps and mps)
 # A part named twice takes a suffix for its folder: PARTS="none mps none@2 mps@2".
@@ -222,6 +227,10 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       python3 -m benchmarks.parity compare "$out/$dir/device-pool-0/parity.json" "$out/$dir/device-pool-1/parity.json" \
         > "$out/$dir/parity-compare.log" 2>&1; echo "compare exit $?" >> "$out/$dir/parity-compare.log" ;;
     mixed-vision-gpu1) stack "$dir" ENCODER_GPUS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
+    mixed-dp-routed) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=1 MIXED_REQUESTS=200 \
+      ONLY="mixed mixed-text-only" ;;
+    mixed-dp) stack "$dir" REPLICAS=2 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
+    seed3img-dp) stack "$dir" REPLICAS=2 MPS=1 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
     mixed-mps) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-mps-normal-priority) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MPS_LOW_PRIORITY=false MIXED_REQUESTS=200 \
       ONLY="mixed mixed-text-only" ;;

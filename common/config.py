@@ -171,12 +171,31 @@ class DecoderConfig:
     overlap_mixed: bool = True
     tensor_parallel: int = 1  # decoder ranks (one process, and one GPU, each); > 1 runs the plain-torch layers
     tp_timeout_s: float = 120.0  # how long the ranks wait for each other at start and in a collective
+    # Data parallelism: whole copies of the decoder, each with its own GPUs (replica r: GPUs r*tp .. r*tp+tp-1),
+    # KV cache and prefix cache. The gateway sends each request to the least loaded live replica.
+    replicas: int = 1
+    # Which replicas take text-only requests and which take requests with images or videos (empty: all).
+    # E.g. text_replicas = [0], media_replicas = [1], with [encoder] gpus = [1]: the text streams' GPU never
+    # runs vision work, neither the ViT nor an image prompt's prefill.
+    text_replicas: list[int] = field(default_factory=list)
+    media_replicas: list[int] = field(default_factory=list)
 
     def validate(self, where: str) -> None:
         if self.kernels not in ("triton", "torch"):
             raise ValueError(f"{where}.kernels: expected 'triton' or 'torch', got {self.kernels!r}")
         if self.tensor_parallel < 1:
             raise ValueError(f"{where}.tensor_parallel: expected >= 1, got {self.tensor_parallel}")
+        if self.replicas < 1:
+            raise ValueError(f"{where}.replicas: expected >= 1, got {self.replicas}")
+        for name in ("text_replicas", "media_replicas"):
+            listed = getattr(self, name)
+            if not (isinstance(listed, list) and all(type(r) is int for r in listed)):
+                raise ValueError(f"{where}.{name}: expected a list of replica indices like [0], got {listed!r}")
+            if any(not 0 <= r < self.replicas for r in listed) or len(set(listed)) != len(listed):
+                raise ValueError(
+                    f"{where}.{name}: {listed} must name distinct replicas of 0..{self.replicas - 1} "
+                    f"(replicas = {self.replicas})"
+                )
         if self.graph_tokens < 0:
             raise ValueError(f"{where}.graph_tokens: expected >= 0 (0: no mixed graphs), got {self.graph_tokens}")
         if self.prefill_tokens_per_step < 1:
@@ -225,6 +244,20 @@ class Config:
         if name.startswith("encoder.") and "encoder" in self.endpoints:
             return self.endpoints["encoder"].replace("{gpu}", name.split(".", 1)[1])
         return f"ipc://{self.run_path / (name + '.sock')}"
+
+    def decoder_name(self, replica: int) -> str:
+        """A decoder replica's name: its process's, its heartbeat's, and its sockets' (``decoder`` and
+        ``decoder-tp`` for replica 0, so that one-replica deployments keep theirs; ``decoder-1`` ...)."""
+        return "decoder" if replica == 0 else f"decoder-{replica}"
+
+    def decoder_endpoint(self, replica: int, hub: str = "decoder") -> str:
+        """The address of a decoder replica's request socket (``hub`` "decoder") or its tensor-parallel
+        rendezvous (``hub`` "decoder-tp")."""
+        return self.endpoint(hub if replica == 0 else f"{hub}-{replica}")
+
+    def decoder_gpu(self, replica: int, rank: int = 0) -> int:
+        """The GPU of a decoder replica's rank: each replica has ``tensor_parallel`` GPUs of its own."""
+        return replica * self.decoder.tensor_parallel + rank
 
     def model_path(self) -> Path:
         if self.model.path:
@@ -280,4 +313,9 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
         cfg.run_dir = env["VLM_RUN_DIR"]
     if env.get("VLM_API_KEYS"):
         cfg.server.api_keys = [k.strip() for k in env["VLM_API_KEYS"].split(",") if k.strip()]
+    if cfg.decoder.replicas > 1 and cfg.cache.device_pool:
+        raise ValueError(
+            f"{path}: [cache] device_pool puts the embedding pool on GPU 0, beside replica 0 only; with "
+            f"[decoder] replicas = {cfg.decoder.replicas} use the host pool (device_pool = false)"
+        )
     return cfg

@@ -3,8 +3,10 @@
 ``python -m common.deploy OUT`` (what ``./ops/serve`` runs) writes it for the configuration that
 ``VLM_CONFIG`` names: paths point at this checkout and at the deployment's own run directory (so two
 deployments never share a socket, pid file or log), the encoder program runs one process per
-encoder the fetcher will dispatch to (``[encoder] count``, 0: one per visible GPU), and a
-tensor-parallel decoder (``[decoder] tensor_parallel`` = N) gets its ranks 1..N-1 as ``decoder-rank``;
+encoder the fetcher will dispatch to (``[encoder] count``, 0: one per visible GPU), data-parallel decoder
+replicas (``[decoder] replicas`` = R) run as ``decoder`` (replica 0) and ``decoder-1`` .. ``decoder-{R-1}``,
+and a tensor-parallel decoder (``[decoder] tensor_parallel`` = N) gets its ranks 1..N-1 as ``decoder-rank``
+(replica r > 0: ``decoder-r-rank``);
 with ``[encoder] mps`` on a GPU host, the CUDA MPS control daemon runs first and every GPU process uses it.
 """
 
@@ -55,11 +57,13 @@ def render(
     encoders: int,
     decoder_ranks: int = 1,
     mps: MpsPlan | None = None,
+    replicas: int = 1,
 ) -> str:
     """The configuration to run; ``mps`` adds the CUDA MPS control daemon and each GPU process's share."""
-    if encoders < 1 or decoder_ranks < 1:
+    if encoders < 1 or decoder_ranks < 1 or replicas < 1:
         raise ValueError(
-            f"a deployment needs at least one encoder and one decoder rank, got {encoders}, {decoder_ranks}"
+            "a deployment needs at least one encoder, one decoder replica and one rank each, got "
+            f"{encoders}, {replicas}, {decoder_ranks}"
         )
     text = template.replace("%(here)s/../run/", f"{run}/").replace("%(here)s/..", str(repo))
     encoder = _section(text, "encoder")
@@ -67,8 +71,7 @@ def render(
         raise ValueError("the template's [program:encoder] section has no 'numprocs = 1' to set")
     body = encoder.group(0).replace("numprocs = 1", f"numprocs = {encoders}", 1)
     text = text[: encoder.start()] + body + text[encoder.end() :]
-    if decoder_ranks > 1:
-        text = _add_decoder_ranks(text, decoder_ranks)
+    text = _add_decoders(text, replicas, decoder_ranks)
     if mps is not None:
         text = _add_mps(text, run, mps)
     return text
@@ -87,9 +90,7 @@ def _add_mps(text: str, run: Path, plan: MpsPlan) -> str:
         "priority = 5\nautorestart = true\nstartsecs = 1\nstopsignal = TERM\nredirect_stderr = true\n"
         f"stdout_logfile = {run}/logs/mps.log\n"
     )
-    for name in ("encoder", "decoder", "decoder-rank"):
-        if f"[program:{name}]" not in text:
-            continue
+    for name in re.findall(r"^\[program:(encoder|decoder[-\w]*)\]$", text, flags=re.MULTILINE):
         share = plan.encoder_sm if name == "encoder" else plan.decoder_sm
         extra = f',CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="{share}"' if share < 100 else ""  # 100: MPS's default
         if name == "encoder" and plan.encoder_below_normal:
@@ -110,26 +111,44 @@ def _section(text: str, program: str) -> re.Match[str]:
     return section
 
 
-def _add_decoder_ranks(text: str, ranks: int) -> str:
-    """Ranks 1..ranks-1 of the tensor-parallel decoder: the decoder's program with ``--rank K``. Only in
-    rendered configurations: started without a rank 0 that waits for them, they would only time out."""
+def _add_decoders(text: str, replicas: int, ranks: int) -> str:
+    """Replicas 1..replicas-1 of the decoder (its program with ``--replica R``) and each replica's
+    tensor-parallel ranks 1..ranks-1 (with ``--rank K``). Only in rendered configurations: started
+    without a rank 0 that waits for them, ranks would only time out."""
     decoder = _section(text, "decoder").group(0)
     priority = re.search(r"^priority = (\d+)$", decoder, flags=re.MULTILINE)
     if priority is None:
         raise ValueError("the template's [program:decoder] section has no 'priority = N'")
+    added = []
+    for replica in range(replicas):
+        name = "decoder" if replica == 0 else f"decoder-{replica}"
+        if replica:
+            added.append(_derived(decoder, name, f"--replica {replica}", name, priority.group(0), 0))
+        if ranks > 1:
+            rank_args = (f"--replica {replica} " if replica else "") + "--rank %(process_num)d"
+            # supervisord stops programs in reverse priority order: rank 0 first, so that its stop broadcast
+            # reaches ranks that are still there (stopped first, they left rank 0 waiting to be killed).
+            added.append(_derived(decoder, f"{name}-rank", rank_args, f"{name}-rank", priority.group(0), ranks - 1))
+    names = ",".join(re.match(r"\[program:([^\]]+)\]", program).group(1) for program in added)  # type: ignore[union-attr]
+    if names:
+        text = re.sub(r"^(programs = .*)$", rf"\1,{names}", text, count=1, flags=re.MULTILINE)
+    return "".join([text.rstrip("\n") + "\n", *("\n" + program for program in added)])
+
+
+def _derived(decoder: str, name: str, args: str, log: str, priority: str, numprocs: int) -> str:
+    """The decoder's program as ``name``, with ``args`` and its own log; ``numprocs`` > 0: that many
+    processes numbered from 1 (``%(process_num)d``), a priority below the decoder's."""
     program = (
-        decoder.replace("[program:decoder]", "[program:decoder-rank]")
-        .replace("-m workers.decoder", "-m workers.decoder --rank %(process_num)d")
-        .replace("logs/decoder.log", "logs/decoder-rank-%(process_num)d.log")
-        # supervisord stops programs in reverse priority order: rank 0 first, so that its stop broadcast
-        # reaches ranks that are still there (stopped first, they left rank 0 waiting to be killed).
-        .replace(priority.group(0), f"priority = {int(priority.group(1)) - 1}")
+        decoder.replace("[program:decoder]", f"[program:{name}]")
+        .replace("-m workers.decoder", f"-m workers.decoder {args}")
+        .replace("logs/decoder.log", f"logs/{log}{'-%(process_num)d' if numprocs else ''}.log")
     )
-    program = program.rstrip("\n") + (
-        f"\nprocess_name = %(program_name)s-%(process_num)d\nnumprocs = {ranks - 1}\nnumprocs_start = 1\n\n"
-    )
-    text = re.sub(r"^(programs = .*)$", r"\1,decoder-rank", text, count=1, flags=re.MULTILINE)
-    return text.rstrip("\n") + "\n\n" + program
+    if numprocs:
+        level = int(priority.split("= ")[1]) - 1
+        program = program.replace(priority, f"priority = {level}").rstrip("\n") + (
+            f"\nprocess_name = %(program_name)s-%(process_num)d\nnumprocs = {numprocs}\nnumprocs_start = 1\n"
+        )
+    return program.rstrip("\n") + "\n"
 
 
 def main(argv: list[str]) -> None:
@@ -142,7 +161,8 @@ def main(argv: list[str]) -> None:
     wanted, why = mps_wanted(cfg, _has_gpu, _has_mps_daemon())
     print(f"CUDA MPS: {'on' if wanted else 'off'} ({why})", file=sys.stderr)
     mps = MpsPlan.of(cfg) if wanted else None
-    text = render(template, REPO, cfg.run_path, encoder_count(cfg), cfg.decoder.tensor_parallel, mps)
+    decoder = cfg.decoder
+    text = render(template, REPO, cfg.run_path, encoder_count(cfg), decoder.tensor_parallel, mps, decoder.replicas)
     out.write_text(text)
 
 
@@ -164,10 +184,11 @@ def mps_wanted(cfg: Config, has_gpu: Callable[[], bool], has_daemon: bool) -> tu
         return False, "no CUDA GPU"
     if setting is True:
         return True, "[encoder] mps = true"
-    if cfg.encoder.gpus and 0 not in cfg.encoder.gpus:
-        return False, "auto: no encoder shares the decoder's GPU 0"
-    if cfg.decoder.tensor_parallel > 1 or cfg.cache.device_pool:
-        return False, "auto: not measured with tensor_parallel > 1 or device_pool; set mps = true to try"
+    decoder_gpus = set(range(cfg.decoder.replicas * cfg.decoder.tensor_parallel))
+    if cfg.encoder.gpus and not decoder_gpus & set(cfg.encoder.gpus):
+        return False, "auto: no encoder shares a decoder's GPU"
+    if cfg.decoder.tensor_parallel > 1 or cfg.decoder.replicas > 1 or cfg.cache.device_pool:
+        return False, "auto: not measured with tensor_parallel > 1, replicas > 1 or device_pool; set mps = true to try"
     return True, "auto: an encoder shares the decoder's GPU"
 
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 _TAG = "~t"
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -224,6 +224,7 @@ class GenerateRequest(Message):
     prompt_ids: list[int]
     media: list[MediaInput]
     sampling: SamplingParams
+    replica: int = 0  # the decoder replica the gateway chose: the fetcher hands the request to it
 
 
 @message
@@ -404,6 +405,7 @@ class DecoderStats(Message):
 
     incarnation: str
     counters: dict[str, float]
+    worker_id: str = "decoder"  # the replica's name (`Config.decoder_name`)
 
 
 @message

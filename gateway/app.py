@@ -87,7 +87,11 @@ class Gateway:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "vlm-serve"}
 
     async def health(self, _request: web.Request) -> web.Response:
-        body = {"decoder": self.pipeline.decoder_live(), "fetchers": self.pipeline.fetchers.live_peers()}
+        replicas = self.pipeline.replicas
+        body: dict[str, Any] = {"decoder": self.pipeline.decoder_live()}
+        body["fetchers"] = self.pipeline.fetchers.live_peers()
+        if len(replicas.all) > 1:
+            body["decoders"] = {r.name: replicas.live(r) for r in replicas.all}
         healthy = body["decoder"] and body["fetchers"] > 0
         return web.json_response({"status": "ok" if healthy else "degraded", **body}, status=200 if healthy else 503)
 
@@ -102,9 +106,13 @@ class Gateway:
         )
         cache_counters = {"hits", "misses", "pending_hits", "commits", "evictions", "spills", "failed", "full"}
         lines += render_values("vlm_cache", await self.pipeline.cache_stats(), counters=cache_counters)
-        decoder_counters = {k for k in self.pipeline.decoder_stats if not k.startswith(("kv_", "requests_"))}
-        decoder_counters |= {"requests_finished"}
-        lines += render_values("vlm_decoder", self.pipeline.decoder_stats, counters=decoder_counters)
+        stats = {str(r.index): r.stats for r in self.pipeline.replicas.all}
+        names = {k for values in stats.values() for k in values}
+        decoder_counters = {k for k in names if not k.startswith(("kv_", "requests_"))} | {"requests_finished"}
+        if len(stats) == 1:
+            lines += render_values("vlm_decoder", stats["0"], counters=decoder_counters)
+        else:  # one series per replica
+            lines += render_values("vlm_decoder", stats, counters=decoder_counters, label="replica")
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:

@@ -42,15 +42,27 @@ class Histogram:
 _NOT_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 
-def render_values(prefix: str, values: dict[str, float], counters: set[str] | None = None) -> list[str]:
-    """Plain values: names ending in ``_total`` or listed in ``counters`` are counters, others gauges."""
+def render_values(
+    prefix: str,
+    values: dict[str, float] | dict[str, dict[str, float]],
+    counters: set[str] | None = None,
+    label: str = "",
+) -> list[str]:
+    """Plain values: names ending in ``_total`` or listed in ``counters`` are counters, others gauges.
+    With ``label``, ``values`` maps each label value to its values: one series per label value."""
+    series: dict[str, dict[str, float]] = values if label else {"": values}  # type: ignore[assignment]
+    keys = sorted({key for each in series.values() for key in each})
     lines = []
-    for key, value in sorted(values.items()):
+    for key in keys:
         name = f"{prefix}_{_NOT_NAME.sub('_', key)}"
         is_counter = key.endswith("_total") or (counters is not None and key in counters)
         if is_counter and not name.endswith("_total"):
             name += "_total"
-        lines += [f"# TYPE {name} {'counter' if is_counter else 'gauge'}", f"{name} {float(value)}"]
+        lines.append(f"# TYPE {name} {'counter' if is_counter else 'gauge'}")
+        for label_value, each in series.items():
+            if key in each:
+                labels = f'{{{label}="{label_value}"}}' if label else ""
+                lines.append(f"{name}{labels} {float(each[key])}")
     return lines
 
 

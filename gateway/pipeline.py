@@ -1,8 +1,9 @@
-"""The gateway's side of the sockets: fetcher dispatch, decoder liveness, results routed to requests."""
+"""The gateway's side of the sockets: fetcher dispatch, decoder replicas' liveness, results routed to requests."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -32,6 +33,7 @@ from common.protocol import (
 from common.transport import AsyncChannel
 from gateway.metrics import Histogram
 from gateway.offload import off_loop_if_large
+from gateway.replicas import Replica, Replicas, prefix_affinity
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ class Tracked:
 
     request_id: str
     events: asyncio.Queue[TokenDelta | RequestError]  # may be shared by the n choices of one HTTP request
+    replica: Replica
     stage: str = "fetch"  # fetch -> decode
     submitted: float = field(default_factory=time.monotonic)
 
@@ -55,15 +58,15 @@ class Pipeline:
         self.ctx = zmq.asyncio.Context()
         self.fetch = AsyncChannel(self.ctx, zmq.ROUTER, cfg.endpoint("fetch"), bind=True)
         self.inbox = AsyncChannel(self.ctx, zmq.PULL, cfg.endpoint("gateway"), bind=True)
-        self.decoder = AsyncChannel(self.ctx, zmq.PUSH, cfg.endpoint("decoder"), bind=False)
+        self.replicas = Replicas(cfg)
+        self.decoders = [
+            AsyncChannel(self.ctx, zmq.PUSH, cfg.decoder_endpoint(r.index), bind=False) for r in self.replicas.all
+        ]
         self.cache = AsyncChannel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
         self.fetchers = Dispatcher(
             self._send_to_fetcher, self._fetch_failed, dead_after_s=cfg.liveness.dead_after_s, max_attempts=3
         )
         self.requests: dict[str, Tracked] = {}
-        self.decoder_incarnation = ""
-        self.decoder_seen = 0.0
-        self.decoder_stats: dict[str, float] = {}
         self.stats_waiters: dict[str, asyncio.Future[StatsResult]] = {}
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -76,7 +79,7 @@ class Pipeline:
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
-        for channel in (self.fetch, self.inbox, self.decoder, self.cache):
+        for channel in (self.fetch, self.inbox, self.cache, *self.decoders):
             channel.close()
 
     # ------------------------------------------------------------------ submitting
@@ -86,34 +89,45 @@ class Pipeline:
         events: asyncio.Queue[TokenDelta | RequestError],
         beside: str | None = None,
     ) -> Tracked:
-        """Send a request on its way (``beside``: another request with the same media, whose fetcher this
-        one should share, as the choices of one request do: a fetcher loads an item once for all it serves)."""
+        """Send a request on its way (``beside``: another request with the same prompt and media, whose
+        fetcher and decoder replica this one should share, as the choices of one request do: a fetcher loads
+        an item once for all it serves, and a replica computes the shared prompt once)."""
+        sibling = self.requests.get(beside) if beside is not None else None
+        replica = sibling.replica if sibling is not None else self.choose_replica(request)
+        request = dataclasses.replace(request, replica=replica.index)
         frame = None
         if request.media:  # encoded once and re-sent as is; off the event loop where inline media makes it large
             frame = await off_loop_if_large(sum(len(m.url) for m in request.media), encode, request)
-        tracked = self.requests[request.request_id] = Tracked(request.request_id, events)
+        tracked = self.requests[request.request_id] = Tracked(request.request_id, events, replica)
+        replica.load += 1
         try:
             if frame is not None:
-                sibling = self.fetchers.jobs.get(beside) if beside is not None else None
-                prefer = sibling.peer if sibling is not None else None
+                job = self.fetchers.jobs.get(beside) if beside is not None else None
+                prefer = job.peer if job is not None else None
                 self.fetchers.submit(request.request_id, frame, self.cfg.server.request_timeout_s, prefer)
             else:  # text only: straight to the decoder
                 tracked.stage = "decode"
-                self._send(self.decoder, PreparedRequest(request.request_id, request.prompt_ids, [], request.sampling))
+                prepared = PreparedRequest(request.request_id, request.prompt_ids, [], request.sampling)
+                self._send(self.decoders[replica.index], prepared)
         except Exception:  # (a text request that cannot be encoded): leave nothing of it behind
             self.abort(request.request_id)
             raise
         return tracked
 
+    def choose_replica(self, request: GenerateRequest) -> Replica:
+        return self.replicas.choose(bool(request.media), prefix_affinity(request.prompt_ids, request.media))
+
     def abort(self, request_id: str) -> None:
-        """Stop a request everywhere it may be: queued here, at its fetcher, or in the decoder."""
-        if self.requests.pop(request_id, None) is None:
+        """Stop a request everywhere it may be: queued here, at its fetcher, or in its decoder replica."""
+        tracked = self.requests.pop(request_id, None)
+        if tracked is None:
             return
+        tracked.replica.load -= 1
         job = self.fetchers.jobs.get(request_id)
         if job is not None and job.peer is not None:
             self._send_to_fetcher(job.peer, Abort(request_id))
         self.fetchers.cancel(request_id)
-        self._send(self.decoder, Abort(request_id))
+        self._send(self.decoders[tracked.replica.index], Abort(request_id))
 
     def _send(self, channel: AsyncChannel, msg: Message) -> None:
         channel.sock.send(encode(msg))
@@ -154,13 +168,14 @@ class Pipeline:
                         self._deliver(delta)
                 case RequestError():
                     self._deliver(msg)
-                case DecoderStats(counters=counters):
-                    self.decoder_stats = counters
-                case WorkerStatus(role="decoder", incarnation=inc):
-                    if self.decoder_incarnation and inc != self.decoder_incarnation:
-                        self._fail_decoding("the decoder restarted")
-                    self.decoder_incarnation = inc
-                    self.decoder_seen = time.monotonic()
+                case DecoderStats(counters=counters, worker_id=name) if name in self.replicas.by_name:
+                    self.replicas.by_name[name].stats = counters
+                case WorkerStatus(role="decoder", worker_id=name, incarnation=inc) if name in self.replicas.by_name:
+                    replica = self.replicas.by_name[name]
+                    if replica.incarnation and inc != replica.incarnation:
+                        self._fail_decoding(replica, f"{self._decoder_named(replica)} restarted")
+                    replica.incarnation = inc
+                    replica.seen = time.monotonic()
                 case _:
                     pass
 
@@ -174,12 +189,15 @@ class Pipeline:
         while True:
             await asyncio.sleep(self.cfg.liveness.heartbeat_s)
             self.fetchers.tick()
-            if self.decoder_seen and time.monotonic() - self.decoder_seen > self.cfg.liveness.dead_after_s:
-                self._fail_decoding("the decoder is not responding")
+            for replica in self.replicas.stale(time.monotonic()):
+                self._fail_decoding(replica, f"{self._decoder_named(replica)} is not responding")
 
-    def _fail_decoding(self, why: str) -> None:
+    def _decoder_named(self, replica: Replica) -> str:
+        return "the decoder" if len(self.replicas.all) == 1 else f"decoder replica {replica.index}"
+
+    def _fail_decoding(self, replica: Replica, why: str) -> None:
         for tracked in list(self.requests.values()):
-            if tracked.stage == "decode":
+            if tracked.stage == "decode" and tracked.replica is replica:
                 self._deliver(RequestError(tracked.request_id, 503, "unavailable", f"{why}; retry the request"))
                 # The decoder that leased the request's embeddings is gone and will never release them;
                 # without this they would stay pinned (unevictable) until the lease TTL.
@@ -187,7 +205,8 @@ class Pipeline:
 
     # ------------------------------------------------------------------ status
     def decoder_live(self) -> bool:
-        return bool(self.decoder_seen) and time.monotonic() - self.decoder_seen <= self.cfg.liveness.dead_after_s
+        """Whether text-only requests and requests with media both have a live decoder replica."""
+        return all(self.replicas.serving().values())
 
     async def cache_stats(self, timeout_s: float = 2.0) -> dict[str, float]:
         call_id = uuid.uuid4().hex

@@ -284,3 +284,19 @@ def test_the_decoding_step_budget_is_checked(tmp_path: Path) -> None:
         load_config(write(tmp_path, "[decoder]\ntokens_per_step_while_decoding = 4096\n"), env={})
     with pytest.raises(ValueError, match=r"prefill_tokens_per_step: expected >= 1, got 0"):
         load_config(write(tmp_path, "[decoder]\nprefill_tokens_per_step = 0\n"), env={})
+
+
+def test_decoder_replicas_have_their_own_names_sockets_and_gpus(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "[decoder]\nreplicas = 3\ntensor_parallel = 2\n"), env={})
+    assert [cfg.decoder_name(r) for r in range(3)] == ["decoder", "decoder-1", "decoder-2"]
+    assert cfg.decoder_endpoint(0) == cfg.endpoint("decoder")  # one replica: the names it always had
+    assert cfg.decoder_endpoint(0, "decoder-tp") == cfg.endpoint("decoder-tp")
+    assert cfg.decoder_endpoint(2) == f"ipc://{cfg.run_path / 'decoder-2.sock'}"
+    assert cfg.decoder_endpoint(2, "decoder-tp") == f"ipc://{cfg.run_path / 'decoder-tp-2.sock'}"
+    assert len({cfg.decoder_endpoint(r, hub) for r in range(3) for hub in ("decoder", "decoder-tp")}) == 6
+    assert [cfg.decoder_gpu(r, k) for r in range(3) for k in range(2)] == [0, 1, 2, 3, 4, 5]
+
+
+def test_replicas_refuse_the_gpu_pool_of_replica_0(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="replicas = 2 use the host pool"):
+        load_config(write(tmp_path, "[decoder]\nreplicas = 2\n[cache]\ndevice_pool = true\n"), env={})

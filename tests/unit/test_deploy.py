@@ -60,6 +60,28 @@ def test_a_tensor_parallel_decoder_gets_its_other_ranks(tmp_path: Path) -> None:
     assert int(ranks["priority"]) < int(parser["program:decoder"]["priority"])
 
 
+def test_decoder_replicas_each_get_a_program_and_their_own_ranks(tmp_path: Path) -> None:
+    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, 2, MpsPlan(decoder_sm=70), replicas=3)
+    parser = configparser.RawConfigParser()
+    parser.read_string(text)
+    programs = parser["group:vlm"]["programs"].split(",")
+    for replica, name in enumerate(["decoder", "decoder-1", "decoder-2"]):
+        program, ranks = parser[f"program:{name}"], parser[f"program:{name}-rank"]
+        replica_args = f" --replica {replica}" if replica else ""
+        assert program["command"].endswith(f"-m workers.decoder{replica_args}"), name
+        assert program["stdout_logfile"] == f"{tmp_path}/logs/{name}.log"
+        assert "numprocs" not in program  # (supervisord's process name is the program's: the replica's name)
+        assert ranks["command"].endswith(f"-m workers.decoder{replica_args} --rank %(process_num)d"), name
+        assert ranks["stdout_logfile"] == f"{tmp_path}/logs/{name}-rank-%(process_num)d.log"
+        assert (ranks["numprocs"], ranks["numprocs_start"]) == ("1", "1")
+        assert int(ranks["priority"]) < int(program["priority"])
+        for section in (program, ranks):
+            assert 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="70"' in section["environment"], name
+        assert name in programs and f"{name}-rank" in programs
+    one = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2)
+    assert "--replica" not in one and "decoder-1" not in one
+
+
 def test_mps_daemon_runs_first_per_deployment_and_caps_the_encoders(tmp_path: Path) -> None:
     assert not rendered(1, tmp_path).has_section("program:mps")  # off unless asked for
     text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, mps=MpsPlan(encoder_sm=30))
@@ -93,10 +115,11 @@ def test_mps_auto_is_on_only_where_it_was_measured_to_pay() -> None:
         False,
         "auto: nvidia-cuda-mps-control is not on PATH",
     )
-    for change in ({"gpus": [1]}, {"tensor_parallel": 2}, {"device_pool": True}):
+    for change in ({"gpus": [1]}, {"tensor_parallel": 2}, {"device_pool": True}, {"replicas": 2}):
         other = Config()
         other.encoder.gpus = change.get("gpus", [])
         other.decoder.tensor_parallel = change.get("tensor_parallel", 1)
+        other.decoder.replicas = change.get("replicas", 1)
         other.cache.device_pool = change.get("device_pool", False)
         assert mps_wanted(other, has_gpu=lambda: True, has_daemon=True)[0] is False, change
         other.encoder.mps = True  # asked for by name: on wherever there is a GPU

@@ -115,6 +115,7 @@ def one_of_each() -> list[Message]:
             prompt_ids=[151644, 8948, 198],
             media=[MEDIA, MediaInput(kind="image", url="data:image/png;base64,AAAA", min_pixels=1, max_pixels=2)],
             sampling=SAMPLING,
+            replica=1,
         ),
         FetchDone(request_id="req-1"),
         PreparedRequest(request_id="req-2", prompt_ids=[1, 151655, 2], media=[PREPARED, PREPARED], sampling=SAMPLING),
@@ -143,7 +144,9 @@ def one_of_each() -> list[Message]:
         TPSetup(store_path="/run/8000/tp-1-2.store", world=2, num_blocks=4096, leader="1-2"),
         StatsRequest(call_id="c3"),
         StatsResult(call_id="c3", role="cache", incarnation="7-7", counters={"hits": 3.0, "bytes_used": 1.5e9}),
-        DecoderStats(incarnation="9-9", counters={"prefix_hit_tokens": 640.0, "requests_running": 3.0}),
+        DecoderStats(
+            incarnation="9-9", counters={"prefix_hit_tokens": 640.0, "requests_running": 3.0}, worker_id="decoder-1"
+        ),
         DELTA,
         TokenBatch(
             deltas=[

@@ -1,18 +1,29 @@
-"""``python -m workers.decoder [--rank K]``: the LLM decoder (rank 0, one per model replica), or rank K of
-its tensor-parallel group."""
+"""``python -m workers.decoder [--replica R] [--rank K]``: the LLM decoder (rank 0 of replica R; one
+replica unless ``[decoder] replicas`` says more), or rank K of its tensor-parallel group."""
 
+import argparse
 import signal
 
 from common.lifecycle import freeze_startup_heap, on_terminate, parse_args, start_process
 
 
 def main() -> None:
-    args = parse_args("workers.decoder", lambda p: p.add_argument("--rank", type=int, default=0))
-    cfg = start_process("decoder" if args.rank == 0 else f"decoder.{args.rank}", args)
+    def options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--replica", type=int, default=0, help="which data-parallel copy (0..replicas-1)")
+        parser.add_argument("--rank", type=int, default=0, help="which tensor-parallel rank of it")
+
+    args = parse_args("workers.decoder", options)
+    name = f"decoder-{args.replica}" if args.replica else "decoder"
+    cfg = start_process(name if args.rank == 0 else f"{name}.{args.rank}", args)
+    if not 0 <= args.replica < cfg.decoder.replicas or not 0 <= args.rank < cfg.decoder.tensor_parallel:
+        raise SystemExit(
+            f"--replica {args.replica} --rank {args.rank}: the config has {cfg.decoder.replicas} replica(s) of "
+            f"{cfg.decoder.tensor_parallel} rank(s) ([decoder] replicas, tensor_parallel)"
+        )
     if args.rank:
         from workers.decoder.tp import DecoderRank
 
-        rank = DecoderRank(cfg, args.rank)
+        rank = DecoderRank(cfg, args.replica, args.rank)
         freeze_startup_heap()
         # A stop is rank 0's to give: supervisord signals every rank at once, and a rank gone before
         # rank 0's stop broadcast would leave rank 0 blocked in it (under NCCL, until it is killed).
@@ -22,7 +33,7 @@ def main() -> None:
         return
     from workers.decoder.worker import DecoderWorker
 
-    worker = DecoderWorker(cfg)
+    worker = DecoderWorker(cfg, args.replica)
     on_terminate(worker.loop.stop)
     freeze_startup_heap()
     worker.run()

@@ -188,15 +188,16 @@ def init_group(cfg: Config, store_path: str, rank: int, world: int, device: torc
     )
 
 
-def leader_rendezvous(cfg: Config, incarnation: str, num_blocks: int, device: torch.device) -> None:
-    """Rank 0: wait for every other rank's `TPJoin`, answer each with `TPSetup`, enter the group."""
+def leader_rendezvous(cfg: Config, replica: int, incarnation: str, num_blocks: int, device: torch.device) -> None:
+    """Rank 0 of ``replica``: wait for every other rank's `TPJoin`, answer each with `TPSetup`, enter the
+    group."""
     world = cfg.decoder.tensor_parallel
-    run = cfg.run_path
-    for stale in run.glob("tp-*.store"):
-        stale.unlink(missing_ok=True)  # groups of earlier incarnations
-    store_path = str(run / f"tp-{incarnation}.store")
+    run, name = cfg.run_path, cfg.decoder_name(replica)
+    for stale in run.glob(f"tp-{name}-*.store"):
+        stale.unlink(missing_ok=True)  # groups of this replica's earlier incarnations (not the other replicas')
+    store_path = str(run / f"tp-{name}-{incarnation}.store")
     ctx = zmq.Context.instance()
-    channel = Channel(ctx, zmq.ROUTER, cfg.endpoint("decoder-tp"), bind=True)
+    channel = Channel(ctx, zmq.ROUTER, cfg.decoder_endpoint(replica, "decoder-tp"), bind=True)
     try:
         joined: dict[int, bytes] = {}
         deadline = time.monotonic() + cfg.decoder.tp_timeout_s
@@ -220,10 +221,10 @@ def leader_rendezvous(cfg: Config, incarnation: str, num_blocks: int, device: to
     log.info("tensor parallel group of %d ranks formed (%s)", world, store_path)
 
 
-def follower_rendezvous(cfg: Config, rank: int, incarnation: str, device: torch.device) -> TPSetup:
-    """Rank K: announce itself to rank 0, wait for `TPSetup`, enter the group."""
+def follower_rendezvous(cfg: Config, replica: int, rank: int, incarnation: str, device: torch.device) -> TPSetup:
+    """Rank K of ``replica``: announce itself to its rank 0, wait for `TPSetup`, enter the group."""
     ctx = zmq.Context.instance()
-    channel = Channel(ctx, zmq.DEALER, cfg.endpoint("decoder-tp"), bind=False)
+    channel = Channel(ctx, zmq.DEALER, cfg.decoder_endpoint(replica, "decoder-tp"), bind=False)
     try:
         channel.send(TPJoin(rank, incarnation))
         deadline = time.monotonic() + cfg.decoder.tp_timeout_s
@@ -267,17 +268,17 @@ class DecoderRank:
     """A decoder rank K >= 1: its shard of the model and KV cache (and graphs, as rank 0 has them),
     running rank 0's steps until told to stop."""
 
-    def __init__(self, cfg: Config, rank: int) -> None:
+    def __init__(self, cfg: Config, replica: int, rank: int) -> None:
         from workers.decoder.worker import runner_options  # (the worker imports this module)
         from workers.models.runtime import claim_device, resolve_dtype
         from workers.models.tensor_parallel import load_shard
 
         incarnation = f"{os.getpid()}-{time.time_ns() % 10**9}"
-        device = claim_device(cfg, rank)
+        device = claim_device(cfg, cfg.decoder_gpu(replica, rank))
         spec = ModelSpec.from_dir(cfg.model_path())
         tp = TensorParallel(rank, cfg.decoder.tensor_parallel, spec.vocab_size)
         model = load_shard(cfg.model_path(), spec, tp, device, resolve_dtype(cfg, device))
-        setup = follower_rendezvous(cfg, rank, incarnation, device)
+        setup = follower_rendezvous(cfg, replica, rank, incarnation, device)
         options = runner_options(cfg, device)  # rank 0's: the same kernels, graphs exactly when it has them
         graphs = options["graphs"] == "cuda"
         kv = PagedKVCache.for_model(model, setup.num_blocks + graphs, cfg.decoder.block_size)

@@ -97,12 +97,13 @@ class Waiting:
 
 
 class DecoderWorker:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, replica: int = 0) -> None:
         self.cfg = cfg
-        self.incarnation, _ = worker_identity("decoder")
+        self.name = cfg.decoder_name(replica)
+        self.incarnation, _ = worker_identity(self.name)
         path = cfg.model_path()
         self.spec = ModelSpec.from_dir(path)
-        device = claim_device(cfg)
+        device = claim_device(cfg, cfg.decoder_gpu(replica))
         started = time.monotonic()
         dtype = resolve_dtype(cfg, device)
         world = cfg.decoder.tensor_parallel
@@ -111,7 +112,7 @@ class DecoderWorker:
             tp = TensorParallel(0, world, self.spec.vocab_size)
             model = load_shard(path, self.spec, tp, device, dtype)
             num_blocks = kv_cache_blocks(cfg, model)
-            leader_rendezvous(cfg, self.incarnation, num_blocks, device)
+            leader_rendezvous(cfg, replica, self.incarnation, num_blocks, device)
             tp_steps = StepBroadcast(tp, self.spec.hidden_size, model.dtype, device)
         else:
             model = LanguageModel.from_checkpoint(path, device=device, dtype=dtype)
@@ -131,7 +132,7 @@ class DecoderWorker:
             **runner_options(cfg, device),
         )
         self.ctx = zmq.Context()
-        self.inbox = Channel(self.ctx, zmq.PULL, cfg.endpoint("decoder"), bind=True)
+        self.inbox = Channel(self.ctx, zmq.PULL, cfg.decoder_endpoint(replica), bind=True)
         self.results = Channel(self.ctx, zmq.PUSH, cfg.endpoint("gateway"), bind=False)
         self.cache = Channel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
         self.pools = ShmAttachments()
@@ -152,7 +153,8 @@ class DecoderWorker:
         self.heartbeat()
         graphs = self.engine.graphs
         log.info(
-            "decoder ready on %s in %.1fs: context %d, kernels %s, CUDA graphs %s, overlap %s, at %s",
+            "%s ready on %s in %.1fs: context %d, kernels %s, CUDA graphs %s, overlap %s, at %s",
+            self.name,
             device,
             time.monotonic() - started,
             max_len,
@@ -304,8 +306,8 @@ class DecoderWorker:
 
     # ------------------------------------------------------------------ liveness and endings
     def heartbeat(self) -> None:
-        self.results.send(WorkerStatus("decoder", "decoder", self.incarnation, self.cfg.decoder.max_running))
-        self.results.send(DecoderStats(self.incarnation, self.stats()))
+        self.results.send(WorkerStatus("decoder", self.name, self.incarnation, self.cfg.decoder.max_running))
+        self.results.send(DecoderStats(self.incarnation, self.stats(), self.name))
         self.cache.send(StatsRequest("ping"))
         now = time.monotonic()
         if self.waiting and now - self.cache_seen > self.cfg.liveness.dead_after_s:

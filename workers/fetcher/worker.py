@@ -107,7 +107,9 @@ class FetcherWorker:
         self.ctx = zmq.Context()
         self.gateway = Channel(self.ctx, zmq.DEALER, cfg.endpoint("fetch"), bind=False, identity=identity)
         self.results = Channel(self.ctx, zmq.PUSH, cfg.endpoint("gateway"), bind=False)
-        self.decoder = Channel(self.ctx, zmq.PUSH, cfg.endpoint("decoder"), bind=False)
+        self.decoders = [  # a request goes to the replica the gateway chose for it
+            Channel(self.ctx, zmq.PUSH, cfg.decoder_endpoint(r), bind=False) for r in range(cfg.decoder.replicas)
+        ]
         self.cache = Channel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
         self.encoders = [
             Channel(self.ctx, zmq.DEALER, cfg.endpoint(f"encoder.{k}"), bind=False) for k in range(encoder_count(cfg))
@@ -149,7 +151,7 @@ class FetcherWorker:
             self.loop.run()
         finally:
             self.threads.shutdown(wait=False, cancel_futures=True)
-            for channel in [self.gateway, self.results, self.decoder, self.cache, *self.encoders]:
+            for channel in [self.gateway, self.results, self.cache, *self.decoders, *self.encoders]:
                 channel.close()
 
     # ------------------------------------------------------------------ liveness
@@ -184,6 +186,10 @@ class FetcherWorker:
         match msg:
             case GenerateRequest(request_id=rid) if rid not in self.inflight:
                 state = self.inflight[rid] = InFlight(msg, time.monotonic() + self.cfg.server.request_timeout_s)
+                if not 0 <= msg.replica < len(self.decoders):  # (a gateway with another config than ours)
+                    why = f"decoder replica {msg.replica} does not exist: [decoder] replicas = {len(self.decoders)}"
+                    self.finish_error(rid, 500, f"{why}; the gateway and the fetchers must share one config")
+                    return
                 if len(msg.media) > self.cfg.fetcher.max_images_per_request:
                     self.finish_error(
                         rid,
@@ -318,7 +324,8 @@ class FetcherWorker:
     def forward(self, state: InFlight) -> None:
         request = state.request
         media = [state.prepared[i] for i in range(len(state.loaded))]
-        self.decoder.send(PreparedRequest(request.request_id, request.prompt_ids, media, request.sampling))
+        prepared = PreparedRequest(request.request_id, request.prompt_ids, media, request.sampling)
+        self.decoders[request.replica].send(prepared)
         self.done(request.request_id)
 
     # ------------------------------------------------------------------ encoder side

@@ -1,0 +1,140 @@
+"""Two data-parallel decoder replicas through the whole stack: text-only requests may go to either,
+requests with images only to replica 1 (``media_replicas = [1]``). Each answers as transformers does, the
+gateway spreads concurrent requests by load, keeps a conversation on one replica, and a replica that dies
+costs only its own requests: the other goes on serving, and supervisord brings the dead one back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from openai import OpenAI
+
+from benchmarks.hf_chat import HfChat
+from common.config import load_config
+from gateway.prompt import PromptBuilder
+from gateway.replicas import prefix_affinity
+from gateway.schema import ChatMessage
+from tests.integration.conftest import Stack, serve
+from tests.integration.test_chat_parity import check_parity, image_part
+from tests.integration.test_faults import ANSWER_BOUND_S, one_request, wait_restarted
+from tests.media import data_url, make_image
+
+FINISHED = 'vlm_decoder_requests_finished_total{replica="%d"}'
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from serve(tmp_path_factory, "dp2", "[decoder]\nreplicas = 2\nmedia_replicas = [1]\n")
+
+
+def finished(stack: Stack, at_least: float = 0.0, timeout_s: float = 10.0) -> tuple[float, float]:
+    """Each replica's finished requests, once they add up to ``at_least`` (the decoders report their
+    counters with each heartbeat, so /metrics may lag an answer by one)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = stack.metrics()
+        counts = metrics.get(FINISHED % 0, 0.0), metrics.get(FINISHED % 1, 0.0)
+        if sum(counts) >= at_least or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.1)
+
+
+def test_each_replica_answers_like_transformers_and_images_go_to_theirs(dp2: Stack) -> None:
+    assert dp2.pid("decoder") > 0 and dp2.pid("decoder-1") > 0
+    status, body = dp2.get_json("/health")
+    assert status == 200 and body["decoders"] == {"decoder": True, "decoder-1": True}, body
+    client = OpenAI(base_url=dp2.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    hf = HfChat(load_config(dp2.config_path).model_path())
+    before = finished(dp2)
+    for k in range(3):  # text may land on either replica; each must answer as transformers does
+        check_parity(client, hf, [{"role": "user", "content": f"Write haiku number {k} about the sea."}])
+    after_text = finished(dp2, sum(before) + 3)
+    assert sum(after_text) - sum(before) == 3
+    pictures = [
+        image_part(data_url(make_image(200, 60, seed=32))),
+        {"type": "text", "text": "Compare this one"},
+        image_part(data_url(make_image(64, 256, seed=33))),
+        {"type": "text", "text": "with that one."},
+    ]
+    check_parity(client, hf, [{"role": "user", "content": pictures}])
+    model = client.models.list().data[0].id
+    assert [one_request(client, model, seed)[0] for seed in (40, 41, 42)] == ["ok:length"] * 3
+    after_image = finished(dp2, sum(after_text) + 4)
+    assert after_image[0] == after_text[0] and after_image[1] == after_text[1] + 4, (after_text, after_image)
+
+
+def test_concurrent_requests_spread_and_a_conversation_stays(dp2: Stack) -> None:
+    client = OpenAI(base_url=dp2.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+
+    def ask(prompt: str) -> None:
+        client.chat.completions.create(
+            messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0, model=model
+        )
+
+    before = finished(dp2)
+    with ThreadPoolExecutor(8) as pool:  # the least loaded replica takes each: neither can take them all
+        list(pool.map(ask, [f"Tell me fact {k} about owls." for k in range(8)]))
+    spread = finished(dp2, sum(before) + 8)
+    assert spread[0] > before[0] and spread[1] > before[1], (before, spread)
+    # Two conversations whose openings (> 256 tokens) prefer different replicas: each stays on its own
+    # (one request at a time, so the loads are equal; without the preference both would go to one replica).
+    prompts = PromptBuilder(load_config(dp2.config_path).model_path())
+    openings = {}
+    for k in range(64):
+        opening = f"Conversation {k} opens at length. " + "The next turns repeat this opening. " * 40
+        user = [ChatMessage(role="user", content=opening)]
+        openings.setdefault(prefix_affinity(prompts.build(user).token_ids, []) % 2, opening)
+        if len(openings) == 2:
+            break
+    counts = spread
+    for replica, opening in sorted(openings.items()):
+        for turn in range(3):
+            ask(opening + f" Question {turn}?")
+        after = finished(dp2, sum(counts) + 3)
+        grew = [after[r] - counts[r] for r in (0, 1)]
+        assert grew[replica] == 3 and grew[1 - replica] == 0, (replica, grew)
+        counts = after
+
+
+def test_losing_a_replica_costs_only_its_requests(dp2: Stack) -> None:
+    """kill -9 of replica 1 mid-flight: its image requests end with an explained 5xx (or an answer) within
+    the bound, and supervisord restarts it. Then replica 1 stopped: /health says images have no replica,
+    text goes to replica 0 alone and is answered, an image request fails at once with an explained 503;
+    started again, images are served again."""
+    client = OpenAI(base_url=dp2.base_url + "/v1", api_key="unused", max_retries=0, timeout=ANSWER_BOUND_S + 30)
+    model = client.models.list().data[0].id
+    victim = dp2.pid("decoder-1")
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(one_request, client, model, 500 + i) for i in range(4)]
+        time.sleep(0.3)
+        os.kill(victim, signal.SIGKILL)
+        outcomes = [f.result(timeout=ANSWER_BOUND_S + 60) for f in futures]
+    assert all(elapsed < ANSWER_BOUND_S for _, elapsed, _ in outcomes), outcomes
+    wait_restarted(dp2, "decoder-1", victim, timeout_s=120)
+
+    dp2.ctl("stop", "vlm:decoder-1")
+    deadline = time.monotonic() + 30
+    while (health := dp2.get_json("/health"))[1]["decoders"]["decoder-1"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    status, body = health
+    assert status == 503 and body["decoders"] == {"decoder": True, "decoder-1": False}, health
+    for k in range(6):  # without the liveness check some of these would go to replica 1 (affinity, equal loads)
+        reply = client.chat.completions.create(
+            messages=[{"role": "user", "content": f"Still there, number {k}?"}],
+            max_tokens=8,
+            temperature=0,
+            model=model,
+        )
+        assert reply.choices[0].finish_reason == "length"
+    outcome, elapsed, _ = one_request(client, model, seed=778)
+    assert outcome == "error:503" and elapsed < 3 * load_config(dp2.config_path).liveness.dead_after_s, outcome
+    dp2.ctl("start", "vlm:decoder-1")
+    dp2.wait_healthy()
+    outcome, _, _ = one_request(client, model, seed=777)
+    assert outcome.startswith("ok:"), outcome

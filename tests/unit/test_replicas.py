@@ -1,0 +1,103 @@
+"""The gateway's choice of a decoder replica: by kind, liveness, load, and a conversation's prefix."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from common.config import Config, DecoderConfig
+from common.protocol import MediaInput
+from gateway.replicas import AFFINITY_PREFIX_TOKENS, Replicas, prefix_affinity
+
+
+def replicas(count: int, text: list[int] | None = None, media: list[int] | None = None) -> Replicas:
+    cfg = Config(decoder=DecoderConfig(replicas=count, text_replicas=text or [], media_replicas=media or []))
+    pool = Replicas(cfg)
+    for replica in pool.all:
+        replica.seen = time.monotonic()
+    return pool
+
+
+def test_names_follow_the_config() -> None:
+    pool = replicas(3)
+    assert [r.name for r in pool.all] == ["decoder", "decoder-1", "decoder-2"]
+    assert pool.by_name["decoder-2"].index == 2
+
+
+def test_kinds_go_only_to_their_replicas() -> None:
+    pool = replicas(3, text=[0], media=[1, 2])
+    for affinity in range(20):
+        assert pool.choose(False, affinity).index == 0
+        assert pool.choose(True, affinity).index in (1, 2)
+
+
+def test_the_least_loaded_replica_unless_the_preferred_one_is_close() -> None:
+    pool = replicas(2)
+    preferred = pool.choose(False, affinity=1)
+    assert preferred.index == 1  # equal loads: the conversation's replica
+    pool.all[1].load = 1
+    assert pool.choose(False, 1).index == 1  # one more request than the other: still its own
+    pool.all[1].load = 2
+    assert pool.choose(False, 1).index == 0  # two more: the least loaded
+    pool.all[0].load, pool.all[1].load = 40, 50
+    assert pool.choose(False, 1).index == 1  # a quarter more is close enough
+    pool.all[1].load = 51
+    assert pool.choose(False, 1).index == 0
+
+
+def test_a_silent_replica_gets_nothing_while_another_is_live() -> None:
+    pool = replicas(2)
+    pool.all[0].load = 100
+    pool.all[1].seen = time.monotonic() - 2 * pool.dead_after_s
+    assert pool.choose(False, 1).index == 0
+    assert pool.stale(time.monotonic()) == [pool.all[1]]
+    assert pool.serving() == {"text": True, "media": True}
+
+
+def test_with_none_live_the_request_waits_for_its_kind() -> None:
+    pool = replicas(2, text=[0], media=[1])
+    pool.all[1].seen = 0.0  # never heard from (start-up)
+    assert pool.choose(True, 0).index == 1
+    assert pool.serving() == {"text": True, "media": False}
+
+
+def test_prefix_affinity_is_the_opening_and_the_first_image() -> None:
+    opening = list(range(AFFINITY_PREFIX_TOKENS))
+    image = [MediaInput("image", "http://a/1.png")]
+    assert prefix_affinity([*opening, 1, 2], image) == prefix_affinity([*opening, 3], image)
+    assert prefix_affinity(opening, image) != prefix_affinity(opening, [MediaInput("image", "http://a/2.png")])
+    assert prefix_affinity([1, 2, 3], []) != prefix_affinity([1, 2, 4], [])
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"replicas": 0}, "replicas: expected >= 1"),
+        ({"replicas": 2, "media_replicas": [2]}, "must name distinct replicas of 0..1"),
+        ({"replicas": 2, "text_replicas": [0, 0]}, "must name distinct replicas"),
+        ({"replicas": 2, "text_replicas": [True]}, "expected a list of replica indices"),
+        ({"replicas": 2, "text_replicas": "0"}, "expected a list of replica indices"),
+    ],
+)
+def test_bad_replica_settings_are_refused_by_name(settings: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DecoderConfig(**settings).validate("[decoder]")
+
+
+def test_metrics_of_several_replicas_are_one_series_each() -> None:
+    from gateway.metrics import render_values
+
+    stats = {"0": {"requests_finished": 3.0, "kv_usage": 0.5}, "1": {"requests_finished": 4.0}}
+    lines = render_values("vlm_decoder", stats, counters={"requests_finished"}, label="replica")
+    assert lines == [
+        "# TYPE vlm_decoder_kv_usage gauge",
+        'vlm_decoder_kv_usage{replica="0"} 0.5',
+        "# TYPE vlm_decoder_requests_finished_total counter",
+        'vlm_decoder_requests_finished_total{replica="0"} 3.0',
+        'vlm_decoder_requests_finished_total{replica="1"} 4.0',
+    ]
+    assert render_values("vlm_decoder", stats["1"], counters={"requests_finished"}) == [
+        "# TYPE vlm_decoder_requests_finished_total counter",
+        "vlm_decoder_requests_finished_total 4.0",
+    ]
