@@ -89,6 +89,7 @@ if [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" parity "* ]]; then
   log "parity: recording greedy answers"
   timeout 300 $py -m benchmarks.parity record --url "$url" --out "$out/parity.json" >> "$out/gpu.log" 2>&1 \
     || log "parity ended with status $?"
+  curl -s "$url/metrics" > "$out/parity.metrics"  # which decoder replica answered how many
 fi
 
 quick() { [ "${QUICK:-0}" = 1 ]; }

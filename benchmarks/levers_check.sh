@@ -57,6 +57,8 @@
 #                    ([decoder] replicas = 2, text_replicas = [0], media_replicas = [1], [encoder] gpus = [1]), MPS
 #   mixed-dp         the same with both replicas taking both kinds and an encoder on each GPU, MPS
 #   seed3img-dp      seed3img-anchor (256 requests) with two replicas taking both kinds, an encoder on each GPU, MPS
+#   parity-dp        the greedy parity prompts from one decoder on GPU 0, then from two replicas (the prompts go to
+#                    either: their openings differ), the records compared: a replica on GPU 1 answers as GPU 0 does
 #   overlap-mixed    mixed and its control (MPS, 200 image requests) with [decoder] overlap_mixed; and
 #                    seed3img-anchor with it (compare with mixed-mps and mps)
 # A part named twice takes a suffix for its folder: PARTS="none mps none@2 mps@2".
@@ -231,6 +233,12 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       ONLY="mixed mixed-text-only" ;;
     mixed-dp) stack "$dir" REPLICAS=2 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     seed3img-dp) stack "$dir" REPLICAS=2 MPS=1 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
+    parity-dp) mkdir -p "$out/$dir"
+      stack "$dir/one" CUDA_VISIBLE_DEVICES=0 ONLY="parity"
+      stack "$dir/replicas" REPLICAS=2 ONLY="parity"
+      python3 -m benchmarks.parity compare "$out/$dir/one/parity.json" "$out/$dir/replicas/parity.json" \
+        > "$out/$dir/parity-compare.log" 2>&1; echo "compare exit $?" >> "$out/$dir/parity-compare.log"
+      grep -h "vlm_decoder_requests_finished_total" "$out/$dir/replicas/"*.metrics >> "$out/$dir/parity-compare.log" 2>/dev/null ;;
     mixed-mps) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-mps-normal-priority) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MPS_LOW_PRIORITY=false MIXED_REQUESTS=200 \
       ONLY="mixed mixed-text-only" ;;

@@ -47,6 +47,19 @@ def one_request(client: OpenAI, model: str, seed: int) -> tuple[str, float, floa
     return outcome, time.monotonic() - started, time.monotonic()
 
 
+def requests_through_a_kill(
+    client: OpenAI, model: str, victim: int, seeds: list[int]
+) -> tuple[list[tuple[str, float, float]], float]:
+    """An image request per seed, all at once, and ``kill -9`` of ``victim`` 0.3 s in: each request's
+    ``one_request`` outcome, and the monotonic time of the kill."""
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        futures = [pool.submit(one_request, client, model, s) for s in seeds]
+        time.sleep(0.3)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        return [f.result(timeout=ANSWER_BOUND_S + 60) for f in futures], killed_at
+
+
 def wait_restarted(stack: Stack, program: str, old_pid: int, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -81,12 +94,7 @@ def test_kill_9_mid_flight(stack: Stack, program: str) -> None:
     assert one_request(client, model, warm_seed)[0].startswith("ok:")
     seeds = [zlib.crc32(f"{program}/{i}".encode()) % 10_000 + 1000 for i in range(12)]
     victim = stack.pid(program)
-    with ThreadPoolExecutor(len(seeds)) as pool:
-        futures = [pool.submit(one_request, client, model, s) for s in seeds]
-        time.sleep(0.3)
-        os.kill(victim, signal.SIGKILL)
-        killed_at = time.monotonic()
-        outcomes = [f.result(timeout=ANSWER_BOUND_S + 60) for f in futures]
+    outcomes, killed_at = requests_through_a_kill(client, model, victim, seeds)
     assert all(elapsed < ANSWER_BOUND_S for _, elapsed, _ in outcomes), outcomes
     assert any(end > killed_at for _, _, end in outcomes), "no request was in flight at the kill"
     wait_restarted(stack, program, victim)

@@ -5,8 +5,6 @@ costs only its own requests: the other goes on serving, and supervisord brings t
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +19,7 @@ from gateway.replicas import prefix_affinity
 from gateway.schema import ChatMessage
 from tests.integration.conftest import Stack, serve
 from tests.integration.test_chat_parity import check_parity, image_part
-from tests.integration.test_faults import ANSWER_BOUND_S, one_request, wait_restarted
+from tests.integration.test_faults import ANSWER_BOUND_S, one_request, requests_through_a_kill, wait_restarted
 from tests.media import data_url, make_image
 
 FINISHED = 'vlm_decoder_requests_finished_total{replica="%d"}'
@@ -44,6 +42,20 @@ def finished(stack: Stack, at_least: float = 0.0, timeout_s: float = 10.0) -> tu
         time.sleep(0.1)
 
 
+def opening_for_each_replica(stack: Stack) -> dict[int, str]:
+    """A long opening (> 256 tokens) of a conversation for each of two replicas, that the gateway sends
+    there while the loads are equal (it prefers the replica a prompt's opening names)."""
+    prompts = PromptBuilder(load_config(stack.config_path).model_path())
+    openings: dict[int, str] = {}
+    for k in range(64):
+        opening = f"Conversation {k} opens at length. " + "The next turns repeat this opening. " * 40
+        user = [ChatMessage(role="user", content=opening)]
+        openings.setdefault(prefix_affinity(prompts.build(user).token_ids, []) % 2, opening)
+        if len(openings) == 2:
+            return openings
+    raise AssertionError("64 openings, all preferring one replica")
+
+
 def test_each_replica_answers_like_transformers_and_images_go_to_theirs(dp2: Stack) -> None:
     assert dp2.pid("decoder") > 0 and dp2.pid("decoder-1") > 0
     status, body = dp2.get_json("/health")
@@ -51,10 +63,11 @@ def test_each_replica_answers_like_transformers_and_images_go_to_theirs(dp2: Sta
     client = OpenAI(base_url=dp2.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     hf = HfChat(load_config(dp2.config_path).model_path())
     before = finished(dp2)
-    for k in range(3):  # text may land on either replica; each must answer as transformers does
-        check_parity(client, hf, [{"role": "user", "content": f"Write haiku number {k} about the sea."}])
-    after_text = finished(dp2, sum(before) + 3)
-    assert sum(after_text) - sum(before) == 3
+    for replica, opening in sorted(opening_for_each_replica(dp2).items()):  # each answers as transformers does
+        check_parity(client, hf, [{"role": "user", "content": opening + " Write a haiku about it."}])
+        after_text = finished(dp2, sum(before) + 1)
+        assert after_text[replica] == before[replica] + 1 and sum(after_text) == sum(before) + 1, after_text
+        before = after_text
     pictures = [
         image_part(data_url(make_image(200, 60, seed=32))),
         {"type": "text", "text": "Compare this one"},
@@ -82,18 +95,10 @@ def test_concurrent_requests_spread_and_a_conversation_stays(dp2: Stack) -> None
         list(pool.map(ask, [f"Tell me fact {k} about owls." for k in range(8)]))
     spread = finished(dp2, sum(before) + 8)
     assert spread[0] > before[0] and spread[1] > before[1], (before, spread)
-    # Two conversations whose openings (> 256 tokens) prefer different replicas: each stays on its own
-    # (one request at a time, so the loads are equal; without the preference both would go to one replica).
-    prompts = PromptBuilder(load_config(dp2.config_path).model_path())
-    openings = {}
-    for k in range(64):
-        opening = f"Conversation {k} opens at length. " + "The next turns repeat this opening. " * 40
-        user = [ChatMessage(role="user", content=opening)]
-        openings.setdefault(prefix_affinity(prompts.build(user).token_ids, []) % 2, opening)
-        if len(openings) == 2:
-            break
+    # Two conversations whose openings prefer different replicas: each stays on its own (one request at a
+    # time, so the loads are equal; without the preference both would go to one replica).
     counts = spread
-    for replica, opening in sorted(openings.items()):
+    for replica, opening in sorted(opening_for_each_replica(dp2).items()):
         for turn in range(3):
             ask(opening + f" Question {turn}?")
         after = finished(dp2, sum(counts) + 3)
@@ -110,11 +115,7 @@ def test_losing_a_replica_costs_only_its_requests(dp2: Stack) -> None:
     client = OpenAI(base_url=dp2.base_url + "/v1", api_key="unused", max_retries=0, timeout=ANSWER_BOUND_S + 30)
     model = client.models.list().data[0].id
     victim = dp2.pid("decoder-1")
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(one_request, client, model, 500 + i) for i in range(4)]
-        time.sleep(0.3)
-        os.kill(victim, signal.SIGKILL)
-        outcomes = [f.result(timeout=ANSWER_BOUND_S + 60) for f in futures]
+    outcomes, _ = requests_through_a_kill(client, model, victim, [500 + i for i in range(4)])
     assert all(elapsed < ANSWER_BOUND_S for _, elapsed, _ in outcomes), outcomes
     wait_restarted(dp2, "decoder-1", victim, timeout_s=120)
 
@@ -138,3 +139,21 @@ def test_losing_a_replica_costs_only_its_requests(dp2: Stack) -> None:
     dp2.wait_healthy()
     outcome, _, _ = one_request(client, model, seed=777)
     assert outcome.startswith("ok:"), outcome
+
+
+@pytest.fixture(scope="module")
+def dp2tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from serve(tmp_path_factory, "dp2tp2", "[decoder]\nreplicas = 2\ntensor_parallel = 2\ntp_timeout_s = 30.0\n")
+
+
+def test_replicas_of_two_tensor_parallel_ranks_each(dp2tp2: Stack) -> None:
+    """replicas = 2 with tensor_parallel = 2: four decoder processes, two gloo groups that never meet; each
+    replica answers as transformers does."""
+    assert all(dp2tp2.pid(p) > 0 for p in ("decoder", "decoder-rank-1", "decoder-1", "decoder-1-rank-1"))
+    client = OpenAI(base_url=dp2tp2.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    hf = HfChat(load_config(dp2tp2.config_path).model_path())
+    for replica, opening in sorted(opening_for_each_replica(dp2tp2).items()):
+        before = finished(dp2tp2)
+        check_parity(client, hf, [{"role": "user", "content": opening + " Write a haiku about it."}])
+        after = finished(dp2tp2, sum(before) + 1)
+        assert after[replica] == before[replica] + 1, (replica, before, after)

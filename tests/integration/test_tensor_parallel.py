@@ -4,11 +4,8 @@ are transformers' own — the same greedy tokens as size 1 gives (tests/integrat
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from openai import OpenAI
@@ -17,7 +14,7 @@ from benchmarks.hf_chat import HfChat
 from common.config import load_config
 from tests.integration.conftest import Stack, serve
 from tests.integration.test_chat_parity import check_parity, image_part
-from tests.integration.test_faults import ANSWER_BOUND_S, one_request, wait_restarted
+from tests.integration.test_faults import ANSWER_BOUND_S, one_request, requests_through_a_kill, wait_restarted
 from tests.media import data_url, make_image
 
 
@@ -47,11 +44,7 @@ def test_losing_a_rank_fails_requests_cleanly_and_the_group_forms_again(tp2: Sta
     client = OpenAI(base_url=tp2.base_url + "/v1", api_key="unused", max_retries=0, timeout=150)
     model = client.models.list().data[0].id
     victim = tp2.pid("decoder-rank-1")
-    with ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(one_request, client, model, 300 + i) for i in range(6)]
-        time.sleep(0.3)
-        os.kill(victim, signal.SIGKILL)
-        outcomes = [f.result(timeout=200) for f in futures]
+    outcomes, _ = requests_through_a_kill(client, model, victim, [300 + i for i in range(6)])
     assert all(elapsed < ANSWER_BOUND_S for _, elapsed, _ in outcomes), outcomes
     wait_restarted(tp2, "decoder-rank-1", victim, timeout_s=120)
     deadline = time.monotonic() + 120
