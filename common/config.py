@@ -214,6 +214,12 @@ class LivenessConfig:
     call_timeout_s: float = 5.0
 
 
+def decoder_name(replica: int) -> str:
+    """A decoder replica's name: its program's under supervisord, its heartbeat's, its sockets' (``decoder``
+    for replica 0, so that one-replica deployments keep their names; ``decoder-1`` ...)."""
+    return "decoder" if replica == 0 else f"decoder-{replica}"
+
+
 @dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -246,9 +252,7 @@ class Config:
         return f"ipc://{self.run_path / (name + '.sock')}"
 
     def decoder_name(self, replica: int) -> str:
-        """A decoder replica's name: its process's, its heartbeat's, and its sockets' (``decoder`` and
-        ``decoder-tp`` for replica 0, so that one-replica deployments keep theirs; ``decoder-1`` ...)."""
-        return "decoder" if replica == 0 else f"decoder-{replica}"
+        return decoder_name(replica)
 
     def decoder_endpoint(self, replica: int, hub: str = "decoder") -> str:
         """The address of a decoder replica's request socket (``hub`` "decoder") or its tensor-parallel

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import Config, load_config
+from common.config import Config, decoder_name, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -119,36 +119,34 @@ def _add_decoders(text: str, replicas: int, ranks: int) -> str:
     priority = re.search(r"^priority = (\d+)$", decoder, flags=re.MULTILINE)
     if priority is None:
         raise ValueError("the template's [program:decoder] section has no 'priority = N'")
-    added = []
+    added: dict[str, str] = {}  # program name -> section
     for replica in range(replicas):
-        name = "decoder" if replica == 0 else f"decoder-{replica}"
+        name = decoder_name(replica)
         if replica:
-            added.append(_derived(decoder, name, f"--replica {replica}", name, priority.group(0), 0))
+            added[name] = _derived(decoder, name, f"--replica {replica}")
         if ranks > 1:
-            rank_args = (f"--replica {replica} " if replica else "") + "--rank %(process_num)d"
+            args = (f"--replica {replica} " if replica else "") + "--rank %(process_num)d"
             # supervisord stops programs in reverse priority order: rank 0 first, so that its stop broadcast
             # reaches ranks that are still there (stopped first, they left rank 0 waiting to be killed).
-            added.append(_derived(decoder, f"{name}-rank", rank_args, f"{name}-rank", priority.group(0), ranks - 1))
-    names = ",".join(re.match(r"\[program:([^\]]+)\]", program).group(1) for program in added)  # type: ignore[union-attr]
-    if names:
-        text = re.sub(r"^(programs = .*)$", rf"\1,{names}", text, count=1, flags=re.MULTILINE)
-    return "".join([text.rstrip("\n") + "\n", *("\n" + program for program in added)])
+            below = f"priority = {int(priority.group(1)) - 1}"
+            added[f"{name}-rank"] = _derived(decoder, f"{name}-rank", args, ranks - 1).replace(priority.group(0), below)
+    if added:
+        text = re.sub(r"^(programs = .*)$", rf"\1,{','.join(added)}", text, count=1, flags=re.MULTILINE)
+    return "".join([text.rstrip("\n") + "\n", *("\n" + program for program in added.values())])
 
 
-def _derived(decoder: str, name: str, args: str, log: str, priority: str, numprocs: int) -> str:
-    """The decoder's program as ``name``, with ``args`` and its own log; ``numprocs`` > 0: that many
-    processes numbered from 1 (``%(process_num)d``), a priority below the decoder's."""
+def _derived(decoder: str, name: str, args: str, numprocs: int = 0) -> str:
+    """The decoder's program as ``name``, with ``args`` and a log of that name; ``numprocs`` > 0: that many
+    processes numbered from 1 (``%(process_num)d``, in the log's name too)."""
     program = (
         decoder.replace("[program:decoder]", f"[program:{name}]")
         .replace("-m workers.decoder", f"-m workers.decoder {args}")
-        .replace("logs/decoder.log", f"logs/{log}{'-%(process_num)d' if numprocs else ''}.log")
+        .replace("logs/decoder.log", f"logs/{name}{'-%(process_num)d' if numprocs else ''}.log")
+        .rstrip("\n")
     )
     if numprocs:
-        level = int(priority.split("= ")[1]) - 1
-        program = program.replace(priority, f"priority = {level}").rstrip("\n") + (
-            f"\nprocess_name = %(program_name)s-%(process_num)d\nnumprocs = {numprocs}\nnumprocs_start = 1\n"
-        )
-    return program.rstrip("\n") + "\n"
+        program += f"\nprocess_name = %(program_name)s-%(process_num)d\nnumprocs = {numprocs}\nnumprocs_start = 1"
+    return program + "\n"
 
 
 def main(argv: list[str]) -> None:

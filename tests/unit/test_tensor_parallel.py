@@ -237,3 +237,21 @@ def test_an_uneven_vocabulary_is_padded_on_the_last_rank(tmp_path: Path) -> None
     assert last["embed_tokens.weight"].shape[0] == rows == last["lm_head.weight"].shape[0]
     assert torch.equal(last["lm_head.weight"][:-1], state["lm_head.weight"][rows:])
     assert not last["lm_head.weight"][-1].any()  # the padding row: zero logits, cut off after the gather
+
+
+def test_a_replicas_leader_clears_only_its_own_stale_groups(tmp_path: Path) -> None:
+    """Rank 0 of replica 0 (restarted) removes its earlier incarnations' rendezvous files, never those of
+    replica 1's live group, and names its own after its replica."""
+    from common.config import Config, DecoderConfig
+    from workers.decoder.tp import leader_rendezvous
+
+    cfg = Config(decoder=DecoderConfig(replicas=2, tensor_parallel=1), run_dir=str(tmp_path))
+    mine, theirs = tmp_path / "tp-decoder.11-1.store", tmp_path / "tp-decoder-1.22-2.store"
+    mine.touch()
+    theirs.touch()
+    leader_rendezvous(cfg, 0, "33-3", num_blocks=8, device=torch.device("cpu"))  # a group of one: no waiting
+    try:
+        assert not mine.exists() and theirs.exists()
+        assert (tmp_path / "tp-decoder.33-3.store").exists()
+    finally:
+        dist.destroy_process_group()

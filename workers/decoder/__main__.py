@@ -4,6 +4,7 @@ replica unless ``[decoder] replicas`` says more), or rank K of its tensor-parall
 import argparse
 import signal
 
+from common.config import decoder_name
 from common.lifecycle import freeze_startup_heap, on_terminate, parse_args, start_process
 
 
@@ -13,7 +14,7 @@ def main() -> None:
         parser.add_argument("--rank", type=int, default=0, help="which tensor-parallel rank of it")
 
     args = parse_args("workers.decoder", options)
-    name = f"decoder-{args.replica}" if args.replica else "decoder"
+    name = decoder_name(args.replica)
     cfg = start_process(name if args.rank == 0 else f"{name}.{args.rank}", args)
     if not 0 <= args.replica < cfg.decoder.replicas or not 0 <= args.rank < cfg.decoder.tensor_parallel:
         raise SystemExit(

@@ -193,9 +193,11 @@ def leader_rendezvous(cfg: Config, replica: int, incarnation: str, num_blocks: i
     group."""
     world = cfg.decoder.tensor_parallel
     run, name = cfg.run_path, cfg.decoder_name(replica)
-    for stale in run.glob(f"tp-{name}-*.store"):
-        stale.unlink(missing_ok=True)  # groups of this replica's earlier incarnations (not the other replicas')
-    store_path = str(run / f"tp-{name}-{incarnation}.store")
+    # Groups of this replica's earlier incarnations, not the other replicas' ("tp-decoder.*" is not a prefix
+    # of "tp-decoder-1.*"; an incarnation has no dot).
+    for stale in run.glob(f"tp-{name}.*.store"):
+        stale.unlink(missing_ok=True)
+    store_path = str(run / f"tp-{name}.{incarnation}.store")
     ctx = zmq.Context.instance()
     channel = Channel(ctx, zmq.ROUTER, cfg.decoder_endpoint(replica, "decoder-tp"), bind=True)
     try:
