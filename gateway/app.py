@@ -169,8 +169,9 @@ class Gateway:
         self.counters["requests_total"] += 1
         completion_id = f"{flavor.id_prefix}-{uuid.uuid4().hex}"
         events: Events = asyncio.Queue()
-        choices = await self._submit(options, prompt, completion_id, events)
+        choices: list[ChoiceStream] = []
         try:
+            choices = await self._submit(options, prompt, completion_id, events)  # (503 where no replica is live)
             if options.stream:
                 return await self._stream(request, options, completion_id, choices, events, flavor)
             return await self._complete(options, completion_id, choices, events, flavor)

@@ -31,6 +31,7 @@ from common.protocol import (
     encode,
 )
 from common.transport import AsyncChannel
+from gateway.errors import ApiError
 from gateway.metrics import Histogram
 from gateway.offload import off_loop_if_large
 from gateway.replicas import Replica, Replicas, prefix_affinity
@@ -94,6 +95,9 @@ class Pipeline:
         an item once for all it serves, and a replica computes the shared prompt once)."""
         sibling = self.requests.get(beside) if beside is not None else None
         replica = sibling.replica if sibling is not None else self.choose_replica(request)
+        if self.replicas.gone(replica):  # (none of its kind is live): failed now, not after its media are encoded
+            why = f"{self._decoder_named(replica)} is not responding (supervisord restarts it); retry the request"
+            raise ApiError(503, why, code="unavailable", retry_after_s=1)
         request = dataclasses.replace(request, replica=replica.index)
         frame = None
         if request.media:  # encoded once and re-sent as is; off the event loop where inline media makes it large

@@ -53,6 +53,10 @@ class Replicas:
         now = time.monotonic() if now is None else now
         return bool(replica.seen) and now - replica.seen <= self.dead_after_s
 
+    def gone(self, replica: Replica) -> bool:
+        """Heard from once and silent since: not starting up, but dead or hung."""
+        return bool(replica.seen) and not self.live(replica)
+
     def stale(self, now: float) -> list[Replica]:
         """Replicas heard from once and silent since for longer than ``dead_after_s``."""
         return [r for r in self.all if r.seen and not self.live(r, now)]

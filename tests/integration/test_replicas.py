@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 from openai import OpenAI
 
@@ -133,8 +134,17 @@ def test_losing_a_replica_costs_only_its_requests(dp2: Stack) -> None:
             model=model,
         )
         assert reply.choices[0].finish_reason == "length"
-    outcome, elapsed, _ = one_request(client, model, seed=778)
-    assert outcome == "error:503" and elapsed < 3 * load_config(dp2.config_path).liveness.dead_after_s, outcome
+    lookups = [dp2.metrics().get(f"vlm_cache_{name}_total") for name in ("hits", "misses")]
+    try:  # no live replica for images: refused at once, before its image is even fetched
+        one_image = [image_part(data_url(make_image(64, 64, seed=778))), {"type": "text", "text": "And this?"}]
+        client.with_options(max_retries=0).chat.completions.create(
+            messages=[{"role": "user", "content": one_image}], max_tokens=8, model=model
+        )
+        raise AssertionError("an image request was taken while no replica for images was live")
+    except openai.APIStatusError as exc:
+        assert exc.status_code == 503 and exc.response.headers.get("retry-after") == "1", exc
+        assert "decoder replica 1 is not responding" in str(exc.body), exc.body
+    assert [dp2.metrics().get(f"vlm_cache_{name}_total") for name in ("hits", "misses")] == lookups
     dp2.ctl("start", "vlm:decoder-1")
     dp2.wait_healthy()
     outcome, _, _ = one_request(client, model, seed=777)

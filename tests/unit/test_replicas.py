@@ -55,11 +55,14 @@ def test_a_silent_replica_gets_nothing_while_another_is_live() -> None:
     assert pool.serving() == {"text": True, "media": True}
 
 
-def test_with_none_live_the_request_waits_for_its_kind() -> None:
+def test_with_none_live_the_request_waits_for_its_kind_only_at_start_up() -> None:
     pool = replicas(2, text=[0], media=[1])
-    pool.all[1].seen = 0.0  # never heard from (start-up)
-    assert pool.choose(True, 0).index == 1
+    pool.all[1].seen = 0.0  # never heard from (start-up): a request may wait for it
+    assert pool.choose(True, 0).index == 1 and not pool.gone(pool.all[1])
     assert pool.serving() == {"text": True, "media": False}
+    pool.all[1].seen = time.monotonic() - 2 * pool.dead_after_s  # heard from, then silent: the gateway fails it
+    assert pool.choose(True, 0).index == 1 and pool.gone(pool.all[1])
+    assert not pool.gone(pool.all[0])
 
 
 def test_prefix_affinity_is_the_opening_and_the_first_image() -> None:
