@@ -95,9 +95,10 @@ class Pipeline:
         an item once for all it serves, and a replica computes the shared prompt once)."""
         sibling = self.requests.get(beside) if beside is not None else None
         replica = sibling.replica if sibling is not None else self.choose_replica(request)
-        if self.replicas.gone(replica):  # (none of its kind is live): failed now, not after its media are encoded
-            why = f"{self._decoder_named(replica)} is not responding (supervisord restarts it); retry the request"
-            raise ApiError(503, why, code="unavailable", retry_after_s=1)
+        why = self.replicas.unavailable(replica)  # (none of its kind is live): failed now, not after its media
+        if why is not None:
+            message = f"{self._decoder_named(replica)} {why}; retry the request"
+            raise ApiError(503, message, code="unavailable", retry_after_s=1)
         request = dataclasses.replace(request, replica=replica.index)
         frame = None
         if request.media:  # encoded once and re-sent as is; off the event loop where inline media makes it large

@@ -48,14 +48,23 @@ class Replicas:
         self.text = list(cfg.decoder.text_replicas or range(count))
         self.media = list(cfg.decoder.media_replicas or range(count))
         self.dead_after_s = cfg.liveness.dead_after_s
+        # A replica never heard from this long after the gateway started is not starting: it is not running
+        # (a static ops/vlm.conf starts replica 0 only) or fails at start-up. A request would only time out.
+        self.start_grace_s = cfg.server.request_timeout_s
+        self.started = time.monotonic()
 
     def live(self, replica: Replica, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
         return bool(replica.seen) and now - replica.seen <= self.dead_after_s
 
-    def gone(self, replica: Replica) -> bool:
-        """Heard from once and silent since: not starting up, but dead or hung."""
-        return bool(replica.seen) and not self.live(replica)
+    def unavailable(self, replica: Replica, now: float | None = None) -> str | None:
+        """Why a request sent to ``replica`` would only fail, or None while it is live or may be starting."""
+        now = time.monotonic() if now is None else now
+        if replica.seen and not self.live(replica, now):
+            return "is not responding (supervisord restarts it)"
+        if not replica.seen and now - self.started > self.start_grace_s:
+            return f"has not started in the {self.start_grace_s:.0f} s since the gateway did (is its process running?)"
+        return None
 
     def stale(self, now: float) -> list[Replica]:
         """Replicas heard from once and silent since for longer than ``dead_after_s``."""

@@ -5,20 +5,25 @@ costs only its own requests: the other goes on serving, and supervisord brings t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
 from openai import OpenAI
 
+from benchmarks.gateway_load import StandInDecoder, free_port
 from benchmarks.hf_chat import HfChat
 from common.config import load_config
 from gateway.prompt import PromptBuilder
 from gateway.replicas import prefix_affinity
 from gateway.schema import ChatMessage
-from tests.integration.conftest import Stack, serve
+from tests.integration.conftest import REPO, Stack, serve
 from tests.integration.test_chat_parity import check_parity, image_part
 from tests.integration.test_faults import ANSWER_BOUND_S, one_request, requests_through_a_kill, wait_restarted
 from tests.media import data_url, make_image
@@ -167,3 +172,50 @@ def test_replicas_of_two_tensor_parallel_ranks_each(dp2tp2: Stack) -> None:
         check_parity(client, hf, [{"role": "user", "content": opening + " Write a haiku about it."}])
         after = finished(dp2tp2, sum(before) + 1)
         assert after[replica] == before[replica] + 1, (replica, before, after)
+
+
+def test_a_replica_that_never_starts_is_reported_not_waited_for(tmp_path: Path) -> None:
+    """The gateway with a stand-in for replica 0 only (replica 1, the one for images, never runs, as under
+    a static ops/vlm.conf): text is answered; once the start-up grace (request_timeout_s) has passed, an
+    image request is refused at once with a 503 that says so, instead of waiting to time out."""
+    port = free_port()
+    config = tmp_path / "vlm.toml"
+    config.write_text(
+        f'run_dir = "{tmp_path / "run"}"\n[server]\nport = {port}\nrequest_timeout_s = 3.0\n'
+        "[decoder]\nreplicas = 2\nmedia_replicas = [1]\n"
+    )
+    cfg = load_config(config, env={})
+    cfg.run_path.mkdir()
+    decoder = StandInDecoder((cfg.decoder_endpoint(0), cfg.endpoint("gateway")), 0.01, cfg.liveness.heartbeat_s)
+    decoder.thread.start()
+    env = {**os.environ, "VLM_CONFIG": str(config)}
+    gateway = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, cwd=REPO)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+        deadline = time.monotonic() + 60
+        while True:  # up: answering (its health stays 503: no replica for images, no fetcher)
+            try:
+                model = client.models.list().data[0].id
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline and gateway.poll() is None, "the gateway did not come up"
+                time.sleep(0.2)
+        reply = client.chat.completions.create(
+            messages=[{"role": "user", "content": "Hello?"}], max_tokens=3, model=model
+        )
+        assert reply.choices[0].finish_reason == "length"
+        time.sleep(cfg.server.request_timeout_s + 0.5)
+        picture = [image_part(data_url(make_image(32, 32, seed=9))), {"type": "text", "text": "What is it?"}]
+        started = time.monotonic()
+        try:
+            client.chat.completions.create(messages=[{"role": "user", "content": picture}], max_tokens=3, model=model)
+            raise AssertionError("an image request was taken for a replica that never started")
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503 and exc.response.headers.get("retry-after") == "1", exc
+            assert "decoder replica 1 has not started in the 3 s" in str(exc.body), exc.body
+        assert time.monotonic() - started < 1.0  # at once, not at the request's time-out
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=30)
+        decoder.stop.set()
+        decoder.thread.join(timeout=10)

@@ -58,11 +58,13 @@ def test_a_silent_replica_gets_nothing_while_another_is_live() -> None:
 def test_with_none_live_the_request_waits_for_its_kind_only_at_start_up() -> None:
     pool = replicas(2, text=[0], media=[1])
     pool.all[1].seen = 0.0  # never heard from (start-up): a request may wait for it
-    assert pool.choose(True, 0).index == 1 and not pool.gone(pool.all[1])
+    assert pool.choose(True, 0).index == 1 and pool.unavailable(pool.all[1]) is None
     assert pool.serving() == {"text": True, "media": False}
+    later = pool.started + pool.start_grace_s + 1  # still never heard from: not starting, the gateway fails it
+    assert "has not started in the 300 s" in (pool.unavailable(pool.all[1], later) or "")
     pool.all[1].seen = time.monotonic() - 2 * pool.dead_after_s  # heard from, then silent: the gateway fails it
-    assert pool.choose(True, 0).index == 1 and pool.gone(pool.all[1])
-    assert not pool.gone(pool.all[0])
+    assert pool.choose(True, 0).index == 1 and "is not responding" in (pool.unavailable(pool.all[1]) or "")
+    assert pool.unavailable(pool.all[0]) is None
 
 
 def test_prefix_affinity_is_the_opening_and_the_first_image() -> None:
