@@ -82,8 +82,8 @@ class Replicas:
         """The replica for a new request (the caller counts it into ``load`` and out when it ends)."""
         indices = self.media if has_media else self.text
         now = time.monotonic()
-        # None live (at start-up, or all down): the request waits in the socket for a replica that comes
-        # up, and one that stays down fails it with a 503 (the gateway's liveness tick).
+        # None live: one of them all the same, and the caller asks `unavailable` whether the request may wait
+        # for it (starting up) or is refused (down, or never started).
         candidates = [self.all[r] for r in indices if self.live(self.all[r], now)] or [self.all[r] for r in indices]
         least = min(candidates, key=lambda r: r.load)
         preferred = candidates[affinity % len(candidates)]
