@@ -213,7 +213,7 @@ def test_a_replica_that_never_starts_is_reported_not_waited_for(tmp_path: Path) 
         except openai.APIStatusError as exc:
             assert exc.status_code == 503 and exc.response.headers.get("retry-after") == "1", exc
             assert "decoder replica 1 has not started in the 3 s" in str(exc.body), exc.body
-        assert time.monotonic() - started < 1.0  # at once, not at the request's time-out
+        assert time.monotonic() - started < 2.0  # at once, not at the request's time-out (3 s)
     finally:
         gateway.terminate()
         gateway.wait(timeout=30)
