@@ -106,13 +106,16 @@ class Gateway:
         )
         cache_counters = {"hits", "misses", "pending_hits", "commits", "evictions", "spills", "failed", "full"}
         lines += render_values("vlm_cache", await self.pipeline.cache_stats(), counters=cache_counters)
-        stats = {str(r.index): r.stats for r in self.pipeline.replicas.all}
+        replicas = self.pipeline.replicas.all
+        stats = {str(r.index): r.stats for r in replicas}
         names = {k for values in stats.values() for k in values}
         decoder_counters = {k for k in names if not k.startswith(("kv_", "requests_"))} | {"requests_finished"}
         if len(stats) == 1:
             lines += render_values("vlm_decoder", stats["0"], counters=decoder_counters)
-        else:  # one series per replica
+        else:  # one series per replica, and where the gateway sent requests
             lines += render_values("vlm_decoder", stats, counters=decoder_counters, label="replica")
+            routing = {str(r.index): {"requests_in_flight": r.load, "requests_routed": r.routed} for r in replicas}
+            lines += render_values("vlm_gateway_replica", routing, counters={"requests_routed"}, label="replica")
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:

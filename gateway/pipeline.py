@@ -105,6 +105,7 @@ class Pipeline:
             frame = await off_loop_if_large(sum(len(m.url) for m in request.media), encode, request)
         tracked = self.requests[request.request_id] = Tracked(request.request_id, events, replica)
         replica.load += 1
+        replica.routed += 1
         try:
             if frame is not None:
                 job = self.fetchers.jobs.get(beside) if beside is not None else None

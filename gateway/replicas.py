@@ -26,8 +26,9 @@ class Replica:
     name: str
     incarnation: str = ""
     seen: float = 0.0  # monotonic time of its last heartbeat; 0: never heard from
-    stats: dict[str, float] = field(default_factory=dict)
-    load: int = 0
+    stats: dict[str, float] = field(default_factory=dict)  # its decoder's counters and gauges, as last reported
+    load: int = 0  # requests routed here and not yet finished
+    routed: int = 0  # requests routed here, ever
 
 
 def prefix_affinity(prompt_ids: Sequence[int], media: Sequence[MediaInput]) -> int:

@@ -85,6 +85,10 @@ def test_each_replica_answers_like_transformers_and_images_go_to_theirs(dp2: Sta
     assert [one_request(client, model, seed)[0] for seed in (40, 41, 42)] == ["ok:length"] * 3
     after_image = finished(dp2, sum(after_text) + 4)
     assert after_image[0] == after_text[0] and after_image[1] == after_text[1] + 4, (after_text, after_image)
+    metrics = dp2.metrics()  # the gateway's side of it: where it sent them, none left in flight
+    for replica in (0, 1):
+        assert metrics[f'vlm_gateway_replica_requests_routed_total{{replica="{replica}"}}'] == after_image[replica]
+        assert metrics[f'vlm_gateway_replica_requests_in_flight{{replica="{replica}"}}'] == 0
 
 
 def test_concurrent_requests_spread_and_a_conversation_stays(dp2: Stack) -> None:
