@@ -223,3 +223,18 @@ def test_a_replica_that_never_starts_is_reported_not_waited_for(tmp_path: Path) 
         gateway.wait(timeout=30)
         decoder.stop.set()
         decoder.thread.join(timeout=10)
+
+
+def test_the_choices_of_one_request_share_a_replica(dp2: Stack) -> None:
+    """n = 4: one replica computes the shared prompt once for all four (by load alone, the third and fourth
+    would go to the other replica)."""
+    client = OpenAI(base_url=dp2.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    routed = 'vlm_gateway_replica_requests_routed_total{replica="%d"}'
+    before = [dp2.metrics()[routed % r] for r in (0, 1)]
+    reply = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Four takes on a haiku, please."}], n=4, max_tokens=8, model=model
+    )
+    assert len(reply.choices) == 4
+    grew = sorted(dp2.metrics()[routed % r] - before[r] for r in (0, 1))
+    assert grew == [0, 4], grew
