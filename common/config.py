@@ -251,9 +251,6 @@ class Config:
             return self.endpoints["encoder"].replace("{gpu}", name.split(".", 1)[1])
         return f"ipc://{self.run_path / (name + '.sock')}"
 
-    def decoder_name(self, replica: int) -> str:
-        return decoder_name(replica)
-
     def decoder_endpoint(self, replica: int, hub: str = "decoder") -> str:
         """The address of a decoder replica's request socket (``hub`` "decoder") or its tensor-parallel
         rendezvous (``hub`` "decoder-tp")."""

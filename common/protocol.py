@@ -405,7 +405,7 @@ class DecoderStats(Message):
 
     incarnation: str
     counters: dict[str, float]
-    worker_id: str = "decoder"  # the replica's name (`Config.decoder_name`)
+    worker_id: str = "decoder"  # the replica's name (`common.config.decoder_name`)
 
 
 @message

@@ -121,7 +121,7 @@ class Pipeline:
         return tracked
 
     def choose_replica(self, request: GenerateRequest) -> Replica:
-        return self.replicas.choose(bool(request.media), prefix_affinity(request.prompt_ids, request.media))
+        return self.replicas.choose(bool(request.media), lambda: prefix_affinity(request.prompt_ids, request.media))
 
     def abort(self, request_id: str) -> None:
         """Stop a request everywhere it may be: queued here, at its fetcher, or in its decoder replica."""

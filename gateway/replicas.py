@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from common.config import Config
+from common.config import Config, decoder_name
 from common.protocol import MediaInput
 
 AFFINITY_PREFIX_TOKENS = 256  # the prompt tokens that say which conversation (system prompt, first turn) it is
@@ -44,7 +44,7 @@ def prefix_affinity(prompt_ids: Sequence[int], media: Sequence[MediaInput]) -> i
 class Replicas:
     def __init__(self, cfg: Config) -> None:
         count = cfg.decoder.replicas
-        self.all = [Replica(r, cfg.decoder_name(r)) for r in range(count)]
+        self.all = [Replica(r, decoder_name(r)) for r in range(count)]
         self.by_name = {replica.name: replica for replica in self.all}
         self.text = list(cfg.decoder.text_replicas or range(count))
         self.media = list(cfg.decoder.media_replicas or range(count))
@@ -79,14 +79,17 @@ class Replicas:
             for kind, indices in (("text", self.text), ("media", self.media))
         }
 
-    def choose(self, has_media: bool, affinity: int) -> Replica:
-        """The replica for a new request (the caller counts it into ``load`` and out when it ends)."""
+    def choose(self, has_media: bool, affinity: Callable[[], int]) -> Replica:
+        """The replica for a new request (the caller counts it into ``load`` and out when it ends).
+        ``affinity`` (`prefix_affinity` of its prompt) is asked only where there is a choice to make."""
         indices = self.media if has_media else self.text
         now = time.monotonic()
         # None live: one of them all the same, and the caller asks `unavailable` whether the request may wait
         # for it (starting up) or is refused (down, or never started).
         candidates = [self.all[r] for r in indices if self.live(self.all[r], now)] or [self.all[r] for r in indices]
+        if len(candidates) == 1:
+            return candidates[0]
         least = min(candidates, key=lambda r: r.load)
-        preferred = candidates[affinity % len(candidates)]
+        preferred = candidates[affinity() % len(candidates)]
         slack = max(1, least.load // 4)  # a quarter more requests than the least loaded one: still preferred
         return preferred if preferred.load <= least.load + slack else least

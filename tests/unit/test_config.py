@@ -18,6 +18,7 @@ from common.config import (
     LivenessConfig,
     ModelConfig,
     ServerConfig,
+    decoder_name,
     load_config,
 )
 
@@ -288,7 +289,7 @@ def test_the_decoding_step_budget_is_checked(tmp_path: Path) -> None:
 
 def test_decoder_replicas_have_their_own_names_sockets_and_gpus(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, "[decoder]\nreplicas = 3\ntensor_parallel = 2\n"), env={})
-    assert [cfg.decoder_name(r) for r in range(3)] == ["decoder", "decoder-1", "decoder-2"]
+    assert [decoder_name(r) for r in range(3)] == ["decoder", "decoder-1", "decoder-2"]
     assert cfg.decoder_endpoint(0) == cfg.endpoint("decoder")  # one replica: the names it always had
     assert cfg.decoder_endpoint(0, "decoder-tp") == cfg.endpoint("decoder-tp")
     assert cfg.decoder_endpoint(2) == f"ipc://{cfg.run_path / 'decoder-2.sock'}"

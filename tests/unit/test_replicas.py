@@ -28,29 +28,29 @@ def test_names_follow_the_config() -> None:
 def test_kinds_go_only_to_their_replicas() -> None:
     pool = replicas(3, text=[0], media=[1, 2])
     for affinity in range(20):
-        assert pool.choose(False, affinity).index == 0
-        assert pool.choose(True, affinity).index in (1, 2)
+        assert pool.choose(False, lambda a=affinity: a).index == 0
+        assert pool.choose(True, lambda a=affinity: a).index in (1, 2)
 
 
 def test_the_least_loaded_replica_unless_the_preferred_one_is_close() -> None:
     pool = replicas(2)
-    preferred = pool.choose(False, affinity=1)
+    preferred = pool.choose(False, affinity=lambda: 1)
     assert preferred.index == 1  # equal loads: the conversation's replica
     pool.all[1].load = 1
-    assert pool.choose(False, 1).index == 1  # one more request than the other: still its own
+    assert pool.choose(False, lambda: 1).index == 1  # one more request than the other: still its own
     pool.all[1].load = 2
-    assert pool.choose(False, 1).index == 0  # two more: the least loaded
+    assert pool.choose(False, lambda: 1).index == 0  # two more: the least loaded
     pool.all[0].load, pool.all[1].load = 40, 50
-    assert pool.choose(False, 1).index == 1  # a quarter more is close enough
+    assert pool.choose(False, lambda: 1).index == 1  # a quarter more is close enough
     pool.all[1].load = 51
-    assert pool.choose(False, 1).index == 0
+    assert pool.choose(False, lambda: 1).index == 0
 
 
 def test_a_silent_replica_gets_nothing_while_another_is_live() -> None:
     pool = replicas(2)
     pool.all[0].load = 100
     pool.all[1].seen = time.monotonic() - 2 * pool.dead_after_s
-    assert pool.choose(False, 1).index == 0
+    assert pool.choose(False, lambda: 1).index == 0
     assert pool.stale(time.monotonic()) == [pool.all[1]]
     assert pool.serving() == {"text": True, "media": True}
 
@@ -58,12 +58,12 @@ def test_a_silent_replica_gets_nothing_while_another_is_live() -> None:
 def test_with_none_live_the_request_waits_for_its_kind_only_at_start_up() -> None:
     pool = replicas(2, text=[0], media=[1])
     pool.all[1].seen = 0.0  # never heard from (start-up): a request may wait for it
-    assert pool.choose(True, 0).index == 1 and pool.unavailable(pool.all[1]) is None
+    assert pool.choose(True, lambda: 0).index == 1 and pool.unavailable(pool.all[1]) is None
     assert pool.serving() == {"text": True, "media": False}
     later = pool.started + pool.start_grace_s + 1  # still never heard from: not starting, the gateway fails it
     assert "has not started in the 300 s" in (pool.unavailable(pool.all[1], later) or "")
     pool.all[1].seen = time.monotonic() - 2 * pool.dead_after_s  # heard from, then silent: the gateway fails it
-    assert pool.choose(True, 0).index == 1 and "is not responding" in (pool.unavailable(pool.all[1]) or "")
+    assert pool.choose(True, lambda: 0).index == 1 and "is not responding" in (pool.unavailable(pool.all[1]) or "")
     assert pool.unavailable(pool.all[0]) is None
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from common.config import Config
+from common.config import Config, decoder_name
 from common.protocol import TPJoin, TPSetup
 from common.transport import Channel
 from workers.decoder.graphs import StepGraphs, StepInputs, engine_graphs
@@ -192,7 +192,7 @@ def leader_rendezvous(cfg: Config, replica: int, incarnation: str, num_blocks: i
     """Rank 0 of ``replica``: wait for every other rank's `TPJoin`, answer each with `TPSetup`, enter the
     group."""
     world = cfg.decoder.tensor_parallel
-    run, name = cfg.run_path, cfg.decoder_name(replica)
+    run, name = cfg.run_path, decoder_name(replica)
     # Groups of this replica's earlier incarnations, not the other replicas' ("tp-decoder.*" is not a prefix
     # of "tp-decoder-1.*"; an incarnation has no dot).
     for stale in run.glob(f"tp-{name}.*.store"):

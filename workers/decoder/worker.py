@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import zmq
 
-from common.config import Config
+from common.config import Config, decoder_name
 from common.lifecycle import REPORT_EVERY_S, CounterWindow
 from common.protocol import (
     Abort,
@@ -99,7 +99,7 @@ class Waiting:
 class DecoderWorker:
     def __init__(self, cfg: Config, replica: int = 0) -> None:
         self.cfg = cfg
-        self.name = cfg.decoder_name(replica)
+        self.name = decoder_name(replica)
         self.incarnation, _ = worker_identity(self.name)
         path = cfg.model_path()
         self.spec = ModelSpec.from_dir(path)
