@@ -55,6 +55,7 @@
 #   mixed-dp-routed  mixed and its control on two GPUs, two decoder replicas routed by modality: text-only requests
 #                    to replica 0 (GPU 0), requests with images to replica 1 (GPU 1) beside the encoder
 #                    ([decoder] replicas = 2, text_replicas = [0], media_replicas = [1], [encoder] gpus = [1]), MPS
+#   mixed-dp-routed-none   mixed-dp-routed without MPS
 #   mixed-dp         the same with both replicas taking both kinds and an encoder on each GPU, MPS
 #   seed3img-dp      seed3img-anchor (256 requests) with two replicas taking both kinds, an encoder on each GPU, MPS
 #   parity-dp        the greedy parity prompts from one decoder on GPU 0, then from two replicas (the prompts go to
@@ -231,6 +232,8 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
     mixed-vision-gpu1) stack "$dir" ENCODER_GPUS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-dp-routed) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=1 MIXED_REQUESTS=200 \
       ONLY="mixed mixed-text-only" ;;
+    mixed-dp-routed-none) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=0 \
+      MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-dp) stack "$dir" REPLICAS=2 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     seed3img-dp) stack "$dir" REPLICAS=2 MPS=1 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
     parity-dp) mkdir -p "$out/$dir"
