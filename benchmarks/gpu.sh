@@ -23,7 +23,7 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLM_CONFIG="$PWD/benchmarks/gpu.toml"
 if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
-  || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${ENCODER_OVERLAP:-}${DECODING_BUDGET:-}${SPILL_BYTES:-}${POOL_BYTES:-}${OVERLAP_MIXED:-}${REPLICAS:-}" ]; then  # variants of gpu.toml
+  || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${ENCODER_OVERLAP:-}${DECODING_BUDGET:-}${SPILL_BYTES:-}${POOL_BYTES:-}${OVERLAP_MIXED:-}${REPLICAS:-}${BLOCK_SIZE:-}" ]; then  # variants of gpu.toml
   cp benchmarks/gpu.toml /tmp/gpu-variant.toml
   # DEVICE_POOL=1: the embedding pool in GPU memory, handed over by CUDA IPC
   [ "${DEVICE_POOL:-0}" = 1 ] && sed -i "/^\[cache\]/a device_pool = true" /tmp/gpu-variant.toml
@@ -45,6 +45,8 @@ if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
   # REPLICAS=N: N whole decoders (replica r on GPU r); TEXT_REPLICAS / MEDIA_REPLICAS (comma lists): which
   # replicas take text-only requests and which take requests with images (default: all)
   [ -n "${REPLICAS:-}" ] && sed -i "/^\[decoder\]/a replicas = ${REPLICAS}\ntext_replicas = [${TEXT_REPLICAS:-}]\nmedia_replicas = [${MEDIA_REPLICAS:-}]" /tmp/gpu-variant.toml
+  # BLOCK_SIZE=N: the KV cache's tokens per block
+  [ -n "${BLOCK_SIZE:-}" ] && sed -i "/^\[decoder\]/a block_size = ${BLOCK_SIZE}" /tmp/gpu-variant.toml
   # DECODING_BUDGET=512: the decoder's tokens per step while any stream decodes
   [ -n "${DECODING_BUDGET:-}" ] && sed -i "/^\[decoder\]/a tokens_per_step_while_decoding = ${DECODING_BUDGET}" /tmp/gpu-variant.toml
   export VLM_CONFIG=/tmp/gpu-variant.toml

@@ -58,6 +58,7 @@
 #   mixed-dp-routed-none   mixed-dp-routed without MPS
 #   mixed-dp         the same with both replicas taking both kinds and an encoder on each GPU, MPS
 #   seed3img-dp      seed3img-anchor (256 requests) with two replicas taking both kinds, an encoder on each GPU, MPS
+#   parity-block-size   the greedy parity prompts with KV blocks of 16 tokens, then 64, the records compared
 #   parity-dp        the greedy parity prompts from one decoder on GPU 0, then from two replicas (the prompts go to
 #                    either: their openings differ), the records compared: a replica on GPU 1 answers as GPU 0 does
 #   overlap-mixed    mixed and its control (MPS, 200 image requests) with [decoder] overlap_mixed; and
@@ -236,6 +237,10 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-dp) stack "$dir" REPLICAS=2 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     seed3img-dp) stack "$dir" REPLICAS=2 MPS=1 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
+    parity-block-size) mkdir -p "$out/$dir"
+      for size in 16 64; do stack "$dir/block-$size" CUDA_VISIBLE_DEVICES=0 BLOCK_SIZE=$size ONLY="parity"; done
+      python3 -m benchmarks.parity compare "$out/$dir/block-16/parity.json" "$out/$dir/block-64/parity.json" \
+        > "$out/$dir/parity-compare.log" 2>&1; echo "compare exit $?" >> "$out/$dir/parity-compare.log" ;;
     parity-dp) mkdir -p "$out/$dir"
       stack "$dir/one" CUDA_VISIBLE_DEVICES=0 ONLY="parity"
       stack "$dir/replicas" REPLICAS=2 ONLY="parity"

@@ -43,12 +43,13 @@ def requests() -> list[PreparedRequest]:
 
 
 def generate(
-    path: Path, dtype: torch.dtype, engine_class: type[Engine] = Engine, **runner: object
+    path: Path, dtype: torch.dtype, engine_class: type[Engine] = Engine, block_size: int = 16, **runner: object
 ) -> tuple[dict[str, list[int]], Engine]:
     model = LanguageModel.from_checkpoint(path, device=CUDA, dtype=dtype)
     spec = ModelSpec.from_dir(path)
     engine = engine_class(
-        model, spec, max_model_len=2048, max_running=8, prefill_budget=96, num_blocks=256, block_size=16, **runner
+        model, spec, max_model_len=2048, max_running=8, prefill_budget=96, num_blocks=4096 // block_size, block_size=block_size,
+        **runner
     )  # type: ignore[arg-type]
     for req in requests():
         engine.add(engine.prepare(req))
@@ -106,12 +107,13 @@ def test_steps_staged_ahead_of_prefills_keep_the_outputs_and_never_wait(tiny_che
     assert staged == synchronous
 
 
-def test_graphs_and_fused_kernels_keep_fp32_greedy_outputs(tiny_checkpoint: Path) -> None:
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_graphs_and_fused_kernels_keep_fp32_greedy_outputs(tiny_checkpoint: Path, block_size: int) -> None:
     """fp32: graphs (decode and mixed) + overlap + fused projections + Triton kernels against the
-    plain-torch engine."""
-    graphs = {"graphs": "cuda", "graph_tokens": 128, "overlap": True}
+    plain-torch engine, with KV blocks of 16 tokens and of 64 (the default: one block per attention tile)."""
+    graphs = {"graphs": "cuda", "graph_tokens": 128, "overlap": True, "block_size": block_size}
     fast, _ = generate(tiny_checkpoint, torch.float32, attention=paged_attention, fuse=True, **graphs)
-    plain, _ = generate(tiny_checkpoint, torch.float32, attention=paged_attention_reference)
+    plain, _ = generate(tiny_checkpoint, torch.float32, attention=paged_attention_reference, block_size=block_size)
     assert fast == plain
 
 
@@ -120,7 +122,7 @@ def test_2b_logits_through_the_fused_paged_path_match_transformers(tmp_path: Pat
     (plain torch, Triton attention, fused layers, both), measured against transformers in fp32 — the
     truth bf16 approximates — beside transformers' own bf16. "Within bf16 tolerance" means: no further
     from fp32 than transformers' bf16 is (worst |diff| / row max at most 1.5x its, argmax agreement with
-    fp32 at most 3 points below its)."""
+    fp32 at most 3 points below its). KV blocks of 16 tokens and of 64 (the default)."""
     from transformers import Qwen2VLForConditionalGeneration
 
     path = generate_checkpoint(tmp_path / "2b", "2b", seed=0)
@@ -137,11 +139,19 @@ def test_2b_logits_through_the_fused_paged_path_match_transformers(tmp_path: Pat
     hf_worst, hf_agree = distance(hf_bf16)
     print(f"2b transformers bf16 vs fp32: worst |diff| / row max {hf_worst:.4f}, argmax agreement {hf_agree:.3f}")
     model = LanguageModel.from_checkpoint(path, device=CUDA, dtype=torch.bfloat16)
-    variants = {"plain torch": paged_logits(model, ids, None, paged_attention_reference)}
-    variants["torch layers + Triton attention"] = paged_logits(model, ids, None, paged_attention)
     layers = fuse_layers(model)
-    variants["fused layers + torch attention"] = paged_logits(model, ids, layers, paged_attention_reference)
-    variants["fused layers + Triton attention"] = paged_logits(model, ids, layers, paged_attention)
+    variants = {}
+    for size in (16, 64):
+        variants[f"plain torch, blocks of {size}"] = paged_logits(model, ids, None, paged_attention_reference, size)
+        variants[f"torch layers + Triton attention, blocks of {size}"] = paged_logits(
+            model, ids, None, paged_attention, size
+        )
+        variants[f"fused layers + torch attention, blocks of {size}"] = paged_logits(
+            model, ids, layers, paged_attention_reference, size
+        )
+        variants[f"fused layers + Triton attention, blocks of {size}"] = paged_logits(
+            model, ids, layers, paged_attention, size
+        )
     for name, ours in variants.items():
         worst, agree = distance(ours)
         print(f"2b ours bf16 ({name}) vs fp32: worst |diff| / row max {worst:.4f}, argmax agreement {agree:.3f}")
@@ -159,16 +169,21 @@ def hf_logits(path: Path, ids: list[int], dtype: torch.dtype, model_class: type)
 
 
 def paged_logits(
-    model: LanguageModel, ids: list[int], fused: list[FusedLayer] | None, attention: PagedAttention
+    model: LanguageModel,
+    ids: list[int],
+    fused: list[FusedLayer] | None,
+    attention: PagedAttention,
+    block_size: int,
 ) -> torch.Tensor:
     """Logits of every position: a prefill of all but 8 tokens, then 8 single-token decode steps."""
-    kv = PagedKVCache.for_model(model, 32, 16)
-    table = list(range(20))
+    blocks = -(-len(ids) // block_size)
+    kv = PagedKVCache.for_model(model, blocks + 2, block_size)
+    table = list(range(blocks))
     prefill = len(ids) - 8
     steps = [(0, prefill)] + [(prefill + i, prefill + i + 1) for i in range(8)]
     out = []
     for start, end in steps:
-        layout = BatchLayout.build([end - start], [end], [table], 16, CUDA)
+        layout = BatchLayout.build([end - start], [end], [table], block_size, CUDA)
         embeds = model.embed(ids[start:end])
         positions = torch.arange(start, end).expand(3, -1)
         rows = range(end - start)
