@@ -48,8 +48,14 @@ def generate(
     model = LanguageModel.from_checkpoint(path, device=CUDA, dtype=dtype)
     spec = ModelSpec.from_dir(path)
     engine = engine_class(
-        model, spec, max_model_len=2048, max_running=8, prefill_budget=96, num_blocks=4096 // block_size, block_size=block_size,
-        **runner
+        model,
+        spec,
+        max_model_len=2048,
+        max_running=8,
+        prefill_budget=96,
+        num_blocks=4096 // block_size,
+        block_size=block_size,
+        **runner,
     )  # type: ignore[arg-type]
     for req in requests():
         engine.add(engine.prepare(req))
