@@ -183,6 +183,9 @@ class DecoderConfig:
     # runs vision work, neither the ViT nor an image prompt's prefill.
     text_replicas: list[int] = field(default_factory=list)
     media_replicas: list[int] = field(default_factory=list)
+    # While every replica of a request's kind is down (or has not started in request_timeout_s), another live
+    # replica takes it: the isolation is lost for that while, not the requests. false: they are refused, 503.
+    kind_fallback: bool = True
 
     def validate(self, where: str) -> None:
         if self.kernels not in ("triton", "torch"):

@@ -114,8 +114,12 @@ class Gateway:
             lines += render_values("vlm_decoder", stats["0"], counters=decoder_counters)
         else:  # one series per replica, and where the gateway sent requests
             lines += render_values("vlm_decoder", stats, counters=decoder_counters, label="replica")
-            routing = {str(r.index): {"requests_in_flight": r.load, "requests_routed": r.routed} for r in replicas}
-            lines += render_values("vlm_gateway_replica", routing, counters={"requests_routed"}, label="replica")
+            routing = {
+                str(r.index): dict(requests_in_flight=r.load, requests_routed=r.routed, fallback_requests=r.fallbacks)
+                for r in replicas
+            }
+            counters = {"requests_routed", "fallback_requests"}
+            lines += render_values("vlm_gateway_replica", routing, counters=counters, label="replica")
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:

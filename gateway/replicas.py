@@ -10,12 +10,15 @@ that replica's prefix cache. Load is the number of requests routed to a replica 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from common.config import Config, decoder_name
 from common.protocol import MediaInput
+
+log = logging.getLogger(__name__)
 
 AFFINITY_PREFIX_TOKENS = 256  # the prompt tokens that say which conversation (system prompt, first turn) it is
 
@@ -29,6 +32,7 @@ class Replica:
     stats: dict[str, float] = field(default_factory=dict)  # its decoder's counters and gauges, as last reported
     load: int = 0  # requests routed here and not yet finished
     routed: int = 0  # requests routed here, ever
+    fallbacks: int = 0  # of them, requests of a kind it does not take, while that kind's replicas were down
 
 
 def prefix_affinity(prompt_ids: Sequence[int], media: Sequence[MediaInput]) -> int:
@@ -48,6 +52,8 @@ class Replicas:
         self.by_name = {replica.name: replica for replica in self.all}
         self.text = list(cfg.decoder.text_replicas or range(count))
         self.media = list(cfg.decoder.media_replicas or range(count))
+        self.kind_fallback = cfg.decoder.kind_fallback
+        self.falling_back: set[str] = set()  # the kinds whose requests go to other replicas now
         self.dead_after_s = cfg.liveness.dead_after_s
         # A replica never heard from this long after the gateway started is not starting: it is not running
         # (a static ops/vlm.conf starts replica 0 only) or fails at start-up. A request would only time out.
@@ -72,21 +78,42 @@ class Replicas:
         return [r for r in self.all if r.seen and not self.live(r, now)]
 
     def serving(self) -> dict[str, bool]:
-        """Whether text-only requests and requests with media each have a live replica."""
+        """Whether text-only requests and requests with media each have a live replica to go to."""
         now = time.monotonic()
         return {
-            kind: any(self.live(self.all[r], now) for r in indices)
+            kind: any(self.live(r, now) for r in self._targets(indices, now)[0])
             for kind, indices in (("text", self.text), ("media", self.media))
         }
 
     def choose(self, has_media: bool, affinity: Callable[[], int]) -> Replica:
         """The replica for a new request (the caller counts it into ``load`` and out when it ends).
-        ``affinity`` (`prefix_affinity` of its prompt) is asked only where there is a choice to make."""
-        indices = self.media if has_media else self.text
-        now = time.monotonic()
-        # None live: one of them all the same, and the caller asks `unavailable` whether the request may wait
-        # for it (starting up) or is refused (down, or never started).
-        candidates = [self.all[r] for r in indices if self.live(self.all[r], now)] or [self.all[r] for r in indices]
+        ``affinity`` (`prefix_affinity` of its prompt) is asked only where there is a choice to make. With
+        none live nor starting, one of the kind's all the same: the caller asks `unavailable` and refuses it."""
+        kind, indices = ("media", self.media) if has_media else ("text", self.text)
+        candidates, fallback = self._targets(indices, time.monotonic())
+        chosen = self._least_loaded_or_preferred(candidates, affinity)
+        if fallback:
+            chosen.fallbacks += 1
+        if fallback != (kind in self.falling_back):  # say when the fallback starts and ends, not per request
+            self.falling_back ^= {kind}
+            if fallback:
+                log.warning("no %s replica %s is live: another live replica takes those requests", kind, indices)
+            else:
+                log.info("a %s replica %s is live again: those requests go there", kind, indices)
+        return chosen
+
+    def _targets(self, indices: list[int], now: float) -> tuple[list[Replica], bool]:
+        """Where a request for these replicas may go: the live ones; else those starting (it waits for them);
+        else, with ``kind_fallback``, any live replica (True: a fallback); else all of them."""
+        kind = [self.all[r] for r in indices]
+        candidates = [r for r in kind if self.live(r, now)] or [r for r in kind if self.unavailable(r, now) is None]
+        if candidates or not self.kind_fallback:
+            return candidates or kind, False
+        others = [r for r in self.all if self.live(r, now)]
+        return (others, True) if others else (kind, False)
+
+    @staticmethod
+    def _least_loaded_or_preferred(candidates: list[Replica], affinity: Callable[[], int]) -> Replica:
         if len(candidates) == 1:
             return candidates[0]
         least = min(candidates, key=lambda r: r.load)

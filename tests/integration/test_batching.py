@@ -67,9 +67,10 @@ def decoder_counter(stack: Stack, name: str, after: float | None = None, timeout
 
 def test_prefix_cache_reuses_a_shared_system_prompt_and_image(stack: Stack, hf: HfChat) -> None:
     client = client_for(stack.base_url)
-    system = {"role": "system", "content": "You are a careful assistant who studies pictures. " * 6}
+    block = load_config(stack.config_path).decoder.block_size
     image = {"type": "image_url", "image_url": {"url": data_url(make_image(140, 112, seed=501))}}
     other = {"type": "image_url", "image_url": {"url": data_url(make_image(140, 112, seed=502))}}
+    system, pads = system_prompt_ending_a_block_among_the_image(hf, image, block)
 
     def ask(picture: dict[str, Any], question: str) -> tuple[list[int], float]:
         before = decoder_counter(stack, "prefix_hit_tokens")
@@ -82,11 +83,27 @@ def test_prefix_cache_reuses_a_shared_system_prompt_and_image(stack: Stack, hf: 
     ask(image, "What is this?")
     _, second_hit = ask(image, "Which colours dominate?")
     _, other_hit = ask(other, "Which colours dominate?")
-    rendered = hf.tokenizer.apply_chat_template([system], tokenize=False)
-    system_tokens = len(hf.tokenizer(rendered, add_special_tokens=False)["input_ids"])
-    image_tokens = 5 * 4  # 140x112 -> 10x8 patches -> 20 merged tokens
-    assert second_hit >= (system_tokens + image_tokens) // 16 * 16  # the system prompt and the image
-    assert other_hit < system_tokens + 16  # the system prompt only: another image at that place never hits
+    assert second_hit >= (pads[-1] + 1) // block * block  # the system prompt and the image, in whole blocks
+    assert other_hit <= pads[0] // block * block  # the system prompt only: another image there never hits
+
+
+def system_prompt_ending_a_block_among_the_image(
+    hf: HfChat, image: dict[str, Any], block: int
+) -> tuple[dict[str, str], list[int]]:
+    """A system prompt after which a KV block of ``block`` tokens ends among the image's tokens (so reusing
+    whole blocks up to the image's end takes some of its KV, which a block of the prompt alone would not);
+    and the positions of the image's tokens."""
+    pad = hf.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for extra in range(2 * block):
+        system = {
+            "role": "system",
+            "content": "You are a careful assistant who studies pictures. " * 6 + "Look. " * extra,
+        }
+        ids = hf.inputs([system, {"role": "user", "content": [image, {"type": "text", "text": "?"}]}])["input_ids"]
+        pads = [i for i, token in enumerate(ids[0].tolist()) if token == pad]
+        if (pads[-1] + 1) // block * block > pads[0]:
+            return system, pads
+    raise AssertionError(f"no system prompt puts a block's end among the image's {len(pads)} tokens")
 
 
 def answers_together(

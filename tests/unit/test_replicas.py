@@ -11,8 +11,13 @@ from common.protocol import MediaInput
 from gateway.replicas import AFFINITY_PREFIX_TOKENS, Replicas, prefix_affinity
 
 
-def replicas(count: int, text: list[int] | None = None, media: list[int] | None = None) -> Replicas:
-    cfg = Config(decoder=DecoderConfig(replicas=count, text_replicas=text or [], media_replicas=media or []))
+def replicas(
+    count: int, text: list[int] | None = None, media: list[int] | None = None, fallback: bool = True
+) -> Replicas:
+    decoder = DecoderConfig(
+        replicas=count, text_replicas=text or [], media_replicas=media or [], kind_fallback=fallback
+    )
+    cfg = Config(decoder=decoder)
     pool = Replicas(cfg)
     for replica in pool.all:
         replica.seen = time.monotonic()
@@ -56,7 +61,7 @@ def test_a_silent_replica_gets_nothing_while_another_is_live() -> None:
 
 
 def test_with_none_live_the_request_waits_for_its_kind_only_at_start_up() -> None:
-    pool = replicas(2, text=[0], media=[1])
+    pool = replicas(2, text=[0], media=[1], fallback=False)
     pool.all[1].seen = 0.0  # never heard from (start-up): a request may wait for it
     assert pool.choose(True, lambda: 0).index == 1 and pool.unavailable(pool.all[1]) is None
     assert pool.serving() == {"text": True, "media": False}
@@ -65,6 +70,26 @@ def test_with_none_live_the_request_waits_for_its_kind_only_at_start_up() -> Non
     pool.all[1].seen = time.monotonic() - 2 * pool.dead_after_s  # heard from, then silent: the gateway fails it
     assert pool.choose(True, lambda: 0).index == 1 and "is not responding" in (pool.unavailable(pool.all[1]) or "")
     assert pool.unavailable(pool.all[0]) is None
+
+
+def test_a_kind_whose_replicas_are_down_falls_back_to_the_others_but_waits_at_start_up() -> None:
+    pool = replicas(3, text=[0], media=[1, 2])
+    pool.all[1].seen = pool.all[2].seen = 0.0  # the media replicas starting: image requests wait for them
+    assert pool.choose(True, lambda: 0).index in (1, 2) and pool.serving() == {"text": True, "media": False}
+    pool.all[1].seen = time.monotonic() - 2 * pool.dead_after_s  # one silent, one still starting: wait
+    assert pool.choose(True, lambda: 0).index == 2 and pool.all[0].fallbacks == 0
+    pool.all[2].seen = time.monotonic() - 2 * pool.dead_after_s  # both down: replica 0 takes images
+    assert pool.serving() == {"text": True, "media": True}
+    assert [pool.choose(True, lambda a=a: a).index for a in range(4)] == [0] * 4
+    assert pool.all[0].fallbacks == 4 and pool.falling_back == {"media"}
+    assert pool.choose(False, lambda: 1).index == 0 and pool.all[0].fallbacks == 4  # its own kind: no fallback
+    pool.all[2].seen = time.monotonic()  # one back: images go there again
+    assert pool.choose(True, lambda: 0).index == 2 and pool.falling_back == set()
+    pool.all[0].seen = time.monotonic() - 2 * pool.dead_after_s  # text's only replica down: the media ones
+    assert pool.choose(False, lambda: 0).index == 2 and pool.all[2].fallbacks == 1
+    pool.all[2].seen = time.monotonic() - 2 * pool.dead_after_s  # none live at all: the kind's, refused
+    assert pool.choose(False, lambda: 0).index == 0 and pool.unavailable(pool.all[0]) is not None
+    assert pool.serving() == {"text": False, "media": False}
 
 
 def test_prefix_affinity_is_the_opening_and_the_first_image() -> None:
