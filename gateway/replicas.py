@@ -5,6 +5,7 @@ of those that take its kind (``[decoder] text_replicas`` / ``media_replicas``; a
 loaded one, except that a request whose prompt begins like an earlier one's goes where that one went while
 that replica is not much busier: a conversation's next turn then finds its prefix (images included) in
 that replica's prefix cache. Load is the number of requests routed to a replica and not yet finished.
+While every replica of a kind is down, another live replica takes its requests (``kind_fallback``).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class Replicas:
             if fallback:
                 log.warning("no %s replica %s is live: another live replica takes those requests", kind, indices)
             else:
-                log.info("a %s replica %s is live again: those requests go there", kind, indices)
+                log.info("a %s replica %s is back (live or starting): those requests go there", kind, indices)
         return chosen
 
     def _targets(self, indices: list[int], now: float) -> tuple[list[Replica], bool]:
