@@ -106,12 +106,12 @@ class Replicas:
     def _targets(self, indices: list[int], now: float) -> tuple[list[Replica], bool]:
         """Where a request for these replicas may go: the live ones; else those starting (it waits for them);
         else, with ``kind_fallback``, any live replica (True: a fallback); else all of them."""
-        kind = [self.all[r] for r in indices]
-        candidates = [r for r in kind if self.live(r, now)] or [r for r in kind if self.unavailable(r, now) is None]
+        own = [self.all[r] for r in indices]
+        candidates = [r for r in own if self.live(r, now)] or [r for r in own if self.unavailable(r, now) is None]
         if candidates or not self.kind_fallback:
-            return candidates or kind, False
+            return candidates or own, False
         others = [r for r in self.all if self.live(r, now)]
-        return (others, True) if others else (kind, False)
+        return (others, True) if others else (own, False)
 
     @staticmethod
     def _least_loaded_or_preferred(candidates: list[Replica], affinity: Callable[[], int]) -> Replica:

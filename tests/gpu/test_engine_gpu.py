@@ -146,18 +146,17 @@ def test_2b_logits_through_the_fused_paged_path_match_transformers(tmp_path: Pat
     print(f"2b transformers bf16 vs fp32: worst |diff| / row max {hf_worst:.4f}, argmax agreement {hf_agree:.3f}")
     model = LanguageModel.from_checkpoint(path, device=CUDA, dtype=torch.bfloat16)
     layers = fuse_layers(model)
-    variants = {}
-    for size in (16, 64):
-        variants[f"plain torch, blocks of {size}"] = paged_logits(model, ids, None, paged_attention_reference, size)
-        variants[f"torch layers + Triton attention, blocks of {size}"] = paged_logits(
-            model, ids, None, paged_attention, size
-        )
-        variants[f"fused layers + torch attention, blocks of {size}"] = paged_logits(
-            model, ids, layers, paged_attention_reference, size
-        )
-        variants[f"fused layers + Triton attention, blocks of {size}"] = paged_logits(
-            model, ids, layers, paged_attention, size
-        )
+    paths: dict[str, tuple[list[FusedLayer] | None, PagedAttention]] = {  # (fused layers, attention)
+        "plain torch": (None, paged_attention_reference),
+        "torch layers + Triton attention": (None, paged_attention),
+        "fused layers + torch attention": (layers, paged_attention_reference),
+        "fused layers + Triton attention": (layers, paged_attention),
+    }
+    variants = {
+        f"{name}, blocks of {size}": paged_logits(model, ids, fused, attention, size)
+        for size in (16, 64)
+        for name, (fused, attention) in paths.items()
+    }
     for name, ours in variants.items():
         worst, agree = distance(ours)
         print(f"2b ours bf16 ({name}) vs fp32: worst |diff| / row max {worst:.4f}, argmax agreement {agree:.3f}")
