@@ -16,7 +16,9 @@
 #        REPLICAS=2 [TEXT_REPLICAS=0] [MEDIA_REPLICAS=1] for data-parallel decoder replicas (one GPU each) and
 #        which take text-only requests and which take requests with media,
 #        C32_REQUESTS=256 for longer seed3img runs at 32 clients than the default 64, MIXED_REQUESTS=200 for a
-#        longer mixed and control than the default 60 image requests)
+#        longer mixed and control than the default 60 image requests, MIXED_STREAMS=64 for mixed's text streams
+#        (default 32), KILL_PROGRAM=decoder-1 KILL_AT=10 to SIGKILL that supervisord program KILL_AT seconds into
+#        mixed (supervisord restarts it; the gateway's log says what it routed meanwhile))
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/gpu.sh OUT_DIR}")
 mkdir -p "$out"
@@ -108,10 +110,20 @@ bench() {  # name, time limit in seconds, args...
   local top_pid=$!
   nvidia-smi dmon -s um -d 2 > "$out/$name.dmon" 2>/dev/null &
   local dmon_pid=$!
+  local killer_pid=
+  if [ "$name" = mixed ] && [ -n "${KILL_PROGRAM:-}" ]; then
+    (sleep "${KILL_AT:-10}"; log "killing $KILL_PROGRAM (SIGKILL)"
+     $py -m supervisor.supervisorctl -c run/8000/supervisord.conf signal KILL "$KILL_PROGRAM" >> "$out/gpu.log" 2>&1
+     for _ in $(seq 1 120); do  # when supervisord reports it running again (the gateway log: when it serves)
+       $py -m supervisor.supervisorctl -c run/8000/supervisord.conf status "$KILL_PROGRAM" | grep -q RUNNING && break
+       sleep 0.5
+     done; log "$KILL_PROGRAM: $($py -m supervisor.supervisorctl -c run/8000/supervisord.conf status "$KILL_PROGRAM")") &
+    killer_pid=$!
+  fi
   timeout $((limit + 30)) $py -m benchmarks.serve --url "$url" --seed 0 --time-limit "$limit" --out "$out/$name.json" "$@" \
     >> "$out/gpu.log" 2>&1 \
     || log "workload $name ended with status $?"
-  kill $top_pid $dmon_pid 2>/dev/null
+  kill $top_pid $dmon_pid $killer_pid 2>/dev/null
   curl -s "$url/metrics" > "$out/$name.metrics"  # cumulative: stage histograms, cache and decoder counters
 }
 # --num-requests: requests; sessions of 3 turns for multiturn; image requests for mixed
@@ -130,9 +142,10 @@ bench text-c16 30 --workload text --concurrency 16 --num-requests "$(n 32 4)"
 # control run sends streams of the same shape for as long without images; seed 1: images seed3img's runs did not cache
 # (image requests as ANCHORS' exactly, 3 photos of 768x1024 and 120 tokens, since after session 5's runs)
 anchor_images=(--image-size 768x1024 --max-tokens-spread 0)
-bench mixed 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n "$mixed_requests" 6)" --seed 1 "${anchor_images[@]}"
+streams=${MIXED_STREAMS:-32}
+bench mixed 90 --workload mixed --concurrency "$streams" --vision-rate 6 --num-requests "$(n "$mixed_requests" 6)" --seed 1 "${anchor_images[@]}"
 # (seed 2: text prompts of their own; with mixed's, they hit the prefix cache mixed filled, a control too easy)
-bench mixed-text-only 90 --workload mixed --concurrency 32 --vision-rate 6 --num-requests "$(n "$mixed_requests" 6)" --seed 2 --vision-off \
+bench mixed-text-only 90 --workload mixed --concurrency "$streams" --vision-rate 6 --num-requests "$(n "$mixed_requests" 6)" --seed 2 --vision-off \
   "${anchor_images[@]}"
 bench text-c1 30 --workload text --concurrency 1 --num-requests "$(n 8 2)" --seed 6  # (not text-c16's prompts)
 

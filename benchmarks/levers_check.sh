@@ -56,6 +56,9 @@
 #                    to replica 0 (GPU 0), requests with images to replica 1 (GPU 1) beside the encoder
 #                    ([decoder] replicas = 2, text_replicas = [0], media_replicas = [1], [encoder] gpus = [1]), MPS
 #   mixed-dp-routed-none   mixed-dp-routed without MPS
+#   mixed-dp-routed-kill   mixed-dp-routed with the media replica (decoder-1) SIGKILLed 10 s into mixed: image
+#                    requests fall back to replica 0 ([decoder] kind_fallback) until supervisord has it back
+#   mixed-dp-routed-c64    mixed-dp-routed at 64 text streams (where one gateway process starts to limit)
 #   mixed-dp         the same with both replicas taking both kinds and an encoder on each GPU, MPS
 #   seed3img-dp      seed3img-anchor (256 requests) with two replicas taking both kinds, an encoder on each GPU, MPS
 #   parity-block-size   the greedy parity prompts with KV blocks of 16 tokens, then 64, the records compared
@@ -235,6 +238,10 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       ONLY="mixed mixed-text-only" ;;
     mixed-dp-routed-none) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=0 \
       MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
+    mixed-dp-routed-kill) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=1 \
+      MIXED_REQUESTS=200 KILL_PROGRAM=decoder-1 KILL_AT=10 ONLY="mixed" ;;
+    mixed-dp-routed-c64) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=1 \
+      MIXED_REQUESTS=200 MIXED_STREAMS=64 ONLY="mixed mixed-text-only" ;;
     mixed-dp) stack "$dir" REPLICAS=2 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     seed3img-dp) stack "$dir" REPLICAS=2 MPS=1 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
     parity-block-size) mkdir -p "$out/$dir"
