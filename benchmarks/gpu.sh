@@ -17,7 +17,7 @@
 #        which take text-only requests and which take requests with media,
 #        C32_REQUESTS=256 for longer seed3img runs at 32 clients than the default 64, MIXED_REQUESTS=200 for a
 #        longer mixed and control than the default 60 image requests, MIXED_STREAMS=64 for mixed's text streams
-#        (default 32), KILL_PROGRAM=decoder-1 KILL_AT=10 to SIGKILL that supervisord program KILL_AT seconds into
+#        (default 32), DEAD_AFTER_S=3 for [liveness] dead_after_s (gpu.toml: 20), KILL_PROGRAM=decoder-1 KILL_AT=10 to SIGKILL that supervisord program KILL_AT seconds into
 #        mixed (supervisord restarts it; the gateway's log says what it routed meanwhile))
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/gpu.sh OUT_DIR}")
@@ -25,7 +25,7 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLM_CONFIG="$PWD/benchmarks/gpu.toml"
 if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
-  || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${ENCODER_OVERLAP:-}${DECODING_BUDGET:-}${SPILL_BYTES:-}${POOL_BYTES:-}${OVERLAP_MIXED:-}${REPLICAS:-}${BLOCK_SIZE:-}" ]; then  # variants of gpu.toml
+  || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${ENCODER_OVERLAP:-}${DECODING_BUDGET:-}${SPILL_BYTES:-}${POOL_BYTES:-}${OVERLAP_MIXED:-}${REPLICAS:-}${BLOCK_SIZE:-}${DEAD_AFTER_S:-}" ]; then  # variants of gpu.toml
   cp benchmarks/gpu.toml /tmp/gpu-variant.toml
   # DEVICE_POOL=1: the embedding pool in GPU memory, handed over by CUDA IPC
   [ "${DEVICE_POOL:-0}" = 1 ] && sed -i "/^\[cache\]/a device_pool = true" /tmp/gpu-variant.toml
@@ -49,6 +49,9 @@ if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
   [ -n "${REPLICAS:-}" ] && sed -i "/^\[decoder\]/a replicas = ${REPLICAS}\ntext_replicas = [${TEXT_REPLICAS:-}]\nmedia_replicas = [${MEDIA_REPLICAS:-}]" /tmp/gpu-variant.toml
   # BLOCK_SIZE=N: the KV cache's tokens per block
   [ -n "${BLOCK_SIZE:-}" ] && sed -i "/^\[decoder\]/a block_size = ${BLOCK_SIZE}" /tmp/gpu-variant.toml
+  # DEAD_AFTER_S=3: [liveness] dead_after_s (gpu.toml's 20 s dates from the skeleton's long steps; 3 s is the
+  # server's default)
+  [ -n "${DEAD_AFTER_S:-}" ] && sed -i "s/^dead_after_s = .*/dead_after_s = ${DEAD_AFTER_S}/" /tmp/gpu-variant.toml
   # DECODING_BUDGET=512: the decoder's tokens per step while any stream decodes
   [ -n "${DECODING_BUDGET:-}" ] && sed -i "/^\[decoder\]/a tokens_per_step_while_decoding = ${DECODING_BUDGET}" /tmp/gpu-variant.toml
   export VLM_CONFIG=/tmp/gpu-variant.toml

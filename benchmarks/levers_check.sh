@@ -58,6 +58,8 @@
 #   mixed-dp-routed-none   mixed-dp-routed without MPS
 #   mixed-dp-routed-kill   mixed-dp-routed with the media replica (decoder-1) SIGKILLed 10 s into mixed: image
 #                    requests fall back to replica 0 ([decoder] kind_fallback) until supervisord has it back
+#   mixed-dp-routed-kill3  the same with [liveness] dead_after_s = 3 (the server's default; gpu.toml's is 20 s):
+#                    the replica is called dead before it is back, its requests then go to replica 0
 #   mixed-dp-routed-c64    mixed-dp-routed at 64 text streams (where one gateway process starts to limit)
 #   mixed-dp         the same with both replicas taking both kinds and an encoder on each GPU, MPS
 #   seed3img-dp      seed3img-anchor (256 requests) with two replicas taking both kinds, an encoder on each GPU, MPS
@@ -240,6 +242,8 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-dp-routed-kill) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=1 \
       MIXED_REQUESTS=200 KILL_PROGRAM=decoder-1 KILL_AT=10 ONLY="mixed" ;;
+    mixed-dp-routed-kill3) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=1 \
+      MIXED_REQUESTS=200 KILL_PROGRAM=decoder-1 KILL_AT=10 DEAD_AFTER_S=3 ONLY="mixed" ;;
     mixed-dp-routed-c64) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=1 \
       MIXED_REQUESTS=200 MIXED_STREAMS=64 ONLY="mixed mixed-text-only" ;;
     mixed-dp) stack "$dir" REPLICAS=2 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;

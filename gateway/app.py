@@ -101,8 +101,13 @@ class Gateway:
         lines = self.latency.render()
         lines += render_values(
             "vlm_gateway",
-            {**self.counters, "requests_in_flight": len(self.pipeline.requests)},
-            counters=set(self.counters),
+            {
+                **self.counters,
+                "requests_in_flight": len(self.pipeline.requests),
+                # (sent again after the decoder replica they went to was lost before their first token)
+                "requests_reissued": sum(r.reissued for r in self.pipeline.replicas.all),
+            },
+            counters={*self.counters, "requests_reissued"},
         )
         cache_counters = {"hits", "misses", "pending_hits", "commits", "evictions", "spills", "failed", "full"}
         lines += render_values("vlm_cache", await self.pipeline.cache_stats(), counters=cache_counters)
@@ -115,10 +120,15 @@ class Gateway:
         else:  # one series per replica, and where the gateway sent requests
             lines += render_values("vlm_decoder", stats, counters=decoder_counters, label="replica")
             routing = {
-                str(r.index): dict(requests_in_flight=r.load, requests_routed=r.routed, fallback_requests=r.fallbacks)
+                str(r.index): dict(
+                    requests_in_flight=r.load,
+                    requests_routed=r.routed,
+                    fallback_requests=r.fallbacks,
+                    reissued_requests=r.reissued,
+                )
                 for r in replicas
             }
-            counters = {"requests_routed", "fallback_requests"}
+            counters = {"requests_routed", "fallback_requests", "reissued_requests"}
             lines += render_values("vlm_gateway_replica", routing, counters=counters, label="replica")
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 

@@ -39,15 +39,32 @@ from gateway.replicas import Replica, Replicas, prefix_affinity
 log = logging.getLogger(__name__)
 
 
+# Times a request that no token has come for yet is sent again when its decoder replica is lost. Once only: a
+# request that crashes (or hangs) a decoder would otherwise take every replica down in turn.
+REISSUES = 1
+
+
 @dataclass
 class Tracked:
-    """A request in flight: the pipeline's events for it land in ``events``."""
+    """A request in flight: the pipeline's events for it land in ``events``. The workers know it as
+    ``wire_id``: its ``request_id``, or a new id once it was re-issued (a lost replica's queue may still hold
+    the first, which it must not run; and a token from it must not count)."""
 
-    request_id: str
+    request: GenerateRequest
     events: asyncio.Queue[TokenDelta | RequestError]  # may be shared by the n choices of one HTTP request
     replica: Replica
     stage: str = "fetch"  # fetch -> decode
     submitted: float = field(default_factory=time.monotonic)
+    wire_id: str = ""
+    reissues: int = 0
+    streaming: bool = False  # a token has come: a replica lost now fails it (the client has those tokens)
+
+    def __post_init__(self) -> None:
+        self.wire_id = self.wire_id or self.request.request_id
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 class Pipeline:
@@ -68,6 +85,7 @@ class Pipeline:
             self._send_to_fetcher, self._fetch_failed, dead_after_s=cfg.liveness.dead_after_s, max_attempts=3
         )
         self.requests: dict[str, Tracked] = {}
+        self.rewired: dict[str, str] = {}  # a re-issued request's wire id -> its request id
         self.stats_waiters: dict[str, asyncio.Future[StatsResult]] = {}
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -99,26 +117,33 @@ class Pipeline:
         if why is not None:
             message = f"{self._decoder_named(replica)} {why}; retry the request"
             raise ApiError(503, message, code="unavailable", retry_after_s=1)
-        request = dataclasses.replace(request, replica=replica.index)
         frame = None
         if request.media:  # encoded once and re-sent as is; off the event loop where inline media makes it large
-            frame = await off_loop_if_large(sum(len(m.url) for m in request.media), encode, request)
-        tracked = self.requests[request.request_id] = Tracked(request.request_id, events, replica)
-        replica.load += 1
-        replica.routed += 1
+            routed = dataclasses.replace(request, replica=replica.index)
+            frame = await off_loop_if_large(sum(len(m.url) for m in request.media), encode, routed)
+        tracked = self.requests[request.request_id] = Tracked(request, events, replica)
         try:
-            if frame is not None:
-                job = self.fetchers.jobs.get(beside) if beside is not None else None
-                prefer = job.peer if job is not None else None
-                self.fetchers.submit(request.request_id, frame, self.cfg.server.request_timeout_s, prefer)
-            else:  # text only: straight to the decoder
-                tracked.stage = "decode"
-                prepared = PreparedRequest(request.request_id, request.prompt_ids, [], request.sampling)
-                self._send(self.decoders[replica.index], prepared)
+            job = self.fetchers.jobs.get(sibling.wire_id) if sibling is not None else None
+            self._dispatch(tracked, replica, frame, prefer=job.peer if job is not None else None)
         except Exception:  # (a text request that cannot be encoded): leave nothing of it behind
             self.abort(request.request_id)
             raise
         return tracked
+
+    def _dispatch(self, tracked: Tracked, replica: Replica, frame: bytes | None, prefer: bytes | None = None) -> None:
+        """Send a request (as ``tracked.wire_id``) to ``replica``: with media through a fetcher (``frame``: the
+        `GenerateRequest` encoded, by the caller: off the event loop where it is large), else straight there."""
+        tracked.replica = replica
+        replica.load += 1
+        replica.routed += 1
+        if frame is not None:
+            tracked.stage = "fetch"
+            self.fetchers.submit(tracked.wire_id, frame, self.cfg.server.request_timeout_s, prefer)
+        else:  # text only: straight to the decoder
+            tracked.stage = "decode"
+            request = tracked.request
+            prepared = PreparedRequest(tracked.wire_id, request.prompt_ids, [], request.sampling)
+            self._send(self.decoders[replica.index], prepared)
 
     def choose_replica(self, request: GenerateRequest) -> Replica:
         return self.replicas.choose(bool(request.media), lambda: prefix_affinity(request.prompt_ids, request.media))
@@ -128,12 +153,23 @@ class Pipeline:
         tracked = self.requests.pop(request_id, None)
         if tracked is None:
             return
+        self.rewired.pop(tracked.wire_id, None)
+        self._withdraw(tracked)
+
+    def _withdraw(self, tracked: Tracked) -> None:
+        """Stop ``tracked.wire_id`` at its fetcher and its replica, and count it out of the replica's load."""
         tracked.replica.load -= 1
-        job = self.fetchers.jobs.get(request_id)
+        job = self.fetchers.jobs.get(tracked.wire_id)
         if job is not None and job.peer is not None:
-            self._send_to_fetcher(job.peer, Abort(request_id))
-        self.fetchers.cancel(request_id)
-        self._send(self.decoders[tracked.replica.index], Abort(request_id))
+            self._send_to_fetcher(job.peer, Abort(tracked.wire_id))
+        self.fetchers.cancel(tracked.wire_id)
+        self._send(self.decoders[tracked.replica.index], Abort(tracked.wire_id))
+
+    def _tracked(self, wire_id: str) -> Tracked | None:
+        """The request the workers know as ``wire_id``; None for one gone, or for a re-issued request's
+        previous wire id."""
+        tracked = self.requests.get(self.rewired.get(wire_id, wire_id))
+        return tracked if tracked is not None and tracked.wire_id == wire_id else None
 
     def _send(self, channel: AsyncChannel, msg: Message) -> None:
         channel.sock.send(encode(msg))
@@ -146,9 +182,14 @@ class Pipeline:
         self._deliver(RequestError(job.job_id, 503, "unavailable", f"no media fetcher could take the request: {why}"))
 
     def _deliver(self, event: TokenDelta | RequestError) -> None:
-        tracked = self.requests.get(event.request_id)
-        if tracked is not None:
-            tracked.events.put_nowait(event)
+        tracked = self._tracked(event.request_id)
+        if tracked is None:
+            return
+        if isinstance(event, TokenDelta):
+            tracked.streaming = True
+        if event.request_id != tracked.request_id:  # (re-issued): the HTTP side knows it by its request id
+            event = dataclasses.replace(event, request_id=tracked.request_id)
+        tracked.events.put_nowait(event)
 
     # ------------------------------------------------------------------ reading
     async def _read_fetch(self) -> None:
@@ -159,9 +200,9 @@ class Pipeline:
                     self.fetchers.peer_status(peer, msg)
                 case FetchDone(request_id=rid):
                     self.fetchers.complete(rid)
-                    if rid in self.requests:
-                        self.requests[rid].stage = "decode"
-                        self.media_prepare.observe(time.monotonic() - self.requests[rid].submitted)
+                    if (tracked := self._tracked(rid)) is not None:
+                        tracked.stage = "decode"
+                        self.media_prepare.observe(time.monotonic() - tracked.submitted)
                 case _:
                     pass
 
@@ -178,10 +219,11 @@ class Pipeline:
                     self.replicas.by_name[name].stats = counters
                 case WorkerStatus(role="decoder", worker_id=name, incarnation=inc) if name in self.replicas.by_name:
                     replica = self.replicas.by_name[name]
-                    if replica.incarnation and inc != replica.incarnation:
-                        self._fail_decoding(replica, f"{self._decoder_named(replica)} restarted")
+                    restarted = bool(replica.incarnation) and inc != replica.incarnation
                     replica.incarnation = inc
                     replica.seen = time.monotonic()
+                    if restarted:  # (live again first: its lost requests may go back to it)
+                        self._replica_lost(replica, "restarted")
                 case _:
                     pass
 
@@ -196,18 +238,52 @@ class Pipeline:
             await asyncio.sleep(self.cfg.liveness.heartbeat_s)
             self.fetchers.tick()
             for replica in self.replicas.stale(time.monotonic()):
-                self._fail_decoding(replica, f"{self._decoder_named(replica)} is not responding")
+                self._replica_lost(replica, "is not responding")
 
     def _decoder_named(self, replica: Replica) -> str:
         return "the decoder" if len(self.replicas.all) == 1 else f"decoder replica {replica.index}"
 
-    def _fail_decoding(self, replica: Replica, why: str) -> None:
-        for tracked in list(self.requests.values()):
-            if tracked.stage == "decode" and tracked.replica is replica:
-                self._deliver(RequestError(tracked.request_id, 503, "unavailable", f"{why}; retry the request"))
-                # The decoder that leased the request's embeddings is gone and will never release them;
-                # without this they would stay pinned (unevictable) until the lease TTL.
-                self._send(self.cache, CacheRelease(tracked.request_id))
+    def _replica_lost(self, replica: Replica, why: str) -> None:
+        """The requests ``replica`` held are gone with it (or queued for a process that will not know them):
+        each that no token has come for yet goes again where `choose_replica` says (see `REISSUES`), the
+        others fail with a 503 that says to retry."""
+        lost = [t for t in self.requests.values() if t.stage == "decode" and t.replica is replica]
+        reissued = 0
+        for tracked in lost:
+            # The decoder that leased the request's embeddings is gone and will never release them;
+            # without this they would stay pinned (unevictable) until the lease TTL.
+            self._send(self.cache, CacheRelease(tracked.wire_id))
+            if not tracked.streaming and tracked.reissues < REISSUES and self._reissue(tracked):
+                reissued += 1
+                continue
+            message = f"{self._decoder_named(replica)} {why}; retry the request"
+            self._deliver(RequestError(tracked.wire_id, 503, "unavailable", message))
+        replica.reissued += reissued
+        if lost:
+            log.warning(
+                "%s %s: %d of its %d requests sent again (no token had come for them), the rest failed",
+                self._decoder_named(replica),
+                why,
+                reissued,
+                len(lost),
+            )
+
+    def _reissue(self, tracked: Tracked) -> bool:
+        """Send ``tracked`` again under a new wire id to a replica that can take it now; False if none can."""
+        replica = self.choose_replica(tracked.request)
+        if self.replicas.unavailable(replica) is not None or not self.replicas.live(replica):
+            return False
+        self._withdraw(tracked)  # (its Abort reaches the lost replica's queue, if a restarted one reads it)
+        self.rewired.pop(tracked.wire_id, None)
+        tracked.reissues += 1
+        tracked.wire_id = f"{tracked.request_id}.reissue{tracked.reissues}"
+        self.rewired[tracked.wire_id] = tracked.request_id
+        tracked.submitted = time.monotonic()
+        frame = None
+        if tracked.request.media:  # (encoded on the event loop: a rare event, and media are mostly URLs)
+            frame = encode(dataclasses.replace(tracked.request, request_id=tracked.wire_id, replica=replica.index))
+        self._dispatch(tracked, replica, frame)
+        return True
 
     # ------------------------------------------------------------------ status
     def decoder_live(self) -> bool:

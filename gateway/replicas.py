@@ -34,6 +34,7 @@ class Replica:
     load: int = 0  # requests routed here and not yet finished
     routed: int = 0  # requests routed here, ever
     fallbacks: int = 0  # of them, requests of a kind it does not take, while that kind's replicas were down
+    reissued: int = 0  # requests it lost (died, restarted, stopped answering) before their first token, sent again
 
 
 def prefix_affinity(prompt_ids: Sequence[int], media: Sequence[MediaInput]) -> int:

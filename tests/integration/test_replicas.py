@@ -6,6 +6,7 @@ costs only its own requests: the other goes on serving, and supervisord brings t
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,13 +25,14 @@ from gateway.prompt import PromptBuilder
 from gateway.replicas import prefix_affinity
 from gateway.schema import ChatMessage
 from tests.integration.conftest import REPO, Stack, serve
-from tests.integration.test_chat_parity import check_parity, image_part
+from tests.integration.test_chat_parity import NEW_TOKENS, ask, check_parity, image_part
 from tests.integration.test_faults import ANSWER_BOUND_S, one_request, requests_through_a_kill, wait_restarted
 from tests.media import data_url, make_image
 
 FINISHED = 'vlm_decoder_requests_finished_total{replica="%d"}'
 FALLBACKS = 'vlm_gateway_replica_fallback_requests_total{replica="%d"}'
 ROUTED = 'vlm_gateway_replica_requests_routed_total{replica="%d"}'
+REISSUED = 'vlm_gateway_replica_reissued_requests_total{replica="%d"}'
 
 
 @pytest.fixture(scope="module")
@@ -152,10 +154,11 @@ def test_losing_a_replica_costs_only_its_requests(dp2: Stack) -> None:
         )
         assert reply.choices[0].finish_reason == "length"
     before = routed(dp2)
+    fallbacks = dp2.metrics().get(FALLBACKS % 0, 0.0)  # (the kill's re-issued requests may have gone there too)
     outcome, _, _ = one_request(client, model, seed=778)
     assert outcome.startswith("ok:"), outcome
     assert routed(dp2) == (before[0] + 1, before[1]), before  # the image request, on replica 0
-    assert dp2.metrics()[FALLBACKS % 0] == 1.0
+    assert dp2.metrics()[FALLBACKS % 0] == fallbacks + 1
     dp2.ctl("start", "vlm:decoder-1")
     dp2.wait_healthy()
     deadline = time.monotonic() + 30
@@ -166,7 +169,50 @@ def test_losing_a_replica_costs_only_its_requests(dp2: Stack) -> None:
     outcome, _, _ = one_request(client, model, seed=777)
     assert outcome.startswith("ok:"), outcome
     assert routed(dp2) == (before[0], before[1] + 1), before  # images on replica 1 again
-    assert dp2.metrics()[FALLBACKS % 0] == 1.0
+    assert dp2.metrics()[FALLBACKS % 0] == fallbacks + 1
+
+
+def test_a_stalled_replicas_requests_are_sent_again(dp2: Stack) -> None:
+    """Replica 1 stopped (SIGSTOP: its socket still takes requests, it answers nothing): a text request and
+    the image requests sent to it meanwhile go again to replica 0 once replica 1 has been silent for
+    ``dead_after_s``, and are answered as transformers answers them; none fails. Resumed, replica 1 runs none
+    of them (each was aborted there) and takes images again."""
+    client = OpenAI(base_url=dp2.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    hf = HfChat(load_config(dp2.config_path).model_path())
+    question = {"type": "text", "text": "What is in this picture?"}
+    conversations = [
+        [{"role": "user", "content": [image_part(data_url(make_image(96 + 16 * k, 64, seed=60 + k))), question]}]
+        for k in range(3)
+    ]
+    before_routed, before_finished = routed(dp2), finished(dp2)
+    before_reissued = [dp2.metrics().get(REISSUED % r, 0.0) for r in (0, 1)]
+    # A text request too, whose opening prefers replica 1 (sent first: the loads are equal then).
+    conversations.insert(0, [{"role": "user", "content": opening_for_each_replica(dp2)[1] + " Go on."}])
+    victim = dp2.pid("decoder-1")
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(len(conversations)) as pool:
+            futures = [pool.submit(ask, client, conversations[0])]
+            while routed(dp2)[1] == before_routed[1]:
+                time.sleep(0.05)
+            futures += [pool.submit(ask, client, messages) for messages in conversations[1:]]
+            responses = [f.result() for f in futures]
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    metrics = dp2.metrics()
+    assert [metrics[REISSUED % r] - before_reissued[r] for r in (0, 1)] == [0, 4], (before_reissued, metrics)
+    assert routed(dp2) == (before_routed[0] + 4, before_routed[1] + 4)  # sent to 1, then again to 0
+    for response, messages in zip(responses, conversations, strict=True):
+        assert response.choices[0].token_ids == hf.generate(messages, NEW_TOKENS)[0]
+    deadline = time.monotonic() + 30
+    while not dp2.get_json("/health")[1]["decoders"]["decoder-1"]:
+        assert time.monotonic() < deadline, "replica 1 is not live again after SIGCONT"
+        time.sleep(0.2)
+    outcome, _, _ = one_request(client, client.models.list().data[0].id, seed=61)
+    assert outcome == "ok:length", outcome
+    # Replica 1 finished the one request above and none of the three it held when it stopped.
+    after = finished(dp2, sum(before_finished) + 5)
+    assert after == (before_finished[0] + 4, before_finished[1] + 1), (before_finished, after)
 
 
 @pytest.fixture(scope="module")
