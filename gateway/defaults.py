@@ -57,6 +57,10 @@ def sampling_defaults(model_dir: Path) -> dict[str, Any]:
 def with_defaults(request: GenerationOptions, defaults: dict[str, Any]) -> GenerationOptions:
     """The request with the checkpoint's defaults for the options it did not set."""
     unset = {k: v for k, v in defaults.items() if k not in request.model_fields_set}
-    if "max_tokens" in unset and getattr(request, "max_completion_tokens", None) is not None:
-        del unset["max_tokens"]  # max_completion_tokens is the same limit under its newer name
+    if "max_tokens" in defaults:  # the limit: the request's own wherever it has one (max_completion_tokens, the
+        # same limit under its newer name; /v1/completions' default of 16), else the checkpoint's (null too)
+        if request.token_limit is None:
+            unset["max_tokens"] = defaults["max_tokens"]
+        else:
+            unset.pop("max_tokens", None)
     return request.model_copy(update=unset) if unset else request

@@ -62,6 +62,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI answers it
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias (OpenAI's own limit is lower)
 _TOKEN_ID = re.compile(r"[0-9]{1,9}")
 
@@ -149,6 +150,10 @@ class CompletionRequest(GenerationOptions):
     """The legacy ``/v1/completions``: a text prompt, no chat template, no images."""
 
     prompt: str | list[Int64] | list[str]
+    # OpenAI's (and vLLM's) default for this endpoint: a client that leaves it out expects a short answer,
+    # not one running to the context's end. null: the checkpoint's limit (generation_config.json), else the
+    # context's.
+    max_tokens: int | None = Field(default=COMPLETIONS_MAX_TOKENS, ge=1, le=INT64_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None

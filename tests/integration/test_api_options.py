@@ -164,6 +164,9 @@ def test_text_completions(client: OpenAI, hf: HfChat) -> None:
         model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+    # max_tokens left out: OpenAI's default for this endpoint, 16 (not the context's 32k tokens)
+    unset = client.completions.create(model=model, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert unset.usage.completion_tokens == 16 and unset.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError, match="echo"):
         client.completions.create(model=model, prompt=prompt, max_tokens=2, echo=True)
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from gateway.defaults import sampling_defaults, with_defaults
-from gateway.schema import parse_chat_request
+from gateway.schema import parse_chat_request, parse_completion_request
 
 QWEN2_VL_INSTRUCT = {  # generation_config.json as Qwen2-VL-7B-Instruct ships it
     "bos_token_id": 151643,
@@ -51,3 +51,15 @@ def test_a_request_keeps_what_it_sets_and_takes_the_rest() -> None:
     newer = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7})
     assert with_defaults(newer, defaults).token_limit == 7  # max_completion_tokens is the request's limit
     assert with_defaults(request, {}) is request
+
+
+def test_the_token_limit_is_the_requests_then_the_checkpoints() -> None:
+    """/v1/completions without max_tokens: OpenAI's 16, whatever the checkpoint says; null: the checkpoint's.
+    Chat with max_tokens null: the checkpoint's."""
+    defaults = {"max_tokens": 512}
+    assert with_defaults(parse_completion_request({"prompt": "hi"}), defaults).token_limit == 16
+    assert with_defaults(parse_completion_request({"prompt": "hi"}), {}).token_limit == 16
+    assert with_defaults(parse_completion_request({"prompt": "hi", "max_tokens": None}), defaults).token_limit == 512
+    assert with_defaults(parse_completion_request({"prompt": "hi", "max_tokens": None}), {}).token_limit is None
+    chat = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "max_tokens": None})
+    assert with_defaults(chat, defaults).token_limit == 512

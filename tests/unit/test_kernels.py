@@ -752,19 +752,36 @@ def test_every_kernel_compiles_for_h200() -> None:
 
 
 def test_interpreter_in_subprocess() -> None:
-    """This module in a process of its own, where triton can still be imported under the interpreter."""
+    """This module in processes of their own (one per core, up to 4: each takes every n-th test), where
+    triton can still be imported under the interpreter."""
     if _IN_PROCESS:
         pytest.skip("the kernels run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,  # it took 225 s on a 2-core AMD EPYC (session 13): a bound for a hang, not a speed check
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    tail = "\n".join(result.stdout.splitlines()[-15:])
-    assert result.returncode == 0, tail + result.stderr[-3000:]
-    # Everything ran there but the one test that skips itself (this one).
-    assert re.search(r"\b\d+ passed, 1 skipped(, \d+ warnings?)? in ", tail.splitlines()[-1]), tail
+    shards = max(1, min(4, len(os.sched_getaffinity(0))))
+    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"]
+    runs = [
+        subprocess.Popen(
+            command,
+            env={**os.environ, "TRITON_INTERPRET": "1", "VLM_TEST_SHARD": f"{k}/{shards}"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        for k in range(shards)
+    ]
+    try:  # (225 s in one process on a 2-core AMD EPYC, session 13: a bound for a hang, not a speed check)
+        outputs = [run.communicate(timeout=600) for run in runs]
+    finally:
+        for run in runs:
+            run.kill()  # (a no-op for those that ended)
+    counts = []
+    for run, (stdout, stderr) in zip(runs, outputs, strict=True):
+        tail = "\n".join(stdout.splitlines()[-15:])
+        assert run.returncode == 0, tail + stderr[-3000:]
+        found = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|deselected)", tail.splitlines()[-1])}
+        counts.append(found)
+    # Every test ran and passed in exactly one shard, but this one, which skips itself there.
+    collected = {c.get("passed", 0) + c.get("skipped", 0) + c.get("deselected", 0) for c in counts}
+    assert len(collected) == 1, counts
+    assert sum(c.get("skipped", 0) for c in counts) == 1, counts
+    assert sum(c.get("passed", 0) for c in counts) == collected.pop() - 1, counts
