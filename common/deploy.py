@@ -30,6 +30,8 @@ def encoder_count(cfg: Config) -> int:
         return len(cfg.encoder.gpus)
     if cfg.encoder.count:
         return cfg.encoder.count
+    if not _may_have_gpu():
+        return 1
     import torch  # only when the count depends on the hardware
 
     return max(1, torch.cuda.device_count())
@@ -191,9 +193,17 @@ def mps_wanted(cfg: Config, has_gpu: Callable[[], bool], has_daemon: bool) -> tu
 
 
 def _has_gpu() -> bool:
+    if not _may_have_gpu():
+        return False
     import torch  # only when MPS may be wanted
 
     return torch.cuda.is_available()
+
+
+def _may_have_gpu() -> bool:
+    """False on a host without NVIDIA's driver tools (as ops/install judges it): there, importing torch to
+    ask (2-3 s of every start-up) would only say no."""
+    return shutil.which("nvidia-smi") is not None
 
 
 def _has_mps_daemon() -> bool:

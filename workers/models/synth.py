@@ -27,12 +27,14 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, TypedDict
+from typing import TYPE_CHECKING, Any, BinaryIO, TypedDict
 
-import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
+
+if TYPE_CHECKING:  # torch is imported where weights are made: finding the demo checkpoint made needs none of it
+    import torch
 
 # Bump when the bytes written for a given (size, seed) change, so cached demo models regenerate.
 GENERATOR_VERSION = 2
@@ -187,10 +189,16 @@ CHAT_TEMPLATE = (
 IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
 IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
 
-_DTYPES: dict[str, tuple[torch.dtype, str]] = {
-    "float32": (torch.float32, "F32"),
-    "bfloat16": (torch.bfloat16, "BF16"),
+_DTYPES: dict[str, tuple[str, str]] = {  # name -> (torch's name, safetensors' tag)
+    "float32": ("float32", "F32"),
+    "bfloat16": ("bfloat16", "BF16"),
 }
+
+
+def _torch_dtype(dtype_name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, _DTYPES[dtype_name][0])
 
 
 # --------------------------------------------------------------------------- config
@@ -344,6 +352,8 @@ def _tensor_chunks(
     name: str, numel: int, seed: int, dtype: torch.dtype, std: float = INIT_STD
 ) -> Iterator[torch.Tensor]:
     """The tensor's values as flat chunks, already cast to the storage dtype."""
+    import torch
+
     generator = torch.Generator().manual_seed(_tensor_seed(seed, name))
     # Norm scales sit around 1 (identity) with noise so that loading them is observable.
     offset = 1.0 if _is_norm_weight(name) else 0.0
@@ -357,6 +367,8 @@ def make_tensor(
     name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype, std: float = INIT_STD
 ) -> torch.Tensor:
     """One weight exactly as generate_checkpoint stores it (handy for checks)."""
+    import torch
+
     chunks = list(_tensor_chunks(name, math.prod(shape), seed, dtype, std))
     return torch.cat(chunks).reshape(shape)
 
@@ -387,14 +399,14 @@ def _safetensors_header(names: list[str], shapes: dict[str, tuple[int, ...]], dt
 
 
 def _itemsize(dtype_name: str) -> int:
-    return torch.empty((), dtype=_DTYPES[dtype_name][0]).element_size()
+    return _torch_dtype(dtype_name).itemsize
 
 
 def _write_safetensors(
     path: Path, names: list[str], shapes: dict[str, tuple[int, ...]], seed: int, dtype_name: str, std: float
 ) -> None:
     """Stream one safetensors file: header first, then each tensor chunk by chunk."""
-    dtype, tag = _DTYPES[dtype_name]
+    dtype, tag = _torch_dtype(dtype_name), _DTYPES[dtype_name][1]
     itemsize = _itemsize(dtype_name)
     names = sorted(names)  # safetensors' own writer orders by name; keep files comparable
     header = _safetensors_header(names, shapes, tag, itemsize)
@@ -407,6 +419,8 @@ def _write_safetensors(
 
 def _write_tensor(f: BinaryIO, name: str, numel: int, seed: int, dtype: torch.dtype, std: float) -> None:
     # safetensors is little-endian, as are the x86-64 and arm64 hosts this runs on.
+    import torch
+
     for chunk in _tensor_chunks(name, numel, seed, dtype, std):
         f.write(chunk.view(torch.uint8).numpy().data)
 
