@@ -60,6 +60,8 @@
 #                    requests fall back to replica 0 ([decoder] kind_fallback) until supervisord has it back
 #   mixed-dp-routed-kill3  the same with [liveness] dead_after_s = 3 (the server's default; gpu.toml's is 20 s):
 #                    the replica is called dead before it is back, its requests then go to replica 0
+#   liveness-3s      seed3img-anchor (256 requests), mixed and its control on one GPU with MPS and [liveness]
+#                    dead_after_s = 3 (the server's default; gpu.toml's is 20): is any worker called dead under load?
 #   mixed-dp-routed-c64    mixed-dp-routed at 64 text streams (where one gateway process starts to limit)
 #   mixed-dp         the same with both replicas taking both kinds and an encoder on each GPU, MPS
 #   seed3img-dp      seed3img-anchor (256 requests) with two replicas taking both kinds, an encoder on each GPU, MPS
@@ -244,6 +246,9 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       MIXED_REQUESTS=200 KILL_PROGRAM=decoder-1 KILL_AT=10 ONLY="mixed" ;;
     mixed-dp-routed-kill3) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=1 \
       MIXED_REQUESTS=200 KILL_PROGRAM=decoder-1 KILL_AT=10 DEAD_AFTER_S=3 ONLY="mixed" ;;
+    liveness-3s) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 DEAD_AFTER_S=3 C32_REQUESTS=256 MIXED_REQUESTS=200 \
+      ONLY="seed3img-anchor-c32 mixed mixed-text-only"
+      grep -hE "not responding|restarted|is not live|re-issu|sent again" "$out/$dir"/*.log > "$out/$dir/deaths.txt" ;;
     mixed-dp-routed-c64) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=1 \
       MIXED_REQUESTS=200 MIXED_STREAMS=64 ONLY="mixed mixed-text-only" ;;
     mixed-dp) stack "$dir" REPLICAS=2 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
