@@ -248,7 +248,7 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       MIXED_REQUESTS=200 KILL_PROGRAM=decoder-1 KILL_AT=10 DEAD_AFTER_S=3 ONLY="mixed" ;;
     liveness-3s) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 DEAD_AFTER_S=3 C32_REQUESTS=256 MIXED_REQUESTS=200 \
       ONLY="seed3img-anchor-c32 mixed mixed-text-only"
-      grep -hE "not responding|restarted|is not live|re-issu|sent again" "$out/$dir"/*.log > "$out/$dir/deaths.txt" ;;
+      grep -hE "not responding|restarted|re-issuing|sent again|is silent|WARNING" "$out/$dir"/*.log > "$out/$dir/deaths.txt" ;;
     mixed-dp-routed-c64) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=1 \
       MIXED_REQUESTS=200 MIXED_STREAMS=64 ONLY="mixed mixed-text-only" ;;
     mixed-dp) stack "$dir" REPLICAS=2 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
