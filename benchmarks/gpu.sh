@@ -17,7 +17,7 @@
 #        which take text-only requests and which take requests with media,
 #        C32_REQUESTS=256 for longer seed3img runs at 32 clients than the default 64, MIXED_REQUESTS=200 for a
 #        longer mixed and control than the default 60 image requests, MIXED_STREAMS=64 for mixed's text streams
-#        (default 32), DEAD_AFTER_S=3 for [liveness] dead_after_s (gpu.toml: 20), KILL_PROGRAM=decoder-1 KILL_AT=10 to SIGKILL that supervisord program KILL_AT seconds into
+#        (default 32), DEAD_AFTER_S=20 for [liveness] dead_after_s (gpu.toml: 3), KILL_PROGRAM=decoder-1 KILL_AT=10 to SIGKILL that supervisord program KILL_AT seconds into
 #        mixed (supervisord restarts it; the gateway's log says what it routed meanwhile))
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/gpu.sh OUT_DIR}")
@@ -49,8 +49,7 @@ if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
   [ -n "${REPLICAS:-}" ] && sed -i "/^\[decoder\]/a replicas = ${REPLICAS}\ntext_replicas = [${TEXT_REPLICAS:-}]\nmedia_replicas = [${MEDIA_REPLICAS:-}]" /tmp/gpu-variant.toml
   # BLOCK_SIZE=N: the KV cache's tokens per block
   [ -n "${BLOCK_SIZE:-}" ] && sed -i "/^\[decoder\]/a block_size = ${BLOCK_SIZE}" /tmp/gpu-variant.toml
-  # DEAD_AFTER_S=3: [liveness] dead_after_s (gpu.toml's 20 s dates from the skeleton's long steps; 3 s is the
-  # server's default)
+  # DEAD_AFTER_S=20: [liveness] dead_after_s (gpu.toml: the server's default, 3 s)
   [ -n "${DEAD_AFTER_S:-}" ] && sed -i "s/^dead_after_s = .*/dead_after_s = ${DEAD_AFTER_S}/" /tmp/gpu-variant.toml
   # DECODING_BUDGET=512: the decoder's tokens per step while any stream decodes
   [ -n "${DECODING_BUDGET:-}" ] && sed -i "/^\[decoder\]/a tokens_per_step_while_decoding = ${DECODING_BUDGET}" /tmp/gpu-variant.toml

@@ -56,12 +56,13 @@
 #                    to replica 0 (GPU 0), requests with images to replica 1 (GPU 1) beside the encoder
 #                    ([decoder] replicas = 2, text_replicas = [0], media_replicas = [1], [encoder] gpus = [1]), MPS
 #   mixed-dp-routed-none   mixed-dp-routed without MPS
-#   mixed-dp-routed-kill   mixed-dp-routed with the media replica (decoder-1) SIGKILLed 10 s into mixed: image
-#                    requests fall back to replica 0 ([decoder] kind_fallback) until supervisord has it back
-#   mixed-dp-routed-kill3  the same with [liveness] dead_after_s = 3 (the server's default; gpu.toml's is 20 s):
-#                    the replica is called dead before it is back, its requests then go to replica 0
-#   liveness-3s      seed3img-anchor (256 requests), mixed and its control on one GPU with MPS and [liveness]
-#                    dead_after_s = 3 (the server's default; gpu.toml's is 20): is any worker called dead under load?
+#   mixed-dp-routed-kill   mixed-dp-routed with the media replica (decoder-1) SIGKILLed 10 s into mixed, at
+#                    [liveness] dead_after_s = 20 (gpu.toml's until session 14): the gateway sees the replica
+#                    only as restarted, its requests not yet started go to the new process
+#   mixed-dp-routed-kill3  the same at dead_after_s = 3 (the server's default): the replica is called dead before
+#                    it is back; its requests and the next image requests go to replica 0 (kind_fallback) meanwhile
+#   liveness-3s      seed3img-anchor (256 requests) and mixed on one GPU with MPS at dead_after_s = 3: is any
+#                    worker called dead under load? (gpu.toml has 3 since session 14; 20 before)
 #   mixed-dp-routed-c64    mixed-dp-routed at 64 text streams (where one gateway process starts to limit)
 #   mixed-dp         the same with both replicas taking both kinds and an encoder on each GPU, MPS
 #   seed3img-dp      seed3img-anchor (256 requests) with two replicas taking both kinds, an encoder on each GPU, MPS
@@ -243,11 +244,11 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
     mixed-dp-routed-none) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=0 \
       MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-dp-routed-kill) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=1 \
-      MIXED_REQUESTS=200 KILL_PROGRAM=decoder-1 KILL_AT=10 ONLY="mixed" ;;
+      MIXED_REQUESTS=200 KILL_PROGRAM=decoder-1 KILL_AT=10 DEAD_AFTER_S=20 ONLY="mixed" ;;
     mixed-dp-routed-kill3) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=1 \
       MIXED_REQUESTS=200 KILL_PROGRAM=decoder-1 KILL_AT=10 DEAD_AFTER_S=3 ONLY="mixed" ;;
     liveness-3s) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 DEAD_AFTER_S=3 C32_REQUESTS=256 MIXED_REQUESTS=200 \
-      ONLY="seed3img-anchor-c32 mixed mixed-text-only"
+      ONLY="seed3img-anchor-c32 mixed"
       grep -hE "not responding|restarted|re-issuing|sent again|is silent|WARNING" "$out/$dir"/*.log > "$out/$dir/deaths.txt" ;;
     mixed-dp-routed-c64) stack "$dir" REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 ENCODER_GPUS=1 MPS=1 \
       MIXED_REQUESTS=200 MIXED_STREAMS=64 ONLY="mixed mixed-text-only" ;;
