@@ -128,15 +128,19 @@ def test_concurrent_requests_spread_and_a_conversation_stays(dp2: Stack) -> None
 
 
 def test_losing_a_replica_costs_only_its_requests(dp2: Stack) -> None:
-    """kill -9 of replica 1 mid-flight: its image requests end with an explained 5xx (or an answer) within
-    the bound, and supervisord restarts it. Then replica 1 stopped: /health lists it down, text goes to
-    replica 0 alone and is answered, and so is an image request (``kind_fallback``: replica 0 takes images
-    while no replica for them is live); started again, images go to replica 1 again."""
+    """kill -9 of replica 1 mid-flight: its image requests end with an answer (every one sent again) or an
+    explained 5xx within the bound, and supervisord restarts it. Then replica 1 stopped: /health lists it
+    down, text goes to replica 0 alone and is answered, and so is an image request (``kind_fallback``:
+    replica 0 takes images while no replica for them is live); started again, images go to replica 1 again."""
     client = OpenAI(base_url=dp2.base_url + "/v1", api_key="unused", max_retries=0, timeout=ANSWER_BOUND_S + 30)
     model = client.models.list().data[0].id
     victim = dp2.pid("decoder-1")
+    reissued = dp2.metrics().get(REISSUED % 1, 0.0)
     outcomes, _ = requests_through_a_kill(client, model, victim, [500 + i for i in range(4)])
     assert all(elapsed < ANSWER_BOUND_S for _, elapsed, _ in outcomes), outcomes
+    # Those that no token had come for when it died were sent again, and answered (which ones had is timing).
+    reissued = dp2.metrics().get(REISSUED % 1, 0.0) - reissued
+    assert sum(outcome.startswith("ok:") for outcome, _, _ in outcomes) >= reissued, (outcomes, reissued)
     wait_restarted(dp2, "decoder-1", victim, timeout_s=120)
 
     dp2.ctl("stop", "vlm:decoder-1")
