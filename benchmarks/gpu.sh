@@ -17,8 +17,9 @@
 #        which take text-only requests and which take requests with media,
 #        C32_REQUESTS=256 for longer seed3img runs at 32 clients than the default 64, MIXED_REQUESTS=200 for a
 #        longer mixed and control than the default 60 image requests, MIXED_STREAMS=64 for mixed's text streams
-#        (default 32), DEAD_AFTER_S=20 for [liveness] dead_after_s (gpu.toml: 3), KILL_PROGRAM=decoder-1 KILL_AT=10 to SIGKILL that supervisord program KILL_AT seconds into
-#        mixed (supervisord restarts it; the gateway's log says what it routed meanwhile))
+#        (default 32), DEAD_AFTER_S=20 for [liveness] dead_after_s (gpu.toml: 3), KILL_PROGRAM=decoder-1
+#        KILL_AT=10 to SIGKILL that supervisord program KILL_AT seconds into mixed (supervisord restarts it; the
+#        gateway's log says what it routed meanwhile))
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/gpu.sh OUT_DIR}")
 mkdir -p "$out"

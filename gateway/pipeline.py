@@ -55,12 +55,12 @@ class Tracked:
     replica: Replica
     stage: str = "fetch"  # fetch -> decode
     submitted: float = field(default_factory=time.monotonic)
-    wire_id: str = ""
+    wire_id: str = field(init=False)
     reissues: int = 0
     streaming: bool = False  # a token has come: a replica lost now fails it (the client has those tokens)
 
     def __post_init__(self) -> None:
-        self.wire_id = self.wire_id or self.request.request_id
+        self.wire_id = self.request.request_id
 
     @property
     def request_id(self) -> str:
@@ -271,7 +271,7 @@ class Pipeline:
     def _reissue(self, tracked: Tracked) -> bool:
         """Send ``tracked`` again under a new wire id to a replica that can take it now; False if none can."""
         replica = self.choose_replica(tracked.request)
-        if self.replicas.unavailable(replica) is not None or not self.replicas.live(replica):
+        if not self.replicas.live(replica):  # (not one still starting: this request has waited once already)
             return False
         self._withdraw(tracked)  # (its Abort reaches the lost replica's queue, if a restarted one reads it)
         self.rewired.pop(tracked.wire_id, None)

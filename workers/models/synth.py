@@ -407,7 +407,7 @@ def _write_safetensors(
 ) -> None:
     """Stream one safetensors file: header first, then each tensor chunk by chunk."""
     dtype, tag = _torch_dtype(dtype_name), _DTYPES[dtype_name][1]
-    itemsize = _itemsize(dtype_name)
+    itemsize = dtype.itemsize
     names = sorted(names)  # safetensors' own writer orders by name; keep files comparable
     header = _safetensors_header(names, shapes, tag, itemsize)
     with path.open("wb") as f:
