@@ -14,7 +14,8 @@
 #        set [decoder] overlap_mixed (steps with prefill chunks staged ahead too; on by default),
 #        DEVICE_POOL=1 SPILL_BYTES=N [POOL_BYTES=N] for the pool's host spill tier (a small pool spills),
 #        REPLICAS=2 [TEXT_REPLICAS=0] [MEDIA_REPLICAS=1] for data-parallel decoder replicas (one GPU each) and
-#        which take text-only requests and which take requests with media,
+#        which take text-only requests and which take requests with media, REPLICA_GPUS=0,0 for each replica's
+#        GPU (there: both on GPU 0),
 #        C32_REQUESTS=256 for longer seed3img runs at 32 clients than the default 64, MIXED_REQUESTS=200 for a
 #        longer mixed and control than the default 60 image requests, MIXED_STREAMS=64 for mixed's text streams
 #        (default 32), DEAD_AFTER_S=20 for [liveness] dead_after_s (gpu.toml: 3), KILL_PROGRAM=decoder-1
@@ -26,7 +27,7 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLM_CONFIG="$PWD/benchmarks/gpu.toml"
 if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
-  || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${ENCODER_OVERLAP:-}${DECODING_BUDGET:-}${SPILL_BYTES:-}${POOL_BYTES:-}${OVERLAP_MIXED:-}${REPLICAS:-}${BLOCK_SIZE:-}${DEAD_AFTER_S:-}" ]; then  # variants of gpu.toml
+  || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${ENCODER_OVERLAP:-}${DECODING_BUDGET:-}${SPILL_BYTES:-}${POOL_BYTES:-}${OVERLAP_MIXED:-}${REPLICAS:-}${REPLICA_GPUS:-}${BLOCK_SIZE:-}${DEAD_AFTER_S:-}" ]; then  # variants of gpu.toml
   cp benchmarks/gpu.toml /tmp/gpu-variant.toml
   # DEVICE_POOL=1: the embedding pool in GPU memory, handed over by CUDA IPC
   [ "${DEVICE_POOL:-0}" = 1 ] && sed -i "/^\[cache\]/a device_pool = true" /tmp/gpu-variant.toml
@@ -48,6 +49,8 @@ if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
   # REPLICAS=N: N whole decoders (replica r on GPU r); TEXT_REPLICAS / MEDIA_REPLICAS (comma lists): which
   # replicas take text-only requests and which take requests with images (default: all)
   [ -n "${REPLICAS:-}" ] && sed -i "/^\[decoder\]/a replicas = ${REPLICAS}\ntext_replicas = [${TEXT_REPLICAS:-}]\nmedia_replicas = [${MEDIA_REPLICAS:-}]" /tmp/gpu-variant.toml
+  # REPLICA_GPUS=0,0 (with REPLICAS): each replica's first GPU
+  [ -n "${REPLICA_GPUS:-}" ] && sed -i "/^\[decoder\]/a replica_gpus = [${REPLICA_GPUS}]" /tmp/gpu-variant.toml
   # BLOCK_SIZE=N: the KV cache's tokens per block
   [ -n "${BLOCK_SIZE:-}" ] && sed -i "/^\[decoder\]/a block_size = ${BLOCK_SIZE}" /tmp/gpu-variant.toml
   # DEAD_AFTER_S=20: [liveness] dead_after_s (gpu.toml: the server's default, 3 s)

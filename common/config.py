@@ -178,6 +178,9 @@ class DecoderConfig:
     # Data parallelism: whole copies of the decoder, each with its own GPUs (replica r: GPUs r*tp .. r*tp+tp-1),
     # KV cache and prefix cache. The gateway sends each request to the least loaded live replica.
     replicas: int = 1
+    # Each replica's first GPU (its ranks on the next ones), e.g. [0, 0]: two replicas share GPU 0, each with its
+    # share of the KV memory (and under MPS, a media-only one yields to the text one). Empty: r * tensor_parallel.
+    replica_gpus: list[int] = field(default_factory=list)
     # Which replicas take text-only requests and which take requests with images or videos (empty: all).
     # E.g. text_replicas = [0], media_replicas = [1], with [encoder] gpus = [1]: the text streams' GPU never
     # runs vision work, neither the ViT nor an image prompt's prefill.
@@ -203,6 +206,14 @@ class DecoderConfig:
                     f"{where}.{name}: {listed} must name distinct replicas of 0..{self.replicas - 1} "
                     f"(replicas = {self.replicas})"
                 )
+        gpus = self.replica_gpus
+        if not (isinstance(gpus, list) and all(type(g) is int and g >= 0 for g in gpus)):
+            raise ValueError(f"{where}.replica_gpus: expected a list of GPU indices like [0, 0], got {gpus!r}")
+        if gpus and len(gpus) != self.replicas:
+            raise ValueError(
+                f"{where}.replica_gpus: {gpus} names {len(gpus)} GPU(s), one per replica is needed "
+                f"(replicas = {self.replicas}); [] places replica r on GPU r * tensor_parallel"
+            )
         if self.graph_tokens < 0:
             raise ValueError(f"{where}.graph_tokens: expected >= 0 (0: no mixed graphs), got {self.graph_tokens}")
         if self.prefill_tokens_per_step < 1:
@@ -264,8 +275,16 @@ class Config:
         return self.endpoint(hub if replica == 0 else f"{hub}-{replica}")
 
     def decoder_gpu(self, replica: int, rank: int = 0) -> int:
-        """The GPU of a decoder replica's rank: each replica has ``tensor_parallel`` GPUs of its own."""
-        return replica * self.decoder.tensor_parallel + rank
+        """The GPU of a decoder replica's rank: ``tensor_parallel`` GPUs from ``replica_gpus[replica]``, or by
+        default from ``replica * tensor_parallel`` (each replica on GPUs of its own)."""
+        decoder = self.decoder
+        return (decoder.replica_gpus[replica] if decoder.replica_gpus else replica * decoder.tensor_parallel) + rank
+
+    def replica_gpu_set(self, replica: int) -> set[int]:
+        return {self.decoder_gpu(replica, rank) for rank in range(self.decoder.tensor_parallel)}
+
+    def takes_text(self, replica: int) -> bool:
+        return not self.decoder.text_replicas or replica in self.decoder.text_replicas
 
     def model_path(self) -> Path:
         if self.model.path:

@@ -45,11 +45,24 @@ class MpsPlan:
     encoder_sm: int = 100
     decoder_sm: int = 100
     encoder_below_normal: bool = True
+    # Decoder replicas that run with the encoders' share and priority: media-only ones on a GPU where a
+    # replica that takes text runs (``replica_gpus``). Their image prefills are vision work too.
+    vision_replicas: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, cfg: Config) -> MpsPlan:
         enc = cfg.encoder
-        return cls(enc.mps_encoder_sm_percent, enc.mps_decoder_sm_percent, enc.mps_encoder_low_priority)
+        return cls(
+            enc.mps_encoder_sm_percent, enc.mps_decoder_sm_percent, enc.mps_encoder_low_priority, vision_replicas(cfg)
+        )
+
+
+def vision_replicas(cfg: Config) -> frozenset[int]:
+    """Media-only decoder replicas that share a GPU with a replica that takes text."""
+    text_gpus = set().union(*(cfg.replica_gpu_set(r) for r in range(cfg.decoder.replicas) if cfg.takes_text(r)))
+    return frozenset(
+        r for r in range(cfg.decoder.replicas) if not cfg.takes_text(r) and cfg.replica_gpu_set(r) & text_gpus
+    )
 
 
 def render(
@@ -92,10 +105,11 @@ def _add_mps(text: str, run: Path, plan: MpsPlan) -> str:
         "priority = 5\nautorestart = true\nstartsecs = 1\nstopsignal = TERM\nredirect_stderr = true\n"
         f"stdout_logfile = {run}/logs/mps.log\n"
     )
+    vision = {"encoder"} | {decoder_name(r) + tail for r in plan.vision_replicas for tail in ("", "-rank")}
     for name in re.findall(r"^\[program:(encoder|decoder[-\w]*)\]$", text, flags=re.MULTILINE):
-        share = plan.encoder_sm if name == "encoder" else plan.decoder_sm
+        share = plan.encoder_sm if name in vision else plan.decoder_sm
         extra = f',CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="{share}"' if share < 100 else ""  # 100: MPS's default
-        if name == "encoder" and plan.encoder_below_normal:
+        if name in vision and plan.encoder_below_normal:
             # The GPU schedules a below-normal client's blocks after a normal one's: a decode step that
             # arrives while the ViT runs takes the SMs as ViT blocks finish, instead of queueing behind them.
             extra += ',CUDA_MPS_CLIENT_PRIORITY="1"'
@@ -184,7 +198,7 @@ def mps_wanted(cfg: Config, has_gpu: Callable[[], bool], has_daemon: bool) -> tu
         return False, "no CUDA GPU"
     if setting is True:
         return True, "[encoder] mps = true"
-    decoder_gpus = set(range(cfg.decoder.replicas * cfg.decoder.tensor_parallel))
+    decoder_gpus = set().union(*(cfg.replica_gpu_set(r) for r in range(cfg.decoder.replicas)))
     if cfg.encoder.gpus and not decoder_gpus & set(cfg.encoder.gpus):
         return False, "auto: no encoder shares a decoder's GPU"
     if cfg.decoder.tensor_parallel > 1 or cfg.decoder.replicas > 1 or cfg.cache.device_pool:

@@ -301,3 +301,17 @@ def test_decoder_replicas_have_their_own_names_sockets_and_gpus(tmp_path: Path) 
 def test_replicas_refuse_the_gpu_pool_of_replica_0(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="replicas = 2 use the host pool"):
         load_config(write(tmp_path, "[decoder]\nreplicas = 2\n[cache]\ndevice_pool = true\n"), env={})
+
+
+def test_replicas_can_be_placed_on_chosen_gpus(tmp_path: Path) -> None:
+    cfg = load_config(
+        write(tmp_path, "[decoder]\nreplicas = 3\ntensor_parallel = 2\nreplica_gpus = [0, 0, 4]\n"), env={}
+    )
+    assert [cfg.decoder_gpu(r, k) for r in range(3) for k in range(2)] == [0, 1, 0, 1, 4, 5]
+    assert cfg.replica_gpu_set(1) == {0, 1}
+    with pytest.raises(
+        ValueError, match=r"replica_gpus: \[0\] names 1 GPU\(s\), one per replica is needed \(replicas = 2\)"
+    ):
+        load_config(write(tmp_path, "[decoder]\nreplicas = 2\nreplica_gpus = [0]\n"), env={})
+    with pytest.raises(ValueError, match=r"replica_gpus: expected a list of GPU indices like \[0, 0\], got \[0, -1\]"):
+        load_config(write(tmp_path, "[decoder]\nreplicas = 2\nreplica_gpus = [0, -1]\n"), env={})

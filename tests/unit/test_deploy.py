@@ -150,3 +150,26 @@ def test_each_encoder_finds_its_gpu() -> None:
         encoder_gpu(cfg, 2)
     cfg.model.device = "cpu"
     assert resolve_device(cfg, encoder_gpu(cfg, 0)) == torch.device("cpu")  # a CPU host ignores the list
+
+
+def test_a_media_replica_on_the_text_replicas_gpu_runs_as_vision_work(tmp_path: Path) -> None:
+    cfg = Config()
+    cfg.decoder.replicas, cfg.decoder.text_replicas, cfg.decoder.media_replicas = 3, [0], [1, 2]
+    cfg.decoder.replica_gpus = [0, 0, 1]  # replica 1 beside the text replica; replica 2 on a GPU of its own
+    plan = MpsPlan.of(cfg)
+    assert plan.vision_replicas == {1}
+    text = render(
+        (REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 1, 1, MpsPlan(40, 100, True, plan.vision_replicas), 3
+    )
+    parser = configparser.RawConfigParser()
+    parser.read_string(text)
+    for program in ("program:encoder", "program:decoder-1"):
+        environment = parser[program]["environment"]
+        assert 'CUDA_MPS_CLIENT_PRIORITY="1"' in environment and 'ACTIVE_THREAD_PERCENTAGE="40"' in environment
+    for program in ("program:decoder", "program:decoder-2"):
+        assert "CLIENT_PRIORITY" not in parser[program]["environment"]
+        assert "ACTIVE_THREAD" not in parser[program]["environment"]
+    cfg.decoder.text_replicas = []  # every replica takes text: none is vision work
+    assert MpsPlan.of(cfg).vision_replicas == frozenset()
+    cfg.decoder.text_replicas, cfg.decoder.replica_gpus = [0], [0, 1, 2]  # each on its own GPU
+    assert MpsPlan.of(cfg).vision_replicas == frozenset()

@@ -62,13 +62,27 @@ def kv_cache_blocks(cfg: Config, model: LanguageModel) -> int:
     per_block = PagedKVCache.bytes_per_block(model.spec, cfg.decoder.block_size, model.dtype)  # (its heads only)
     budget = cfg.decoder.kv_cache_bytes
     if budget <= 0 and model.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(model.device)
-        budget = int(free * cfg.decoder.gpu_memory_fraction)
+        budget = gpu_kv_budget(cfg, model.device)
     elif budget <= 0:
         budget = 256 * 2**20
     blocks = budget // per_block
     log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", blocks, cfg.decoder.block_size, blocks * per_block / 2**30)
     return int(blocks)
+
+
+def gpu_kv_budget(cfg: Config, device: torch.device) -> int:
+    """``gpu_memory_fraction`` of what the GPU has free after this process's weights. With N decoder
+    replicas on this GPU (``replica_gpus``, or more replicas than GPUs) each takes that fraction of the
+    whole GPU over N, less its own weights: they start at once, so what is free when one asks depends on
+    which came first."""
+    free, total = torch.cuda.mem_get_info(device)
+    visible = torch.cuda.device_count()  # (more GPUs named than visible wrap round: `resolve_device`)
+    on_this = [r for r in range(cfg.decoder.replicas) if device.index in {g % visible for g in cfg.replica_gpu_set(r)}]
+    fraction, sharing = cfg.decoder.gpu_memory_fraction, len(on_this)
+    if sharing <= 1:
+        return int(free * fraction)
+    share = int(total * fraction / sharing) - torch.cuda.memory_allocated(device)
+    return max(0, min(share, int(free * fraction)))
 
 
 def runner_options(cfg: Config, device: torch.device) -> dict[str, Any]:
