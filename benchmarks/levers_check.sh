@@ -66,8 +66,8 @@
 #   mixed-dp-routed-c64    mixed-dp-routed at 64 text streams (where one gateway process starts to limit)
 #   mixed-routed-one-gpu   mixed and its control on ONE GPU with two decoder replicas routed by modality, both
 #                    on GPU 0 ([decoder] replica_gpus = [0, 0]) beside the encoder, MPS: the media replica runs with
-#                    the encoder's priority (below the text replica's); -sm50 caps the encoder and the media
-#                    replica at 50% of the SMs; -normal gives them normal priority
+#                    the encoder's priority (below the text replica's); -smN (e.g. -sm50) caps the encoder and
+#                    the media replica at N% of the SMs; -normal gives them normal priority
 #   mixed-dp         the same with both replicas taking both kinds and an encoder on each GPU, MPS
 #   seed3img-dp      seed3img-anchor (256 requests) with two replicas taking both kinds, an encoder on each GPU, MPS
 #   parity-block-size   the greedy parity prompts with KV blocks of 16 tokens, then 64, the records compared
@@ -258,8 +258,8 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       MIXED_REQUESTS=200 MIXED_STREAMS=64 ONLY="mixed mixed-text-only" ;;
     mixed-routed-one-gpu) stack "$dir" CUDA_VISIBLE_DEVICES=0 REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 \
       REPLICA_GPUS=0,0 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
-    mixed-routed-one-gpu-sm50) stack "$dir" CUDA_VISIBLE_DEVICES=0 REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 \
-      REPLICA_GPUS=0,0 MPS=1 MPS_SM=50 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
+    mixed-routed-one-gpu-sm*) stack "$dir" CUDA_VISIBLE_DEVICES=0 REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 \
+      REPLICA_GPUS=0,0 MPS=1 MPS_SM="${part##*-sm}" MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-routed-one-gpu-normal) stack "$dir" CUDA_VISIBLE_DEVICES=0 REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 \
       REPLICA_GPUS=0,0 MPS=1 MPS_LOW_PRIORITY=false MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-dp) stack "$dir" REPLICAS=2 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
