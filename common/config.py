@@ -230,6 +230,16 @@ class LivenessConfig:
     heartbeat_s: float = 0.5
     dead_after_s: float = 3.0
     call_timeout_s: float = 5.0
+    # A request lost with its decoder before its first token, with no live replica to take it (a lone decoder
+    # that crashed: supervisord has it back in seconds), waits this long for one before it fails (0: fails now).
+    hold_lost_requests_s: float = 30.0
+
+    def validate(self, where: str) -> None:
+        for name in ("heartbeat_s", "dead_after_s", "call_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{where}.{name}: expected > 0 seconds, got {getattr(self, name)}")
+        if (hold := self.hold_lost_requests_s) < 0:
+            raise ValueError(f"{where}.hold_lost_requests_s: expected >= 0 (0: none held), got {hold}")
 
 
 def decoder_name(replica: int) -> str:

@@ -106,6 +106,8 @@ class Gateway:
                 "requests_in_flight": len(self.pipeline.requests),
                 # (sent again after the decoder replica they went to was lost before their first token)
                 "requests_reissued": sum(r.reissued for r in self.pipeline.replicas.all),
+                # (lost with their replica before their first token, waiting for one to be live: hold_lost_requests_s)
+                "requests_held": len(self.pipeline.held),
             },
             counters={*self.counters, "requests_reissued"},
         )

@@ -53,11 +53,13 @@ class Tracked:
     request: GenerateRequest
     events: asyncio.Queue[TokenDelta | RequestError]  # may be shared by the n choices of one HTTP request
     replica: Replica
-    stage: str = "fetch"  # fetch -> decode
+    # fetch -> decode; "held": lost with its replica, waiting for a live one (`Pipeline.held`); "failed": lost so
+    stage: str = "fetch"
     submitted: float = field(default_factory=time.monotonic)
     wire_id: str = field(init=False)
     reissues: int = 0
     streaming: bool = False  # a token has come: a replica lost now fails it (the client has those tokens)
+    held_until: float = 0.0  # (held) when it fails if no replica is live to take it by then
 
     def __post_init__(self) -> None:
         self.wire_id = self.request.request_id
@@ -86,6 +88,7 @@ class Pipeline:
         )
         self.requests: dict[str, Tracked] = {}
         self.rewired: dict[str, str] = {}  # a re-issued request's wire id -> its request id
+        self.held: dict[str, Tracked] = {}  # request id -> a request lost with its replica, waiting for a live one
         self.stats_waiters: dict[str, asyncio.Future[StatsResult]] = {}
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -154,7 +157,9 @@ class Pipeline:
         if tracked is None:
             return
         self.rewired.pop(tracked.wire_id, None)
-        self._withdraw(tracked)
+        self.held.pop(request_id, None)
+        if tracked.stage != "held":  # (a held request was withdrawn when its replica was lost)
+            self._withdraw(tracked)
 
     def _withdraw(self, tracked: Tracked) -> None:
         """Stop ``tracked.wire_id`` at its fetcher and its replica, and count it out of the replica's load."""
@@ -224,6 +229,8 @@ class Pipeline:
                     replica.seen = time.monotonic()
                     if restarted:  # (live again first: its lost requests may go back to it)
                         self._replica_lost(replica, "restarted")
+                    if self.held:
+                        self._release_held()
                 case _:
                     pass
 
@@ -239,51 +246,92 @@ class Pipeline:
             self.fetchers.tick()
             for replica in self.replicas.stale(time.monotonic()):
                 self._replica_lost(replica, "is not responding")
+            if self.held:
+                self._release_held()
 
     def _decoder_named(self, replica: Replica) -> str:
         return "the decoder" if len(self.replicas.all) == 1 else f"decoder replica {replica.index}"
 
     def _replica_lost(self, replica: Replica, why: str) -> None:
         """The requests ``replica`` held are gone with it (or queued for a process that will not know them):
-        each that no token has come for yet goes again where `choose_replica` says (see `REISSUES`), the
-        others fail with a 503 that says to retry."""
+        each that no token has come for yet goes again where `choose_replica` says (see `REISSUES`), or waits
+        for a replica to be live (`_hold`) where none is; the others fail with a 503 that says to retry."""
         lost = [t for t in self.requests.values() if t.stage == "decode" and t.replica is replica]
-        reissued = 0
+        reissued = held = 0
         for tracked in lost:
             # The decoder that leased the request's embeddings is gone and will never release them;
             # without this they would stay pinned (unevictable) until the lease TTL.
             self._send(self.cache, CacheRelease(tracked.wire_id))
-            if not tracked.streaming and tracked.reissues < REISSUES and self._reissue(tracked):
-                reissued += 1
-                continue
+            if not tracked.streaming and tracked.reissues < REISSUES:
+                target = self._live_replica_for(tracked)
+                if target is not None or self.cfg.liveness.hold_lost_requests_s > 0:
+                    self._rewire(tracked)
+                    if target is not None:
+                        self._send_again(tracked, target)
+                        reissued += 1
+                    else:
+                        self._hold(tracked)
+                        held += 1
+                    continue
+            tracked.stage = "failed"  # (until the HTTP side ends it: not lost again at the next tick)
             message = f"{self._decoder_named(replica)} {why}; retry the request"
             self._deliver(RequestError(tracked.wire_id, 503, "unavailable", message))
-        replica.reissued += reissued
         if lost:
             log.warning(
-                "%s %s: %d of its %d requests sent again (no token had come for them), the rest failed",
+                "%s %s: of its %d requests, %d sent again and %d held until a replica is live (no token had come "
+                "for them), the rest failed",
                 self._decoder_named(replica),
                 why,
-                reissued,
                 len(lost),
+                reissued,
+                held,
             )
 
-    def _reissue(self, tracked: Tracked) -> bool:
-        """Send ``tracked`` again under a new wire id to a replica that can take it now; False if none can."""
+    def _live_replica_for(self, tracked: Tracked) -> Replica | None:
+        """Where a lost request may go now: a live replica (not one still starting: it has waited once)."""
         replica = self.choose_replica(tracked.request)
-        if not self.replicas.live(replica):  # (not one still starting: this request has waited once already)
-            return False
-        self._withdraw(tracked)  # (its Abort reaches the lost replica's queue, if a restarted one reads it)
+        return replica if self.replicas.live(replica) else None
+
+    def _rewire(self, tracked: Tracked) -> None:
+        """Withdraw ``tracked`` from where it was and give it a new wire id, which the lost replica's queue (if
+        a restarted process reads it) does not know: it runs nothing twice, and a late token from it is dropped."""
+        self._withdraw(tracked)  # (its Abort reaches the lost replica's queue)
         self.rewired.pop(tracked.wire_id, None)
         tracked.reissues += 1
         tracked.wire_id = f"{tracked.request_id}.reissue{tracked.reissues}"
         self.rewired[tracked.wire_id] = tracked.request_id
+
+    def _send_again(self, tracked: Tracked, replica: Replica) -> None:
+        tracked.replica.reissued += 1  # (the lost replica's count)
         tracked.submitted = time.monotonic()
         frame = None
         if tracked.request.media:  # (encoded on the event loop: a rare event, and media are mostly URLs)
             frame = encode(dataclasses.replace(tracked.request, request_id=tracked.wire_id, replica=replica.index))
         self._dispatch(tracked, replica, frame)
-        return True
+
+    def _hold(self, tracked: Tracked) -> None:
+        """Keep a lost request (accepted: a streaming client has its 200) until a replica is live to take it,
+        for ``hold_lost_requests_s``: a lone decoder that crashed is back within seconds."""
+        tracked.stage = "held"
+        tracked.held_until = time.monotonic() + self.cfg.liveness.hold_lost_requests_s
+        self.held[tracked.request_id] = tracked
+
+    def _release_held(self) -> None:
+        """Held requests go to a replica live now; those held past their time fail with a 503."""
+        now = time.monotonic()
+        for tracked in list(self.held.values()):
+            target = self._live_replica_for(tracked)
+            if target is None and now < tracked.held_until:
+                continue
+            del self.held[tracked.request_id]
+            if target is not None:
+                self._send_again(tracked, target)
+                continue
+            waited = self.cfg.liveness.hold_lost_requests_s
+            message = f"{self._decoder_named(tracked.replica)} was lost and no replica was back within {waited:g} s"
+            self._deliver(RequestError(tracked.wire_id, 503, "unavailable", message + "; retry the request"))
+        if not self.held:
+            log.info("no request is held for a decoder replica any more")
 
     # ------------------------------------------------------------------ status
     def decoder_live(self) -> bool:

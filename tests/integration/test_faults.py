@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -13,7 +14,9 @@ import openai
 import pytest
 from openai import OpenAI
 
+from benchmarks.hf_chat import HfChat
 from tests.integration.conftest import Stack
+from tests.integration.test_chat_parity import NEW_TOKENS, ask, image_part
 from tests.media import data_url, make_image
 
 ANSWER_BOUND_S = 90.0
@@ -107,3 +110,39 @@ def test_kill_9_mid_flight(stack: Stack, program: str) -> None:
         hits = settled.get("vlm_cache_hits_total", 0.0)
         assert one_request(client, model, warm_seed)[0].startswith("ok:")
         assert stack.metrics().get("vlm_cache_hits_total", 0.0) == hits + 1
+
+
+def test_a_lone_decoder_lost_before_the_first_token_answers_after_its_restart(stack: Stack, hf: HfChat) -> None:
+    """The only decoder frozen (SIGSTOP: its socket takes requests, it answers nothing): a text request and
+    two image requests sent meanwhile are held by the gateway once it is called dead (``dead_after_s``), not
+    failed; killed then, the decoder is restarted by supervisord, and each held request is answered by the new
+    process exactly as transformers answers it (``hold_lost_requests_s``, 30 s by default)."""
+    client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=ANSWER_BOUND_S)
+    question = {"type": "text", "text": "What is in this picture?"}
+    conversations: list[list[dict[str, Any]]] = [[{"role": "user", "content": "Count to five, slowly."}]]
+    conversations += [
+        [{"role": "user", "content": [image_part(data_url(make_image(80 + 16 * k, 64, seed=90 + k))), question]}]
+        for k in range(2)
+    ]
+    reissued = stack.metrics().get("vlm_gateway_requests_reissued_total", 0.0)
+    victim = stack.pid("decoder")
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(len(conversations)) as pool:
+            futures = [pool.submit(ask, client, messages) for messages in conversations]
+            deadline = time.monotonic() + 30
+            while stack.metrics().get("vlm_gateway_requests_held", 0.0) < len(conversations):
+                assert time.monotonic() < deadline, "the gateway held fewer requests than were sent"
+                assert not any(f.done() for f in futures), [f.exception() for f in futures if f.done()]
+                time.sleep(0.1)
+            os.kill(victim, signal.SIGKILL)
+            responses = [f.result() for f in futures]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (gone once killed; a failed assertion must not leave it frozen)
+            os.kill(victim, signal.SIGCONT)
+    wait_restarted(stack, "decoder", victim)
+    for response, messages in zip(responses, conversations, strict=True):
+        assert response.choices[0].token_ids == hf.generate(messages, NEW_TOKENS)[0]
+    metrics = stack.metrics()
+    assert metrics["vlm_gateway_requests_reissued_total"] == reissued + len(conversations), metrics
+    assert metrics["vlm_gateway_requests_held"] == 0

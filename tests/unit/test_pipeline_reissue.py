@@ -6,12 +6,13 @@ id is dropped, one under the new id reaches the request under its own id; a requ
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
-from common.config import Config, DecoderConfig
+from common.config import Config, DecoderConfig, LivenessConfig
 from common.protocol import (
     Abort,
     GenerateRequest,
@@ -84,3 +85,68 @@ async def restart_with_two_requests(tmp_path: Path) -> None:
 
 def test_a_restarted_replicas_quiet_request_goes_again_under_a_new_id(tmp_path: Path) -> None:
     asyncio.run(restart_with_two_requests(tmp_path))
+
+
+async def lone_decoder_lost(tmp_path: Path, hold_s: float) -> None:
+    """One decoder, silent past ``dead_after_s``: its quiet request is held (nothing is live to take it), its
+    streaming one fails. With ``hold_s`` long, a new process's first heartbeat gets the held request under a
+    new id; with it short, the held request fails with a 503 that says what happened."""
+    liveness = LivenessConfig(heartbeat_s=0.05, dead_after_s=0.3, hold_lost_requests_s=hold_s)
+    cfg = Config(run_dir=str(tmp_path), liveness=liveness)
+    pipeline = Pipeline(cfg, Histogram("media_prepare", "unused", (1.0,)))
+    ctx = zmq.asyncio.Context()
+    decoder = AsyncChannel(ctx, zmq.PULL, cfg.decoder_endpoint(0), bind=True)
+    to_gateway = AsyncChannel(ctx, zmq.PUSH, cfg.endpoint("gateway"), bind=False)
+    pipeline.start()
+    try:
+        await to_gateway.send(WorkerStatus("decoder", "decoder", "first", 64))
+        await asyncio.wait_for(until(lambda: pipeline.replicas.live(pipeline.replicas.all[0])), WAIT_S)
+        events: asyncio.Queue[TokenDelta | RequestError] = asyncio.Queue()
+        sampling = SamplingParams(max_tokens=4)
+        quiet = await pipeline.submit(GenerateRequest("quiet", [1, 2, 3], [], sampling), events)
+        await pipeline.submit(GenerateRequest("streaming", [4, 5], [], sampling), events)
+        assert [m.request_id for m in await received(decoder, 2)] == ["quiet", "streaming"]  # type: ignore[union-attr]
+        await to_gateway.send(TokenBatch([TokenDelta("streaming", [7])]))
+        assert (await asyncio.wait_for(events.get(), WAIT_S)).request_id == "streaming"
+
+        # No heartbeat from now on: after dead_after_s the decoder is lost.
+        failed = await asyncio.wait_for(events.get(), WAIT_S)
+        assert isinstance(failed, RequestError) and (failed.request_id, failed.status) == ("streaming", 503)
+        assert await received(decoder, 1) == [Abort("quiet")]  # (its old id stopped there, if a new process reads it)
+        assert pipeline.held == {"quiet": quiet} and quiet.stage == "held" and events.empty()
+        assert pipeline.replicas.all[0].load == 1  # ("streaming" until the HTTP side aborts it)
+
+        if hold_s < 1:
+            expired = await asyncio.wait_for(events.get(), WAIT_S)
+            assert isinstance(expired, RequestError) and (expired.request_id, expired.status) == ("quiet", 503)
+            assert f"no replica was back within {hold_s:g} s" in expired.message
+            assert pipeline.held == {}
+        else:
+            await to_gateway.send(WorkerStatus("decoder", "decoder", "second", 64))  # the restarted process
+            again = (await received(decoder, 1))[0]
+            assert isinstance(again, PreparedRequest) and again.request_id == "quiet.reissue1"
+            assert pipeline.held == {} and quiet.stage == "decode" and pipeline.replicas.all[0].reissued == 1
+            await to_gateway.send(TokenBatch([TokenDelta("quiet.reissue1", [6], "length")]))
+            delta = await asyncio.wait_for(events.get(), WAIT_S)
+            assert isinstance(delta, TokenDelta) and (delta.request_id, delta.token_ids) == ("quiet", [6])
+        for request_id in ("quiet", "streaming"):  # as the HTTP side does when each ends
+            pipeline.abort(request_id)
+        assert pipeline.replicas.all[0].load == 0 and pipeline.requests == {} and pipeline.rewired == {}
+    finally:
+        await pipeline.close()
+        decoder.close()
+        to_gateway.close()
+        ctx.term()
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+def test_a_lone_decoders_quiet_request_waits_for_its_restart(tmp_path: Path) -> None:
+    asyncio.run(lone_decoder_lost(tmp_path, hold_s=30.0))
+
+
+def test_a_held_request_fails_when_no_decoder_is_back_in_time(tmp_path: Path) -> None:
+    asyncio.run(lone_decoder_lost(tmp_path, hold_s=0.5))
