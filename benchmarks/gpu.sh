@@ -18,7 +18,8 @@
 #        GPU (there: both on GPU 0),
 #        C32_REQUESTS=256 for longer seed3img runs at 32 clients than the default 64, MIXED_REQUESTS=200 for a
 #        longer mixed and control than the default 60 image requests, MIXED_STREAMS=64 for mixed's text streams
-#        (default 32), DEAD_AFTER_S=20 for [liveness] dead_after_s (gpu.toml: 3), KILL_PROGRAM=decoder-1
+#        (default 32), DEAD_AFTER_S=20 for [liveness] dead_after_s (gpu.toml: 3), HOLD_S=0 for [liveness]
+#        hold_lost_requests_s (the server's 30 otherwise), KILL_PROGRAM=decoder-1
 #        KILL_AT=10 to SIGKILL that supervisord program KILL_AT seconds into mixed (supervisord restarts it; the
 #        gateway's log says what it routed meanwhile))
 set -uo pipefail
@@ -27,7 +28,7 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLM_CONFIG="$PWD/benchmarks/gpu.toml"
 if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
-  || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${ENCODER_OVERLAP:-}${DECODING_BUDGET:-}${SPILL_BYTES:-}${POOL_BYTES:-}${OVERLAP_MIXED:-}${REPLICAS:-}${REPLICA_GPUS:-}${BLOCK_SIZE:-}${DEAD_AFTER_S:-}" ]; then  # variants of gpu.toml
+  || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${ENCODER_OVERLAP:-}${DECODING_BUDGET:-}${SPILL_BYTES:-}${POOL_BYTES:-}${OVERLAP_MIXED:-}${REPLICAS:-}${REPLICA_GPUS:-}${BLOCK_SIZE:-}${DEAD_AFTER_S:-}${HOLD_S:-}" ]; then  # variants of gpu.toml
   cp benchmarks/gpu.toml /tmp/gpu-variant.toml
   # DEVICE_POOL=1: the embedding pool in GPU memory, handed over by CUDA IPC
   [ "${DEVICE_POOL:-0}" = 1 ] && sed -i "/^\[cache\]/a device_pool = true" /tmp/gpu-variant.toml
@@ -55,6 +56,8 @@ if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
   [ -n "${BLOCK_SIZE:-}" ] && sed -i "/^\[decoder\]/a block_size = ${BLOCK_SIZE}" /tmp/gpu-variant.toml
   # DEAD_AFTER_S=20: [liveness] dead_after_s (gpu.toml: the server's default, 3 s)
   [ -n "${DEAD_AFTER_S:-}" ] && sed -i "s/^dead_after_s = .*/dead_after_s = ${DEAD_AFTER_S}/" /tmp/gpu-variant.toml
+  # HOLD_S=0: [liveness] hold_lost_requests_s (0: a lost request that nothing live can take fails at once)
+  [ -n "${HOLD_S:-}" ] && sed -i "/^\[liveness\]/a hold_lost_requests_s = ${HOLD_S}" /tmp/gpu-variant.toml
   # DECODING_BUDGET=512: the decoder's tokens per step while any stream decodes
   [ -n "${DECODING_BUDGET:-}" ] && sed -i "/^\[decoder\]/a tokens_per_step_while_decoding = ${DECODING_BUDGET}" /tmp/gpu-variant.toml
   export VLM_CONFIG=/tmp/gpu-variant.toml

@@ -61,6 +61,9 @@
 #                    only as restarted, its requests not yet started go to the new process
 #   mixed-dp-routed-kill3  the same at dead_after_s = 3 (the server's default): the replica is called dead before
 #                    it is back; its requests and the next image requests go to replica 0 (kind_fallback) meanwhile
+#   mixed-kill-one-gpu   mixed on one GPU (MPS, the defaults) with the lone decoder SIGKILLed 10 s in: its requests
+#                    that no token had come for are held until supervisord has it back ([liveness]
+#                    hold_lost_requests_s); -nohold: the same at hold_lost_requests_s = 0 (they fail at once)
 #   liveness-3s      seed3img-anchor (256 requests) and mixed on one GPU with MPS at dead_after_s = 3: is any
 #                    worker called dead under load? (gpu.toml has 3 since session 14; 20 before)
 #   mixed-dp-routed-c64    mixed-dp-routed at 64 text streams (where one gateway process starts to limit)
@@ -262,6 +265,10 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       REPLICA_GPUS=0,0 MPS=1 MPS_SM="${part##*-sm}" MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-routed-one-gpu-normal) stack "$dir" CUDA_VISIBLE_DEVICES=0 REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 \
       REPLICA_GPUS=0,0 MPS=1 MPS_LOW_PRIORITY=false MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
+    mixed-kill-one-gpu) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MIXED_REQUESTS=200 KILL_PROGRAM=decoder KILL_AT=10 \
+      ONLY="mixed" ;;
+    mixed-kill-one-gpu-nohold) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MIXED_REQUESTS=200 KILL_PROGRAM=decoder \
+      KILL_AT=10 HOLD_S=0 ONLY="mixed" ;;
     mixed-dp) stack "$dir" REPLICAS=2 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     seed3img-dp) stack "$dir" REPLICAS=2 MPS=1 C32_REQUESTS=256 ONLY="seed3img-anchor-c32" ;;
     parity-block-size) mkdir -p "$out/$dir"
