@@ -1,12 +1,18 @@
-"""The gateway's pipeline when a decoder replica restarts, over real ZMQ sockets (the test holds the replicas'
-request sockets and sends on the gateway's inbox as a decoder does): a request that no token has come for goes
-again, to the restarted replica itself, under a new wire id, its old id aborted there; a token under the old
-id is dropped, one under the new id reaches the request under its own id; a request that had streamed fails."""
+"""The gateway's pipeline when a decoder replica is lost, over real ZMQ sockets (the test holds replica 0's
+request socket and sends on the gateway's inbox as a decoder does).
+
+Restarted: a request that no token has come for goes again, to the restarted replica itself, under a new wire
+id, its old id aborted there; a token under the old id is dropped, one under the new id reaches the request
+under its own id; a request that had streamed fails. A lone decoder silent past ``dead_after_s``: its quiet
+request is held until a new process is heard from (then sent there), or fails once ``hold_lost_requests_s``
+has passed."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -26,7 +32,7 @@ from common.protocol import (
 )
 from common.transport import AsyncChannel
 from gateway.metrics import Histogram
-from gateway.pipeline import Pipeline
+from gateway.pipeline import Pipeline, Tracked
 
 WAIT_S = 5.0
 
@@ -35,9 +41,24 @@ async def received(channel: AsyncChannel, count: int) -> list[Message | None]:
     return [(await asyncio.wait_for(channel.recv(), WAIT_S))[1] for _ in range(count)]
 
 
-async def restart_with_two_requests(tmp_path: Path) -> None:
-    # Text requests go to replica 0 only; replica 1 is never heard from (it is not where they may go back to).
-    cfg = Config(run_dir=str(tmp_path), decoder=DecoderConfig(replicas=2, text_replicas=[0]))
+async def until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+@dataclass
+class TwoRequests:
+    pipeline: Pipeline
+    replica_0: AsyncChannel  # its request socket, held by the test
+    to_gateway: AsyncChannel  # the gateway's inbox, as a decoder sends on it
+    events: asyncio.Queue[TokenDelta | RequestError]
+    quiet: Tracked  # no token has come for it
+
+
+@contextlib.asynccontextmanager
+async def two_requests_at_replica_0(cfg: Config) -> AsyncIterator[TwoRequests]:
+    """The pipeline with replica 0 heard from (incarnation "first") and two requests sent there: "quiet", and
+    "streaming", whose first token the client has."""
     pipeline = Pipeline(cfg, Histogram("media_prepare", "unused", (1.0,)))
     ctx = zmq.asyncio.Context()
     replica_0 = AsyncChannel(ctx, zmq.PULL, cfg.decoder_endpoint(0), bind=True)
@@ -45,12 +66,7 @@ async def restart_with_two_requests(tmp_path: Path) -> None:
     pipeline.start()
     try:
         await to_gateway.send(WorkerStatus("decoder", "decoder", "first", 64))
-
-        async def heard() -> None:
-            while not pipeline.replicas.live(pipeline.replicas.all[0]):
-                await asyncio.sleep(0.01)
-
-        await asyncio.wait_for(heard(), WAIT_S)
+        await asyncio.wait_for(until(lambda: pipeline.replicas.live(pipeline.replicas.all[0])), WAIT_S)
         events: asyncio.Queue[TokenDelta | RequestError] = asyncio.Queue()
         sampling = SamplingParams(max_tokens=4)
         quiet = await pipeline.submit(GenerateRequest("quiet", [1, 2, 3], [], sampling), events)
@@ -58,8 +74,20 @@ async def restart_with_two_requests(tmp_path: Path) -> None:
         assert [m.request_id for m in await received(replica_0, 2)] == ["quiet", "streaming"]  # type: ignore[union-attr]
         await to_gateway.send(TokenBatch([TokenDelta("streaming", [7])]))
         assert (await asyncio.wait_for(events.get(), WAIT_S)).request_id == "streaming"
+        yield TwoRequests(pipeline, replica_0, to_gateway, events, quiet)
+    finally:
+        await pipeline.close()
+        replica_0.close()
+        to_gateway.close()
+        ctx.term()
 
-        await to_gateway.send(WorkerStatus("decoder", "decoder", "second", 64))  # a new process
+
+async def restart_with_two_requests(tmp_path: Path) -> None:
+    # Text requests go to replica 0 only; replica 1 is never heard from (it is not where they may go back to).
+    cfg = Config(run_dir=str(tmp_path), decoder=DecoderConfig(replicas=2, text_replicas=[0]))
+    async with two_requests_at_replica_0(cfg) as scene:
+        pipeline, replica_0, events, quiet = scene.pipeline, scene.replica_0, scene.events, scene.quiet
+        await scene.to_gateway.send(WorkerStatus("decoder", "decoder", "second", 64))  # a new process
         failed = await asyncio.wait_for(events.get(), WAIT_S)
         assert isinstance(failed, RequestError) and (failed.request_id, failed.status) == ("streaming", 503)
         abort, again = await received(replica_0, 2)
@@ -67,7 +95,8 @@ async def restart_with_two_requests(tmp_path: Path) -> None:
         assert isinstance(again, PreparedRequest) and again.request_id == "quiet.reissue1"
         assert again.prompt_ids == [1, 2, 3] and quiet.wire_id == "quiet.reissue1"
 
-        await to_gateway.send(TokenBatch([TokenDelta("quiet", [5]), TokenDelta("quiet.reissue1", [6], "length")]))
+        batch = TokenBatch([TokenDelta("quiet", [5]), TokenDelta("quiet.reissue1", [6], "length")])
+        await scene.to_gateway.send(batch)
         delta = await asyncio.wait_for(events.get(), WAIT_S)
         assert isinstance(delta, TokenDelta) and (delta.request_id, delta.token_ids) == ("quiet", [6])
         assert events.empty()
@@ -76,11 +105,6 @@ async def restart_with_two_requests(tmp_path: Path) -> None:
         pipeline.abort("quiet")  # as the HTTP side does when the request ends: the new id is what it stops
         assert await received(replica_0, 1) == [Abort("quiet.reissue1")]
         assert pipeline.rewired == {} and pipeline.replicas.all[0].load == 1  # ("streaming": not yet aborted)
-    finally:
-        await pipeline.close()
-        replica_0.close()
-        to_gateway.close()
-        ctx.term()
 
 
 def test_a_restarted_replicas_quiet_request_goes_again_under_a_new_id(tmp_path: Path) -> None:
@@ -92,23 +116,8 @@ async def lone_decoder_lost(tmp_path: Path, hold_s: float) -> None:
     streaming one fails. With ``hold_s`` long, a new process's first heartbeat gets the held request under a
     new id; with it short, the held request fails with a 503 that says what happened."""
     liveness = LivenessConfig(heartbeat_s=0.05, dead_after_s=0.3, hold_lost_requests_s=hold_s)
-    cfg = Config(run_dir=str(tmp_path), liveness=liveness)
-    pipeline = Pipeline(cfg, Histogram("media_prepare", "unused", (1.0,)))
-    ctx = zmq.asyncio.Context()
-    decoder = AsyncChannel(ctx, zmq.PULL, cfg.decoder_endpoint(0), bind=True)
-    to_gateway = AsyncChannel(ctx, zmq.PUSH, cfg.endpoint("gateway"), bind=False)
-    pipeline.start()
-    try:
-        await to_gateway.send(WorkerStatus("decoder", "decoder", "first", 64))
-        await asyncio.wait_for(until(lambda: pipeline.replicas.live(pipeline.replicas.all[0])), WAIT_S)
-        events: asyncio.Queue[TokenDelta | RequestError] = asyncio.Queue()
-        sampling = SamplingParams(max_tokens=4)
-        quiet = await pipeline.submit(GenerateRequest("quiet", [1, 2, 3], [], sampling), events)
-        await pipeline.submit(GenerateRequest("streaming", [4, 5], [], sampling), events)
-        assert [m.request_id for m in await received(decoder, 2)] == ["quiet", "streaming"]  # type: ignore[union-attr]
-        await to_gateway.send(TokenBatch([TokenDelta("streaming", [7])]))
-        assert (await asyncio.wait_for(events.get(), WAIT_S)).request_id == "streaming"
-
+    async with two_requests_at_replica_0(Config(run_dir=str(tmp_path), liveness=liveness)) as scene:
+        pipeline, decoder, events, quiet = scene.pipeline, scene.replica_0, scene.events, scene.quiet
         # No heartbeat from now on: after dead_after_s the decoder is lost.
         failed = await asyncio.wait_for(events.get(), WAIT_S)
         assert isinstance(failed, RequestError) and (failed.request_id, failed.status) == ("streaming", 503)
@@ -122,26 +131,16 @@ async def lone_decoder_lost(tmp_path: Path, hold_s: float) -> None:
             assert f"no replica was back within {hold_s:g} s" in expired.message
             assert pipeline.held == {}
         else:
-            await to_gateway.send(WorkerStatus("decoder", "decoder", "second", 64))  # the restarted process
+            await scene.to_gateway.send(WorkerStatus("decoder", "decoder", "second", 64))  # the restarted process
             again = (await received(decoder, 1))[0]
             assert isinstance(again, PreparedRequest) and again.request_id == "quiet.reissue1"
             assert pipeline.held == {} and quiet.stage == "decode" and pipeline.replicas.all[0].reissued == 1
-            await to_gateway.send(TokenBatch([TokenDelta("quiet.reissue1", [6], "length")]))
+            await scene.to_gateway.send(TokenBatch([TokenDelta("quiet.reissue1", [6], "length")]))
             delta = await asyncio.wait_for(events.get(), WAIT_S)
             assert isinstance(delta, TokenDelta) and (delta.request_id, delta.token_ids) == ("quiet", [6])
         for request_id in ("quiet", "streaming"):  # as the HTTP side does when each ends
             pipeline.abort(request_id)
         assert pipeline.replicas.all[0].load == 0 and pipeline.requests == {} and pipeline.rewired == {}
-    finally:
-        await pipeline.close()
-        decoder.close()
-        to_gateway.close()
-        ctx.term()
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    while not condition():
-        await asyncio.sleep(0.01)
 
 
 def test_a_lone_decoders_quiet_request_waits_for_its_restart(tmp_path: Path) -> None:
