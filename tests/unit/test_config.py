@@ -320,7 +320,7 @@ def test_replicas_can_be_placed_on_chosen_gpus(tmp_path: Path) -> None:
 def test_liveness_times_must_be_positive(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, "[liveness]\nhold_lost_requests_s = 0\n"), env={})
     assert cfg.liveness.hold_lost_requests_s == 0.0  # (none held: lost requests fail at once, as before)
-    with pytest.raises(ValueError, match=r"\[liveness\].hold_lost_requests_s: expected >= 0 \(0: none held\), got -1.0"):
+    with pytest.raises(ValueError, match=r"hold_lost_requests_s: expected >= 0 \(0: none held\), got -1.0"):
         load_config(write(tmp_path, "[liveness]\nhold_lost_requests_s = -1\n"), env={})
     with pytest.raises(ValueError, match=r"\[liveness\].dead_after_s: expected > 0 seconds, got 0.0"):
         load_config(write(tmp_path, "[liveness]\ndead_after_s = 0\n"), env={})
