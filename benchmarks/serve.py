@@ -107,8 +107,23 @@ def _error_text(raw: bytes) -> str:
         return raw.decode(errors="replace")[:1000] or "(empty body)"
 
 
+RETRY_AFTER_MAX_S = 10.0
+
+
+def _retry_after_s(response: aiohttp.ClientResponse) -> float:
+    """A refusal's ``Retry-After`` in seconds (429 and 503 only; at most ``RETRY_AFTER_MAX_S``), else 0."""
+    if response.status not in (429, 503):
+        return 0.0
+    try:
+        return min(max(float(response.headers.get("Retry-After", "0")), 0.0), RETRY_AFTER_MAX_S)
+    except ValueError:  # (an HTTP date: not what this server sends)
+        return 0.0
+
+
 class Client:
-    """Sends one request at a time per call and turns its stream into a record."""
+    """Sends one request at a time per call and turns its stream into a record; a refusal (429, 503) with
+    ``Retry-After`` returns only after that wait (at most ``RETRY_AFTER_MAX_S``), as OpenAI's clients wait before
+    their next try: a closed loop's stream does not hammer a server that is restarting a worker."""
 
     def __init__(self, http: aiohttp.ClientSession, base_url: str, headers: dict[str, str], t0: float) -> None:
         self.http = http
@@ -125,11 +140,13 @@ class Client:
         text: list[str] = []
         start = time.perf_counter()
         record["start_s"] = start - self.t0
+        retry_after_s = 0.0
         try:
             async with self.http.post(self.url, data=prepared.body, headers=self.headers) as response:
                 record["status"] = response.status
                 if response.status != 200:
                     record["error"] = _error_text(await response.read())
+                    retry_after_s = _retry_after_s(response)
                 else:
                     await _read_stream(response, record, chunk_times, text)
         except TimeoutError:
@@ -140,6 +157,8 @@ class Client:
             record["error"] = f"unexpected {type(exc).__name__}: {exc}"
         end = time.perf_counter()
         _finish(record, start, end, chunk_times, self.t0)
+        if retry_after_s:  # as OpenAI's clients do: the caller's next request (closed loop) waits for it
+            await asyncio.sleep(retry_after_s)
         return record, "".join(text)
 
 

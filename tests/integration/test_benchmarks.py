@@ -282,6 +282,23 @@ def test_client_records_http_errors_in_band_errors_and_truncation() -> None:
     assert rec["error"] == "the stream ended before [DONE]"
 
 
+def test_client_waits_out_a_refusals_retry_after() -> None:
+    async def busy(_request: web.Request) -> web.Response:
+        error = {"error": {"message": "the decoder is not responding", "code": "unavailable"}}
+        return web.json_response(error, status=503, headers={"Retry-After": "0.4"})
+
+    started = time.monotonic()
+    rec, _ = run_client(busy)
+    assert (rec["status"], rec["error"]) == (503, "the decoder is not responding")
+    assert time.monotonic() - started >= 0.4  # (the next request of a closed loop waits as OpenAI's clients do)
+
+    async def bad(_request: web.Request) -> web.Response:  # a 400's Retry-After is not a reason to wait
+        return web.json_response({"error": {"message": "no"}}, status=400, headers={"Retry-After": "5"})
+
+    started = time.monotonic()
+    assert run_client(bad)[0]["status"] == 400 and time.monotonic() - started < 4
+
+
 def test_multiturn_sends_the_real_answers_and_counts_unsent_turns(tmp_path: Path) -> None:
     bodies: list[dict[str, Any]] = []
 
