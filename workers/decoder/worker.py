@@ -71,18 +71,21 @@ def kv_cache_blocks(cfg: Config, model: LanguageModel) -> int:
 
 
 def gpu_kv_budget(cfg: Config, device: torch.device) -> int:
-    """``gpu_memory_fraction`` of what the GPU has free after this process's weights. With N decoder
-    replicas on this GPU (``replica_gpus``, or more replicas than GPUs) each takes that fraction of the
-    whole GPU over N, less its own weights: they start at once, so what is free when one asks depends on
-    which came first."""
     free, total = torch.cuda.mem_get_info(device)
-    visible = torch.cuda.device_count()  # (more GPUs named than visible wrap round: `resolve_device`)
-    on_this = [r for r in range(cfg.decoder.replicas) if device.index in {g % visible for g in cfg.replica_gpu_set(r)}]
-    fraction, sharing = cfg.decoder.gpu_memory_fraction, len(on_this)
+    own = torch.cuda.memory_allocated(device)  # (this process's weights, loaded by now)
+    return shared_kv_budget(cfg, device.index or 0, torch.cuda.device_count(), free, total, own)
+
+
+def shared_kv_budget(cfg: Config, gpu: int, visible: int, free: int, total: int, own: int) -> int:
+    """``gpu_memory_fraction`` of what GPU ``gpu`` has ``free`` after this process's weights. With N decoder
+    replicas on it (``replica_gpus``, or more replicas than ``visible`` GPUs: they wrap round, as in
+    `resolve_device`) each takes that fraction of the ``total`` over N, less its ``own`` allocations: they start
+    at once, so what is free when one asks depends on which came first."""
+    sharing = sum(gpu in {g % visible for g in cfg.replica_gpu_set(r)} for r in range(cfg.decoder.replicas))
+    fraction = cfg.decoder.gpu_memory_fraction
     if sharing <= 1:
         return int(free * fraction)
-    share = int(total * fraction / sharing) - torch.cuda.memory_allocated(device)
-    return max(0, min(share, int(free * fraction)))
+    return max(0, min(int(total * fraction / sharing) - own, int(free * fraction)))
 
 
 def runner_options(cfg: Config, device: torch.device) -> dict[str, Any]:
