@@ -233,11 +233,15 @@ class LivenessConfig:
     # A request lost with its decoder before its first token, with no live replica to take it (a lone decoder
     # that crashed: supervisord has it back in seconds), waits this long for one before it fails (0: fails now).
     hold_lost_requests_s: float = 30.0
+    # A process whose loop has not turned for this long exits (stacks logged) for supervisord to restart it (0: never).
+    stall_exit_s: float = 300.0
 
     def validate(self, where: str) -> None:
         for name in ("heartbeat_s", "dead_after_s", "call_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{where}.{name}: expected > 0 seconds, got {getattr(self, name)}")
+        if self.stall_exit_s < 0:
+            raise ValueError(f"{where}.stall_exit_s: expected >= 0 (0: never), got {self.stall_exit_s}")
         if (hold := self.hold_lost_requests_s) < 0:
             raise ValueError(f"{where}.hold_lost_requests_s: expected >= 0 (0: none held), got {hold}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import logging
 import signal
@@ -72,3 +73,29 @@ class CounterWindow:
         growth = {name: value - self.before.get(name, 0.0) for name, value in self.counters.items()}
         self.since, self.before = now, dict(self.counters)
         return seconds, growth
+
+
+class StallWatchdog:
+    """Ends this process when its loop has not re-armed the watchdog for ``limit_s``: every thread's stack goes
+    to stderr (the process's log), then exit status 1, and supervisord starts it again. A hung process (a
+    deadlock, a device call that never returns) would otherwise stay up and silent for ever: the others only
+    route around it. faulthandler's timer is a C thread, so it fires even while the hung thread holds the GIL.
+    The loop re-arms it every quarter of the limit (re-arming starts a thread: not on every turn)."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.rearm_every_s = limit_s / 4
+
+    def arm(self) -> None:
+        faulthandler.dump_traceback_later(self.limit_s, exit=True)
+
+    def disarm(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
+
+    def announce(self, role: str) -> None:
+        logging.getLogger(role).info(
+            "%s exits (for supervisord to restart it, every thread's stack logged) if its loop stalls for %g s "
+            "([liveness] stall_exit_s)",
+            role,
+            self.limit_s,
+        )

@@ -13,6 +13,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from common.lifecycle import StallWatchdog
 from common.protocol import Message, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,14 @@ class EventLoop:
             os.set_blocking(fd, False)
         self.poller.register(self._stop_read, zmq.POLLIN)
         self.fd_handlers[self._stop_read] = self._drain_stop
+        self.watchdog: StallWatchdog | None = None
+
+    def exit_if_stalled(self, limit_s: float, role: str) -> None:
+        """From `run` on, end the process if a turn of this loop (a handler, a timer, a step) takes ``limit_s``
+        or more (`StallWatchdog`; 0: never)."""
+        if limit_s > 0:
+            self.watchdog = StallWatchdog(limit_s)
+            self.watchdog.announce(role)
 
     def on_message(self, channel: Channel, handler: Handler) -> None:
         self.poller.register(channel.sock, zmq.POLLIN)
@@ -194,10 +203,17 @@ class EventLoop:
         """Loop until ``stop()``. ``step`` (if any) does compute work; it returns True while it has
         more to do, so the loop only checks sockets without waiting between steps."""
         busy = step is not None  # look for work before the first wait
-        while not self.stopping:
-            self.run_once(0.0 if busy else None)
-            if step is not None:
-                busy = step()
+        if self.watchdog is not None:
+            self.watchdog.arm()
+            self.every(self.watchdog.rearm_every_s, self.watchdog.arm)
+        try:
+            while not self.stopping:
+                self.run_once(0.0 if busy else None)
+                if step is not None:
+                    busy = step()
+        finally:
+            if self.watchdog is not None:  # (a slow stop is not a stall)
+                self.watchdog.disarm()
 
 
 def worker_identity(role: str) -> tuple[str, bytes]:

@@ -14,6 +14,7 @@ import zmq.asyncio
 
 from common.config import Config
 from common.dispatch import Dispatcher, Job
+from common.lifecycle import StallWatchdog
 from common.protocol import (
     Abort,
     CacheRelease,
@@ -97,6 +98,18 @@ class Pipeline:
             asyncio.create_task(coro)
             for coro in (self._read_fetch(), self._read_inbox(), self._read_cache(), self._tick())
         ]
+        if self.cfg.liveness.stall_exit_s > 0:
+            self.tasks.append(asyncio.create_task(self._rearm(StallWatchdog(self.cfg.liveness.stall_exit_s))))
+
+    async def _rearm(self, watchdog: StallWatchdog) -> None:
+        """The gateway's event loop turns (`StallWatchdog`), or the process ends for supervisord to restart."""
+        watchdog.announce("gateway")
+        try:
+            while True:
+                watchdog.arm()
+                await asyncio.sleep(watchdog.rearm_every_s)
+        finally:  # (closing: a slow shutdown is not a stall)
+            watchdog.disarm()
 
     async def close(self) -> None:
         for task in self.tasks:

@@ -15,6 +15,7 @@ import pytest
 from openai import OpenAI
 
 from benchmarks.hf_chat import HfChat
+from common.config import load_config
 from tests.integration.conftest import Stack
 from tests.integration.test_chat_parity import NEW_TOKENS, ask, image_part
 from tests.media import data_url, make_image
@@ -146,3 +147,13 @@ def test_a_lone_decoder_lost_before_the_first_token_answers_after_its_restart(st
     metrics = stack.metrics()
     assert metrics["vlm_gateway_requests_reissued_total"] == reissued + len(conversations), metrics
     assert metrics["vlm_gateway_requests_held"] == 0
+
+
+def test_every_process_watches_its_own_loop(stack: Stack) -> None:
+    """Each serving process arms the stall watchdog (`common.lifecycle.StallWatchdog`, tested on a real loop in
+    tests/unit/test_stall_watchdog.py): a hung one ends itself for supervisord to restart."""
+    limit = load_config(stack.config_path).liveness.stall_exit_s
+    logs = {path.stem: path.read_text() for path in (stack.run_dir / "logs").glob("*.log")}
+    announced = f"every thread's stack logged) if its loop stalls for {limit:g} s"
+    for program in ("gateway", "fetcher-0", "encoder-0", "cache", "decoder"):
+        assert announced in logs.get(program, ""), (program, sorted(logs))

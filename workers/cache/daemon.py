@@ -54,6 +54,7 @@ class CacheDaemon:
         self.channel = Channel(self.ctx, zmq.ROUTER, cfg.endpoint("cache"), bind=True)
         self.waiters: dict[str, tuple[bytes, CacheAcquire]] = {}
         self.loop = EventLoop()
+        self.loop.exit_if_stalled(cfg.liveness.stall_exit_s, "cache")
         self.loop.on_message(self.channel, self.handle)
         self.loop.every(0.5, self.expire)
         log.info(

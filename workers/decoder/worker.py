@@ -158,6 +158,7 @@ class DecoderWorker:
         self.cache_incarnation = ""
         self.cache_seen = time.monotonic()
         self.loop = EventLoop()
+        self.loop.exit_if_stalled(cfg.liveness.stall_exit_s, self.name)
         # wall time inside engine steps, their number, and time spent on requests and on the cache's answers
         self.timing = {"busy_s": 0.0, "steps": 0.0, "inbox_s": 0.0, "cache_s": 0.0}
         self.slowest_step_s = 0.0  # in this report's period

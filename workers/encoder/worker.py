@@ -80,6 +80,7 @@ class EncoderWorker:
         self.overlap = cfg.encoder.overlap_batches and self.device.type == "cuda"
         self.in_flight: Launched | None = None
         self.loop = EventLoop()
+        self.loop.exit_if_stalled(cfg.liveness.stall_exit_s, self.name)
         self.loop.on_message(self.jobs, self.handle)
         self.loop.every(REPORT_EVERY_S, self.report)
         log.info(

@@ -128,6 +128,7 @@ class FetcherWorker:
         self.calls: dict[str, CacheCall] = {}
         self.chunked: dict[str, ChunkedEncode] = {}  # job id -> its video's parts
         self.loop = EventLoop()
+        self.loop.exit_if_stalled(cfg.liveness.stall_exit_s, "fetcher")
         self.loaded = Wakeup(self.loop, self.on_loaded)
         self.loop.on_message(self.gateway, self.on_gateway)
         self.loop.on_message(self.cache, self.on_cache)
