@@ -54,7 +54,8 @@ class Tracked:
     request: GenerateRequest
     events: asyncio.Queue[TokenDelta | RequestError]  # may be shared by the n choices of one HTTP request
     replica: Replica
-    # fetch -> decode; "held": lost with its replica, waiting for a live one (`Pipeline.held`); "failed": lost so
+    # fetch -> decode; lost with its replica: "held" (waiting for a live one: `Pipeline.held`) or "failed" (its
+    # 503 sent, until the HTTP side ends it)
     stage: str = "fetch"
     submitted: float = field(default_factory=time.monotonic)
     wire_id: str = field(init=False)
@@ -270,23 +271,16 @@ class Pipeline:
         each that no token has come for yet goes again where `choose_replica` says (see `REISSUES`), or waits
         for a replica to be live (`_hold`) where none is; the others fail with a 503 that says to retry."""
         lost = [t for t in self.requests.values() if t.stage == "decode" and t.replica is replica]
-        reissued = held = 0
+        outcomes = {"sent": 0, "held": 0}
         for tracked in lost:
             # The decoder that leased the request's embeddings is gone and will never release them;
             # without this they would stay pinned (unevictable) until the lease TTL.
             self._send(self.cache, CacheRelease(tracked.wire_id))
-            if not tracked.streaming and tracked.reissues < REISSUES:
-                target = self._live_replica_for(tracked)
-                if target is not None or self.cfg.liveness.hold_lost_requests_s > 0:
-                    self._rewire(tracked)
-                    if target is not None:
-                        self._send_again(tracked, target)
-                        reissued += 1
-                    else:
-                        self._hold(tracked)
-                        held += 1
-                    continue
-            tracked.stage = "failed"  # (until the HTTP side ends it: not lost again at the next tick)
+            outcome = self._recover(tracked) if not tracked.streaming and tracked.reissues < REISSUES else None
+            if outcome is not None:
+                outcomes[outcome] += 1
+                continue
+            tracked.stage = "failed"  # (not lost again at the next tick)
             message = f"{self._decoder_named(replica)} {why}; retry the request"
             self._deliver(RequestError(tracked.wire_id, 503, "unavailable", message))
         if lost:
@@ -296,9 +290,22 @@ class Pipeline:
                 self._decoder_named(replica),
                 why,
                 len(lost),
-                reissued,
-                held,
+                outcomes["sent"],
+                outcomes["held"],
             )
+
+    def _recover(self, tracked: Tracked) -> str | None:
+        """A lost request under a new wire id: "sent" to a replica live now, or "held" until one is
+        (``hold_lost_requests_s`` > 0); None where neither (it is left as it was)."""
+        target = self._live_replica_for(tracked)
+        if target is None and self.cfg.liveness.hold_lost_requests_s <= 0:
+            return None
+        self._rewire(tracked)
+        if target is None:
+            self._hold(tracked)
+            return "held"
+        self._send_again(tracked, target)
+        return "sent"
 
     def _live_replica_for(self, tracked: Tracked) -> Replica | None:
         """Where a lost request may go now: a live replica (not one still starting: it has waited once)."""
