@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import os
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -296,6 +297,11 @@ class Config:
 
     def replica_gpu_set(self, replica: int) -> set[int]:
         return {self.decoder_gpu(replica, rank) for rank in range(self.decoder.tensor_parallel)}
+
+    def decoder_gpus(self, replicas: Iterable[int] | None = None) -> set[int]:
+        """The GPUs of ``replicas`` (default: every replica), each rank's."""
+        chosen = range(self.decoder.replicas) if replicas is None else replicas
+        return set().union(*(self.replica_gpu_set(r) for r in chosen))
 
     def takes_text(self, replica: int) -> bool:
         return not self.decoder.text_replicas or replica in self.decoder.text_replicas

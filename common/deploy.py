@@ -59,7 +59,7 @@ class MpsPlan:
 
 def vision_replicas(cfg: Config) -> frozenset[int]:
     """Media-only decoder replicas that share a GPU with a replica that takes text."""
-    text_gpus = set().union(*(cfg.replica_gpu_set(r) for r in range(cfg.decoder.replicas) if cfg.takes_text(r)))
+    text_gpus = cfg.decoder_gpus(r for r in range(cfg.decoder.replicas) if cfg.takes_text(r))
     return frozenset(
         r for r in range(cfg.decoder.replicas) if not cfg.takes_text(r) and cfg.replica_gpu_set(r) & text_gpus
     )
@@ -198,8 +198,7 @@ def mps_wanted(cfg: Config, has_gpu: Callable[[], bool], has_daemon: bool) -> tu
         return False, "no CUDA GPU"
     if setting is True:
         return True, "[encoder] mps = true"
-    decoder_gpus = set().union(*(cfg.replica_gpu_set(r) for r in range(cfg.decoder.replicas)))
-    if cfg.encoder.gpus and not decoder_gpus & set(cfg.encoder.gpus):
+    if cfg.encoder.gpus and not cfg.decoder_gpus() & set(cfg.encoder.gpus):
         return False, "auto: no encoder shares a decoder's GPU"
     if cfg.decoder.tensor_parallel > 1 or cfg.decoder.replicas > 1 or cfg.cache.device_pool:
         return False, "auto: not measured with tensor_parallel > 1, replicas > 1 or device_pool; set mps = true to try"

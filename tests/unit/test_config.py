@@ -309,6 +309,7 @@ def test_replicas_can_be_placed_on_chosen_gpus(tmp_path: Path) -> None:
     )
     assert [cfg.decoder_gpu(r, k) for r in range(3) for k in range(2)] == [0, 1, 0, 1, 4, 5]
     assert cfg.replica_gpu_set(1) == {0, 1}
+    assert cfg.decoder_gpus() == {0, 1, 4, 5} and cfg.decoder_gpus([2]) == {4, 5}
     with pytest.raises(
         ValueError, match=r"replica_gpus: \[0\] names 1 GPU\(s\), one per replica is needed \(replicas = 2\)"
     ):
