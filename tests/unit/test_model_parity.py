@@ -254,12 +254,20 @@ def test_spec_token_ids_come_from_files(hub_checkpoint: Checkpoint) -> None:
         ({"rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 2]}}, "mrope_section"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"rope_scaling": {"type": "yarn", "mrope_section": [2, 3, 3]}}, "rope type"),
+        ({"rope_scaling": None}, r"mrope_section \[16, 24, 24\] must have 3 entries summing to head_dim"),
+        ({"rope_scaling": [16, 24, 24]}, "must be a mapping"),
     ],
 )
 def test_spec_rejects_bad_configs(hub_checkpoint: Checkpoint, change: dict, message: str) -> None:
     config = json.loads((hub_checkpoint.path / "config.json").read_text()) | change
     with pytest.raises(ValueError, match=message):
         ModelSpec.from_config(config)
+
+
+def test_spec_without_mrope_section_takes_transformers_default(hub_checkpoint: Checkpoint) -> None:
+    config = json.loads((hub_checkpoint.path / "config.json").read_text())
+    config |= {"head_dim": 128, "rope_scaling": None}
+    assert ModelSpec.from_config(config).mrope_section == (16, 24, 24)
 
 
 def test_spec_from_dir_without_config(tmp_path: Path) -> None:

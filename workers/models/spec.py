@@ -160,7 +160,8 @@ class ModelSpec:
         num_kv_heads = int(text.get("num_key_value_heads") or num_heads)
         head_dim = int(text.get("head_dim") or hidden_size // num_heads)
         rope = _rope_fields(text)
-        mrope_section = tuple(int(s) for s in _require(rope, "mrope_section", "rope settings"))
+        # transformers' own default where the config names none (made for head_dim 128; checked below)
+        mrope_section = tuple(int(s) for s in rope.get("mrope_section", (16, 24, 24)))
 
         spec = cls(
             hidden_size=hidden_size,
@@ -218,9 +219,9 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rope_fields(text: dict[str, Any]) -> dict[str, Any]:
-    rope = text.get("rope_parameters") or text.get("rope_scaling")
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if not isinstance(rope, dict):
-        raise ValueError("config has neither rope_parameters nor rope_scaling with an mrope_section")
+        raise ValueError(f"rope_parameters / rope_scaling must be a mapping, not {rope!r}")
     # Hub configs say "mrope", transformers 5 rewrites that to "default"; scaled variants (yarn, ...)
     # would need frequency changes we do not implement.
     rope_type = rope.get("rope_type", rope.get("type", "default"))
