@@ -28,6 +28,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from benchmarks import report
+from benchmarks.hf_chat import processor_template
 from benchmarks.serve import environment
 from benchmarks.workloads import RequestSpec, WorkloadOptions, request_for
 
@@ -65,6 +66,7 @@ class HfModel:
         # <|image_pad|> expansion below is what Qwen2VLProcessor does.
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.tokenizer.padding_side = "left"  # generate appends on the right
+        self.chat_template = processor_template(model_dir, self.tokenizer)
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
         self.model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
         self.device = device
@@ -86,7 +88,9 @@ class HfModel:
                 else:
                     raise ValueError(f"the baseline does not handle {part['type']!r} parts")
             converted.append({"role": message["role"], "content": parts})
-        return self.tokenizer.apply_chat_template(converted, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(
+            converted, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+        )
 
     def inputs(self, specs: list[RequestSpec]) -> dict[str, torch.Tensor]:
         images: list[Image.Image] = []

@@ -23,11 +23,23 @@ def _load_url(url: str) -> Image.Image:
     return Image.open(io.BytesIO(data)).convert("RGB")
 
 
+def processor_template(model_dir: Path, tokenizer: Any) -> str:
+    """The template ``Qwen2VLProcessor.apply_chat_template`` renders with, found by transformers' own lookup
+    of the processor's files; the tokenizer's where the processor has none."""
+    from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+
+    found = Qwen2VLProcessor.get_processor_dict(str(model_dir))[0].get("chat_template")
+    if isinstance(found, dict):
+        found = found.get("default")
+    return found or tokenizer.chat_template
+
+
 class HfChat:
     def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
         # AutoProcessor needs torchvision for its video half; images need only these two, and the
         # expansion of <|image_pad|> below is what Qwen2VLProcessor does.
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.chat_template = processor_template(model_dir, self.tokenizer)
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
         self.model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
 
@@ -48,7 +60,9 @@ class HfChat:
                 else:
                     parts.append({"type": "text", "text": part["text"]})
             converted.append({"role": message["role"], "content": parts})
-        text = self.tokenizer.apply_chat_template(converted, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            converted, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+        )
         out: dict[str, torch.Tensor] = {}
         if images:
             processed = self.image_processor(images=images, return_tensors="pt")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,53 @@ class Prompt:
     media: list[MediaInput]
 
 
+def _default_template(found: Any) -> str | None:
+    """A template as stored: a string, or named templates (a map, or a list of {name, template}) of which
+    the one named "default" is used."""
+    if isinstance(found, list):
+        found = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
+    if isinstance(found, dict):
+        found = found.get("default")
+    return found if isinstance(found, str) and found else None
+
+
+def _json_field(path: Path, key: str) -> Any:
+    return json.loads(path.read_text(encoding="utf-8")).get(key) if path.is_file() else None
+
+
+def processor_chat_template(model_dir: Path) -> str | None:
+    """The template transformers' Qwen2-VL processor renders with, found where it looks: the
+    ``chat_template`` of processor_config.json, else chat_template.json (the legacy file, which a
+    tokenizer does not read), else chat_template.jinja (or additional_chat_templates/default.jinja)."""
+    jinja = next(
+        (
+            p
+            for p in (model_dir / "chat_template.jinja", model_dir / "additional_chat_templates" / "default.jinja")
+            if p.is_file()
+        ),
+        None,
+    )
+    for found in (
+        _json_field(model_dir / "processor_config.json", "chat_template"),
+        _json_field(model_dir / "chat_template.json", "chat_template"),
+        jinja.read_text(encoding="utf-8") if jinja else None,
+    ):
+        if template := _default_template(found):
+            return template
+    return None
+
+
 class PromptBuilder:
     def __init__(self, model_dir: Path) -> None:
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir))
-        if not self.tokenizer.chat_template:
-            raise ValueError(f"{model_dir} has no chat template")
+        # The processor's template is the one a Qwen2-VL checkpoint is used with (it may differ from the
+        # tokenizer's, or be the only one); the tokenizer's serves where the processor has none.
+        self.chat_template = processor_chat_template(model_dir) or _default_template(self.tokenizer.chat_template)
+        if not self.chat_template:
+            raise ValueError(
+                f"{model_dir} has no chat template (looked in processor_config.json, chat_template.json, "
+                "chat_template.jinja and tokenizer_config.json)"
+            )
 
     def build(self, messages: list[ChatMessage]) -> Prompt:
         media: list[MediaInput] = []
@@ -51,7 +94,9 @@ class PromptBuilder:
                     # The Qwen2-VL template renders this as <|vision_start|><|video_pad|><|vision_end|>.
                     parts.append({"type": "video"})
             rendered.append({"role": role, "content": parts})
-        text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            rendered, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+        )
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return Prompt(list(ids), media)
 

@@ -77,7 +77,9 @@ def hf_generate(hf: HfChat, spec: VideoProcessorSpec, messages: list[dict[str, A
             else:
                 parts.append({"type": "text", "text": part["text"]})
         converted.append({"role": message["role"], "content": parts})
-    text = hf.tokenizer.apply_chat_template(converted, tokenize=False, add_generation_prompt=True)
+    text = hf.tokenizer.apply_chat_template(
+        converted, chat_template=hf.chat_template, tokenize=False, add_generation_prompt=True
+    )
     merge = spec.frames.merge_size**2
     pieces = text.split("<|video_pad|>")
     counts = [g[0] * g[1] * g[2] // merge for g in grids]

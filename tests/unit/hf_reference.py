@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
 # Real Qwen2-VL special ids, so the tiny models exercise the same id ranges as the real ones.
 BOS_TOKEN_ID = 151643
@@ -217,11 +217,18 @@ def greedy_generate(
 ) -> list[int]:
     model.model.rope_deltas = None
     ids = torch.tensor([list(input_ids)], device=model.device)
+    # Plain greedy, as the model tests' own loop: an Instruct checkpoint's generation_config
+    # (repetition_penalty 1.05, ...) would otherwise apply even with do_sample=False.
+    plain = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=model.generation_config.eos_token_id,
+        pad_token_id=model.generation_config.pad_token_id,
+    )
     out = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
+        generation_config=plain,
         **_media_kwargs(model, input_ids, images, videos),
     )
     return out[0, ids.shape[1] :].tolist()

@@ -574,7 +574,7 @@ def test_logits_match_transformers(checkpoint: Checkpoint, case: str) -> None:
 
     session = Session(checkpoint.language.new_cache())
     ours = prefill(checkpoint, session, prompt, all_logits=True)
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)  # (fp32 sums: wider heads round ~1e-5 relative)
 
     # Same logits when the last tokens arrive one at a time through the decode path.
     tail = 4
@@ -582,7 +582,9 @@ def test_logits_match_transformers(checkpoint: Checkpoint, case: str) -> None:
     session = Session(checkpoint.language.new_cache())
     steps = [prefill(checkpoint, session, head)]
     steps += [decode(checkpoint, session, token) for token in prompt.ids[-tail:]]
-    torch.testing.assert_close(torch.stack(steps), ref[-tail - 1 :], atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.stack(steps), ref[-tail - 1 :], atol=1e-4, rtol=1e-5
+    )  # (fp32 sums: wider heads round ~1e-5 relative)
 
 
 @pytest.mark.parametrize("case", list(MEDIA_CASES))
