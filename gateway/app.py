@@ -218,7 +218,7 @@ class Gateway:
 
     def _check_model(self, name: str | None) -> None:
         """A request may leave the model out; one it names must be this server's."""
-        if name not in (None, self.model_name):
+        if name not in (None, "", self.model_name):  # ("": some clients' way of leaving it out, taken as vLLM does)
             raise ApiError(
                 404,
                 f"model {name!r} does not exist; this server serves {self.model_name!r}",
@@ -286,7 +286,10 @@ class Gateway:
         merged: dict[str, ChoiceUpdate] = {}
         for event in batch:
             if isinstance(event, RequestError):
-                raise ApiError(event.status, event.message, code=event.code)
+                # A request that ran out its whole time would only run out again: OpenAI's clients retry any
+                # 5xx unless told not to.
+                retry = False if event.code == "timeout" else None
+                raise ApiError(event.status, event.message, code=event.code, retry=retry)
             choice = by_id.get(event.request_id)
             if choice is None or choice.finished:
                 continue  # tokens still in flight after a stop string ended the choice
@@ -526,8 +529,12 @@ def api_key_middleware(keys: list[str]) -> Any:
     return check
 
 
+# No limit of the request's or the checkpoint's: the decoder stops at the context's end, as vLLM does.
+TO_THE_CONTEXTS_END = 2**31 - 1
+
+
 def sampling_params(chat: GenerationOptions) -> SamplingParams:
-    max_tokens = chat.token_limit or 1024
+    max_tokens = chat.token_limit or TO_THE_CONTEXTS_END
     bias = chat.logit_bias_pairs
     return SamplingParams(
         max_tokens=max_tokens,

@@ -7,7 +7,7 @@ from aiohttp import web
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
-    404: "not_found_error",
+    404: "invalid_request_error",  # (OpenAI's type for an unknown model or route; the code says which)
     405: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
@@ -23,6 +23,7 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         retry_after_s: int | None = None,
+        retry: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -30,13 +31,16 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.retry_after_s = retry_after_s
+        self.retry = retry  # sent as x-should-retry, which OpenAI's clients obey over their status rules
 
     def body(self) -> dict[str, object]:
         kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+        if self.retry is not None:
+            headers["x-should-retry"] = "true" if self.retry else "false"
         return web.json_response(self.body(), status=self.status, headers=headers)
 
 

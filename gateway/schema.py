@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.errors import ApiError
 
@@ -17,6 +17,19 @@ Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 class _Part(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+def _null_means_unset(model: type[BaseModel], body: Any) -> Any:
+    """OpenAI's options are nullable: a client passing None for one (the official client sends it as null)
+    means "not set", so the default applies. Fields where null means something (``max_tokens``) keep it."""
+    if not isinstance(body, dict):
+        return body
+    fields = model.model_fields
+    return {k: v for k, v in body.items() if v is not None or k not in fields or _takes_none(fields[k].annotation)}
+
+
+def _takes_none(annotation: Any) -> bool:
+    return annotation is None or type(None) in getattr(annotation, "__args__", ())
 
 
 class TextPart(_Part):
@@ -55,11 +68,36 @@ class VideoPart(_Part):
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
+_PART_TAGS = ("text", "image_url", "video_url")
+_PART_TYPE_ERRORS = {
+    "union_tag_not_found": "a content part needs a type: 'text', 'image_url' or 'video_url'",
+}
+
+
+def _spelled_out(part: Any) -> Any:
+    """A part as the schema reads it, from the shorter forms vLLM also takes: no ``type`` (``{"image_url": ...}``,
+    which OpenAI's own clients once sent) and a media URL given as a bare string."""
+    if not isinstance(part, dict):
+        return part
+    if "type" not in part:
+        tag = next((t for t in _PART_TAGS if t in part), None)
+        part = {"type": tag, **part} if tag else part
+    kind = part.get("type")
+    if kind in ("image_url", "video_url") and isinstance(part.get(kind), str):
+        part = {**part, kind: {"url": part[kind]}}
+    return part
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _short_parts(cls, content: Any) -> Any:
+        return [_spelled_out(p) for p in content] if isinstance(content, list) else content
 
 
 COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI answers it
@@ -98,6 +136,11 @@ class GenerationOptions(BaseModel):
     return_token_ids: bool = False
     user: str | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, body: Any) -> Any:
+        return _null_means_unset(cls, body)
 
     @field_validator("logit_bias")
     @classmethod
@@ -181,8 +224,9 @@ def _validate(model: type[GenerationOptions], body: Any) -> Any:
     except ValidationError as exc:
         # The deepest error is the specific one (a union of str | list reports both branches).
         worst = max(exc.errors(), key=lambda e: len(e["loc"]))
-        where = ".".join(str(p) for p in worst["loc"] if not _is_branch_name(p))
-        raise ApiError(400, f"invalid request: {where}: {worst['msg']}", code="invalid_value", param=where) from exc
+        where = ".".join(str(p) for p in _client_path(worst["loc"]))
+        message = _PART_TYPE_ERRORS.get(worst["type"], worst["msg"])
+        raise ApiError(400, f"invalid request: {where}: {message}", code="invalid_value", param=where) from exc
     if request.stop == "":
         raise ApiError(400, "stop strings must not be empty", param="stop")
     return request
@@ -258,6 +302,13 @@ def _refuse_what_we_cannot_honour(request: ChatCompletionRequest) -> None:
     if request.audio is not None or any(m != "text" for m in request.modalities or []):
         raise ApiError(400, "only text output is supported: leave out audio and modalities other than 'text'",
                        code="unsupported_value", param="modalities")  # fmt: skip
+
+
+def _client_path(loc: tuple[Any, ...]) -> list[Any]:
+    """An error's location as the client wrote it: without pydantic's union branch names, nor the part type
+    it names after a content index (``content.0.image_url.image_url.url`` is ``content.0.image_url.url``)."""
+    path = [p for p in loc if not _is_branch_name(p)]
+    return [p for i, p in enumerate(path) if not (p in _PART_TAGS and i and isinstance(path[i - 1], int))]
 
 
 def _is_branch_name(part: object) -> bool:

@@ -171,6 +171,16 @@ def test_text_completions(client: OpenAI, hf: HfChat) -> None:
         client.completions.create(model=model, prompt=prompt, max_tokens=2, echo=True)
 
 
+def test_an_empty_model_name_is_the_served_model(client: OpenAI) -> None:
+    named = create(client, temperature=0, max_tokens=4).choices[0].token_ids
+    reply = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=4, temperature=0,
+                                           extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    assert reply.choices[0].token_ids == named  # type: ignore[attr-defined]
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=4)
+    assert caught.value.body["code"] == "model_not_found" and caught.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+
+
 def test_max_completion_tokens_and_unknown_fields(client: OpenAI) -> None:
     reply = create(client, temperature=0, max_tokens=None, max_completion_tokens=5, extra_body={"frobnicate": 1})
     assert reply.usage.completion_tokens == 5 and reply.choices[0].finish_reason == "length"

@@ -132,7 +132,9 @@ def test_unreachable_and_missing_urls(stack: Stack, media_server: MediaServer) -
 
 def test_prompt_longer_than_the_context(stack: Stack) -> None:
     status, reply, _ = post(stack, chat("lorem ipsum dolor " * 20000))
-    assert_error(status, reply, 400, "context")
+    # OpenAI's code and words, which clients (LiteLLM, LangChain) match to trim the history and retry
+    assert_error(status, reply, 400, "maximum context length is")
+    assert reply["error"]["code"] == "context_length_exceeded"
 
 
 def test_image_tokens_beyond_the_context_are_refused_before_encoding(stack: Stack) -> None:

@@ -17,6 +17,7 @@ from common.config import load_config
 from tests.integration.conftest import Stack, checkpoint_with_generation, hand_started_stack
 
 MESSAGES = [{"role": "user", "content": "Write a few words about rivers and mountains."}]
+CONTEXT = 160  # short, for a request without a limit to reach its end in moments
 SAMPLING = {"do_sample": True, "temperature": 0.01, "top_p": 0.001, "top_k": 1, "repetition_penalty": 3.0}
 
 
@@ -24,20 +25,24 @@ SAMPLING = {"do_sample": True, "temperature": 0.01, "top_p": 0.001, "top_k": 1, 
 def sampling_server(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("defaults-stack")
     model = checkpoint_with_generation(load_config(stack.config_path).model_path(), root / "model", SAMPLING)
-    with hand_started_stack(root, model, "[cache]\npool_bytes = 16777216\n") as base_url:
+    settings = f"[cache]\npool_bytes = 16777216\n[decoder]\nmax_model_len = {CONTEXT}\n"
+    with hand_started_stack(root, model, settings) as base_url:
         yield base_url
 
 
 def ask(base_url: str, **options: Any) -> list[int]:
+    return reply(base_url, **options).choices[0].token_ids  # type: ignore[no-any-return]
+
+
+def reply(base_url: str, **options: Any) -> Any:
     client = OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
-    reply = client.chat.completions.create(
+    return client.chat.completions.create(
         model=client.models.list().data[0].id,
         messages=MESSAGES,
-        max_tokens=48,
+        max_tokens=options.pop("max_tokens", 48),
         extra_body={"ignore_eos": True, "return_token_ids": True, **options.pop("extra_body", {})},
         **options,
     )
-    return reply.choices[0].token_ids  # type: ignore[no-any-return]
 
 
 def test_unset_options_take_the_checkpoints_defaults_as_transformers_does(sampling_server: str, hf: HfChat) -> None:
@@ -54,3 +59,15 @@ def test_options_a_request_sets_are_its_own(sampling_server: str) -> None:
     plain = ask(sampling_server, temperature=0, extra_body={"repetition_penalty": 1.0})
     assert plain != defaulted  # the penalty of 3.0 was the default's, and the request turned it off
     assert ask(sampling_server, extra_body={"repetition_penalty": 3.0}) == defaulted
+
+
+def test_options_sent_as_null_are_unset(sampling_server: str) -> None:
+    # The official client sends None as null; OpenAI's options are nullable, and null means "not set"
+    nulls = {"temperature": None, "top_p": None, "n": None, "presence_penalty": None, "frequency_penalty": None}
+    assert ask(sampling_server, **nulls, extra_body={"top_k": None, "repetition_penalty": None}) == ask(sampling_server)
+
+
+def test_a_chat_request_without_a_limit_runs_to_the_contexts_end(sampling_server: str) -> None:
+    unlimited = reply(sampling_server, max_tokens=None)
+    assert unlimited.choices[0].finish_reason == "length"
+    assert unlimited.usage.prompt_tokens + unlimited.usage.completion_tokens == CONTEXT

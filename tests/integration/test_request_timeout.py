@@ -56,6 +56,7 @@ def test_a_request_past_the_timeout_gets_504_and_stops(base_url: str) -> None:
     with pytest.raises(APIStatusError) as caught:
         openai.completions.create(model=openai.models.list().data[0].id, prompt="Tell a long story.", **LONG)
     assert caught.value.status_code == 504
+    assert caught.value.response.headers["x-should-retry"] == "false"  # (it would only run out again)
     assert caught.value.body["code"] == "timeout"  # type: ignore[index]
     assert "timed out" in caught.value.body["message"]  # type: ignore[index]
     assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + 10

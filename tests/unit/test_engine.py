@@ -152,8 +152,11 @@ def test_abort_frees_blocks(parts: tuple[LanguageModel, ModelSpec]) -> None:
 def test_prompt_errors(parts: tuple[LanguageModel, ModelSpec]) -> None:
     _, spec = parts
     engine = make_engine(parts, max_model_len=16)
-    with pytest.raises(PromptError, match="context is 16"):
+    with pytest.raises(
+        PromptError, match=r"maximum context length is 16 tokens\. However, your messages resulted in 16"
+    ) as exc:
         engine.prepare(request("long", 16))
+    assert exc.value.code == "context_length_exceeded"
     with pytest.raises(PromptError, match="empty"):
         engine.prepare(request("empty", 0))
     bad = PreparedRequest("bad", [spec.vocab_size + 5], [], SamplingParams(max_tokens=1))

@@ -39,7 +39,11 @@ from workers.models.spec import ModelSpec
 
 
 class PromptError(ValueError):
-    """A request the engine cannot run; the message says why (answered as HTTP 400)."""
+    """A request the engine cannot run; the message says why (answered as HTTP 400 with ``code``)."""
+
+    def __init__(self, message: str, code: str = "invalid_prompt") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def sampling_row(
@@ -164,8 +168,13 @@ class Engine:
             raise PromptError(str(exc)) from exc
         if not ids:
             raise PromptError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise PromptError(f"the prompt is {len(ids)} tokens but the model's context is {self.max_model_len}")
+        if len(ids) >= self.max_model_len:  # (OpenAI's words and code, which clients match to trim and retry)
+            raise PromptError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your messages "
+                f"resulted in {len(ids)} tokens (images and videos included). Please reduce the length of the "
+                "messages.",
+                code="context_length_exceeded",
+            )
         if max(ids) >= self.spec.vocab_size or min(ids) < 0:
             raise PromptError(f"prompt token ids must lie in [0, {self.spec.vocab_size})")
         bias_ids = request.sampling.logit_bias_ids

@@ -284,7 +284,7 @@ class DecoderWorker:
         try:
             seq = self.engine.prepare(request)
         except PromptError as exc:
-            self.fail(request.request_id, 400, "invalid_prompt", str(exc))
+            self.fail(request.request_id, 400, exc.code, str(exc))
             return
         if not request.media:
             self.engine.add(seq)
