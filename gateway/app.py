@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -168,7 +169,14 @@ class Gateway:
         try:
             chat = parse_chat_request(await self._json(request))
             self._check_model(chat.model)
-            prompt = await asyncio.get_running_loop().run_in_executor(None, self.prompts.build, chat.messages)
+            build = functools.partial(
+                self.prompts.build,
+                chat.messages,
+                chat.add_generation_prompt,
+                chat.continue_final_message,
+                chat.chat_template_kwargs,
+            )
+            prompt = await asyncio.get_running_loop().run_in_executor(None, build)
         except ApiError as exc:
             return exc.response()
         return await self._serve(request, chat, prompt, CHAT)
@@ -241,7 +249,16 @@ class Gateway:
                 first = choices[0].request_id if choices else None  # its fetcher loads the media for all
                 request = GenerateRequest(request_id, prompt.token_ids, prompt.media, params)
                 await self.pipeline.submit(request, events, beside=first)
-                choices.append(ChoiceStream(index, request_id, self.prompts.tokenizer, stops))
+                choices.append(
+                    ChoiceStream(
+                        index,
+                        request_id,
+                        self.prompts.tokenizer,
+                        stops,
+                        include_stop=chat.include_stop_str_in_output,
+                        skip_special_tokens=chat.skip_special_tokens,
+                    )
+                )
         except BaseException:  # (a hang-up too, while a large request is encoded): none may run on for nobody
             for choice in choices:
                 self.pipeline.abort(choice.request_id)

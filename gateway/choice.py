@@ -34,6 +34,8 @@ class ChoiceStream:
     request_id: str
     tokenizer: PreTrainedTokenizerBase
     stop: list[str]
+    include_stop: bool = False  # the stop string found ends the text, included (vLLM's include_stop_str_in_output)
+    skip_special_tokens: bool = True
     detok: IncrementalDetokenizer = field(init=False)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # emitted so far
@@ -44,7 +46,7 @@ class ChoiceStream:
     prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
-        self.detok = IncrementalDetokenizer(self.tokenizer)
+        self.detok = IncrementalDetokenizer(self.tokenizer, self.skip_special_tokens)
 
     @property
     def finished(self) -> bool:
@@ -58,7 +60,7 @@ class ChoiceStream:
         entries = self._logprob_entries(delta)
         self.logprobs.extend(entries)
         cut = self._stop_at(pending)
-        if cut is not None:  # a stop string: the text ends before it, whatever the decoder does next
+        if cut is not None:  # a stop string: the text ends at it, whatever the decoder does next
             self.held = ""
             self.finish_reason = "stop"
             return self._emit(pending[:cut], entries, delta.token_ids)
@@ -71,8 +73,12 @@ class ChoiceStream:
         return self._emit(pending[: len(pending) - keep], entries, delta.token_ids)
 
     def _stop_at(self, pending: str) -> int | None:
-        found = [i for i in (pending.find(s) for s in self.stop) if i >= 0]
-        return min(found) if found else None
+        """Where the text ends for the first stop string in ``pending``: before it, or after it when included."""
+        found = [(i, len(s)) for i, s in ((pending.find(s), s) for s in self.stop) if i >= 0]
+        if not found:
+            return None
+        at, length = min(found)
+        return at + length if self.include_stop else at
 
     def _emit(self, text: str, entries: list[dict[str, Any]], token_ids: list[int]) -> ChoiceUpdate:
         self.text += text

@@ -7,14 +7,14 @@ from collections.abc import Callable
 from transformers import PreTrainedTokenizerBase
 
 
-def fast_decode(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
-    """``tokenizer.decode(ids, skip_special_tokens=True)``, straight from the Rust tokenizer where that is the
+def fast_decode(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=...)``, straight from the Rust tokenizer where that is the
     same thing (no clean-up pass): transformers' wrapper costs more than the decoding of a few tokens, and
     the gateway decodes on every token of every stream."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -26,8 +26,8 @@ class IncrementalDetokenizer:
     decoding however long the answer grows. A tokenizer whose decoding of the longer window does not extend
     the shorter one falls back to decoding everything (the emitted text stays a prefix of the whole)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.decode = fast_decode(tokenizer)
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
+        self.decode = fast_decode(tokenizer, skip_special_tokens)
         self.token_ids: list[int] = []
         self.prefix_offset = 0  # the window's first token
         self.read_offset = 0  # tokens before this one are emitted

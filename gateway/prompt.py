@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from common.protocol import MediaInput
@@ -56,6 +57,26 @@ def processor_chat_template(model_dir: Path) -> str | None:
     return None
 
 
+# apply_chat_template's own parameters: a template variable of one of these names would change how it renders
+_RESERVED = {
+    *("conversation", "messages", "chat_template", "tools", "documents", "add_generation_prompt"),
+    *("continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors"),
+    *("return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"),
+}
+
+
+def _template_variables(given: dict[str, Any]) -> dict[str, Any]:
+    for name in given:
+        if not name.isidentifier() or name in _RESERVED:
+            raise ApiError(
+                400,
+                f"chat_template_kwargs: {name!r} cannot be a template variable (a Python identifier, and none of "
+                f"{', '.join(sorted(_RESERVED))})",
+                param="chat_template_kwargs",
+            )
+    return given
+
+
 class PromptBuilder:
     def __init__(self, model_dir: Path) -> None:
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir))
@@ -68,7 +89,15 @@ class PromptBuilder:
                 "chat_template.jinja and tokenizer_config.json)"
             )
 
-    def build(self, messages: list[ChatMessage]) -> Prompt:
+    def build(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> Prompt:
+        """The prompt's token ids and media; the options are vLLM's: ``continue_final_message`` leaves the last
+        (assistant) message open for the answer to continue, ``template_kwargs`` are the template's variables."""
         media: list[MediaInput] = []
         rendered: list[dict[str, Any]] = []
         for i, message in enumerate(messages):
@@ -94,9 +123,22 @@ class PromptBuilder:
                     # The Qwen2-VL template renders this as <|vision_start|><|video_pad|><|vision_end|>.
                     parts.append({"type": "video"})
             rendered.append({"role": role, "content": parts})
-        text = self.tokenizer.apply_chat_template(
-            rendered, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
-        )
+        if add_generation_prompt and continue_final_message:
+            raise ApiError(
+                400, "continue_final_message needs add_generation_prompt: false", param="add_generation_prompt"
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                rendered,
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **_template_variables(template_kwargs or {}),
+            )
+        except (TemplateError, ValueError) as exc:  # the template's own raise_exception, or a final message
+            # that continue_final_message cannot find in the rendered text
+            raise ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from exc
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return Prompt(list(ids), media)
 

@@ -134,6 +134,8 @@ class GenerationOptions(BaseModel):
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     stop_token_ids: list[Int64] = Field(default_factory=list)
     return_token_ids: bool = False
+    include_stop_str_in_output: bool = False  # (vLLM's)
+    skip_special_tokens: bool = True  # (vLLM's)
     user: str | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
 
@@ -179,6 +181,10 @@ class ChatCompletionRequest(GenerationOptions):
     function_call: Any = None
     modalities: list[str] | None = None
     audio: Any = None
+    # vLLM's chat-template options
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def token_limit(self) -> int | None:
@@ -219,6 +225,7 @@ def _validate(model: type[GenerationOptions], body: Any) -> Any:
             code="invalid_value",
             param=where or None,
         )
+    _refuse_extensions_we_cannot_honour(body)
     try:
         request = model.model_validate(body)
     except ValidationError as exc:
@@ -230,6 +237,35 @@ def _validate(model: type[GenerationOptions], body: Any) -> Any:
     if request.stop == "":
         raise ApiError(400, "stop strings must not be empty", param="stop")
     return request
+
+
+# vLLM's request extensions that would change the answer, with why they cannot be honoured here; each is
+# refused unless it is at the value that changes nothing (null, false, empty), never silently ignored.
+_EXTENSIONS_REFUSED = {
+    **dict.fromkeys(
+        ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+        "this server does not constrain its output to a schema, a pattern or a list of choices",
+    ),
+    "echo": "the answer does not repeat the prompt here",
+    "prompt_logprobs": "logprobs are given for generated tokens only",
+    "use_beam_search": "beam search is not implemented; sample n choices instead",
+    "truncate_prompt_tokens": "prompts are not truncated: shorten the messages",
+    "allowed_token_ids": "use logit_bias to steer tokens",
+    "bad_words": "use logit_bias to steer tokens",
+    "logits_processors": "custom logits processors are not loaded",
+    "mm_processor_kwargs": "set min_pixels / max_pixels inside each image_url or video_url",
+    "documents": "Qwen2-VL's chat template has no documents",
+}
+
+
+def _refuse_extensions_we_cannot_honour(body: dict[str, Any]) -> None:
+    for name, why in _EXTENSIONS_REFUSED.items():
+        if body.get(name) not in (None, False, [], {}, ""):
+            raise ApiError(400, f"{name} is not supported: {why}; leave it out", code="unsupported_value", param=name)
+    if body.get("best_of") not in (None, 1, body.get("n", 1)):
+        raise ApiError(400, "best_of is not supported; use n", code="unsupported_value", param="best_of")
+    if body.get("length_penalty") not in (None, 1, 1.0):
+        raise ApiError(400, "length_penalty needs beam search, which is not implemented", param="length_penalty")
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -263,11 +299,8 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         request.prompt = request.prompt[0]
     if request.prompt in ("", []):
         raise ApiError(400, "the prompt is empty", param="prompt")
-    for name in ("echo", "suffix"):
-        if getattr(request, name):
-            raise ApiError(400, f"{name} is not supported", param=name)
-    if request.best_of not in (None, 1):
-        raise ApiError(400, "best_of is not supported; use n", param="best_of")
+    if request.suffix:
+        raise ApiError(400, "suffix is not supported (Qwen2-VL has no fill-in-the-middle)", param="suffix")
     return request
 
 

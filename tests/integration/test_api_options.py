@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import openai
@@ -10,6 +11,7 @@ import torch
 from openai import OpenAI
 
 from benchmarks.hf_chat import HfChat
+from tests.media import data_url, make_image
 
 MESSAGES = [{"role": "user", "content": "Write a few words about rivers and mountains."}]
 
@@ -66,6 +68,8 @@ def test_stop_strings_cut_the_text(client: OpenAI) -> None:
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    kept = create(client, temperature=0, stop=stop, extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == expected + stop  # (vLLM's option: the stop string is kept)
 
 
 def test_top_logprobs_without_logprobs_is_refused(client: OpenAI) -> None:
@@ -179,6 +183,64 @@ def test_an_empty_model_name_is_the_served_model(client: OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=4)
     assert caught.value.body["code"] == "model_not_found" and caught.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+
+
+def test_continue_final_message_continues_the_assistant_text(client: OpenAI, hf: HfChat) -> None:
+    messages = [*MESSAGES, {"role": "assistant", "content": "Rivers run down from the"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    reply = create(client, messages=messages, temperature=0, max_tokens=8, extra_body=options)
+    text = hf.tokenizer.apply_chat_template(messages, chat_template=hf.chat_template, tokenize=False, **options)
+    assert text.endswith("Rivers run down from the")  # (transformers' rendering: the turn left open)
+    ids = hf.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        out = hf.model.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert reply.usage.prompt_tokens == ids.shape[1]
+    assert reply.choices[0].token_ids == out[0, ids.shape[1] :].tolist()
+    with pytest.raises(openai.BadRequestError, match="continue_final_message needs add_generation_prompt: false"):
+        create(client, messages=messages, extra_body={"continue_final_message": True})
+
+
+def test_special_tokens_are_shown_when_asked(client: OpenAI) -> None:
+    im_start = 151644  # <|im_start|>: forced by logit_bias
+    forced = {"logit_bias": {str(im_start): 100}, "max_tokens": 3, "temperature": 0}
+    assert create(client, **forced).choices[0].message.content == ""
+    shown = create(client, **forced, extra_body={"skip_special_tokens": False})
+    assert shown.choices[0].message.content == "<|im_start|>" * 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"guided_choice": ["yes", "no"]}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"echo": True}, "echo"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"best_of": 3}, "best_of"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ],
+)
+def test_vllm_options_that_cannot_be_honoured_are_refused(client: OpenAI, extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(client, max_tokens=2, extra_body=extra)
+    assert caught.value.body["param"] == param  # type: ignore[index]
+
+
+def test_chat_template_kwargs_reach_the_template(client: OpenAI, hf: HfChat) -> None:
+    picture = data_url(make_image(56, 56, seed=3))
+    content = [{"type": "image_url", "image_url": {"url": picture}}, {"type": "text", "text": "What is this?"}]
+    messages = [{"role": "user", "content": content}]
+    plain = create(client, messages=messages, temperature=0, max_tokens=2)
+    numbered = create(
+        client, messages=messages, max_tokens=2, extra_body={"chat_template_kwargs": {"add_vision_id": True}}
+    )
+    # Qwen2-VL's template reads add_vision_id: "Picture 1: " before the image, as transformers renders it
+    hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    render = functools.partial(hf.tokenizer.apply_chat_template, hf_messages, chat_template=hf.chat_template,
+                               tokenize=False, add_generation_prompt=True)  # fmt: skip
+    added = len(hf.tokenizer(render(add_vision_id=True))["input_ids"]) - len(hf.tokenizer(render())["input_ids"])
+    assert added > 0 and numbered.usage.prompt_tokens == plain.usage.prompt_tokens + added
 
 
 def test_max_completion_tokens_and_unknown_fields(client: OpenAI) -> None:
