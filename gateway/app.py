@@ -179,26 +179,29 @@ class Gateway:
             prompt = await asyncio.get_running_loop().run_in_executor(None, build)
         except ApiError as exc:
             return exc.response()
-        return await self._serve(request, chat, prompt, CHAT)
+        return await self._serve(request, chat, [prompt], CHAT)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         try:
             options = parse_completion_request(await self._json(request))
             self._check_model(options.model)
-            prompt = await asyncio.get_running_loop().run_in_executor(None, self.prompts.encode_text, options.prompt)
+            batch = options.prompts
+            prompts = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: [self.prompts.encode_text(p) for p in batch]
+            )
         except ApiError as exc:
             return exc.response()
-        return await self._serve(request, options, prompt, TEXT)
+        return await self._serve(request, options, prompts, TEXT)
 
     async def _serve(
-        self, request: web.Request, options: GenerationOptions, prompt: Prompt, flavor: Flavor
+        self, request: web.Request, options: GenerationOptions, prompts: list[Prompt], flavor: Flavor
     ) -> web.StreamResponse:
         self.counters["requests_total"] += 1
         completion_id = f"{flavor.id_prefix}-{uuid.uuid4().hex}"
         events: Events = asyncio.Queue()
         choices: list[ChoiceStream] = []
         try:
-            choices = await self._submit(options, prompt, completion_id, events)  # (503 where no replica is live)
+            choices = await self._submit(options, prompts, completion_id, events)  # (503 where no replica is live)
             if options.stream:
                 return await self._stream(request, options, completion_id, choices, events, flavor)
             return await self._complete(options, completion_id, choices, events, flavor)
@@ -235,35 +238,43 @@ class Gateway:
             )
 
     async def _submit(
-        self, chat: GenerationOptions, prompt: Prompt, completion_id: str, events: Events
+        self, chat: GenerationOptions, prompts: list[Prompt], completion_id: str, events: Events
     ) -> list[ChoiceStream]:
-        """One pipeline request per choice; seeded choices get seeds seed, seed+1, ... so they differ."""
+        """One pipeline request per choice (n per prompt, indexed prompt by prompt, as OpenAI's batches are);
+        seeded choices of a prompt get seeds seed, seed+1, ... so they differ."""
         sampling = sampling_params(with_defaults(chat, self.defaults))
         stops = [chat.stop] if isinstance(chat.stop, str) else list(chat.stop or [])
         choices: list[ChoiceStream] = []
         try:
-            for index in range(chat.n):
-                request_id = completion_id if chat.n == 1 else f"{completion_id}-{index}"
-                seed = None if sampling.seed is None else sampling.seed + index
-                params = dataclasses.replace(sampling, seed=seed)
-                first = choices[0].request_id if choices else None  # its fetcher loads the media for all
-                request = GenerateRequest(request_id, prompt.token_ids, prompt.media, params)
-                await self.pipeline.submit(request, events, beside=first)
-                choices.append(
-                    ChoiceStream(
-                        index,
-                        request_id,
-                        self.prompts.tokenizer,
-                        stops,
-                        include_stop=chat.include_stop_str_in_output,
-                        skip_special_tokens=chat.skip_special_tokens,
-                    )
-                )
+            for prompt_index, prompt in enumerate(prompts):
+                first = None  # the prompt's first choice: its fetcher loads the media for all
+                for j in range(chat.n):
+                    index = prompt_index * chat.n + j
+                    request_id = completion_id if len(prompts) * chat.n == 1 else f"{completion_id}-{index}"
+                    seed = None if sampling.seed is None else sampling.seed + j
+                    params = dataclasses.replace(sampling, seed=seed)
+                    request = GenerateRequest(request_id, prompt.token_ids, prompt.media, params)
+                    await self.pipeline.submit(request, events, beside=first)
+                    first = first or request_id
+                    choices.append(self._choice(chat, index, request_id, stops, prompt_index))
         except BaseException:  # (a hang-up too, while a large request is encoded): none may run on for nobody
             for choice in choices:
                 self.pipeline.abort(choice.request_id)
             raise
         return choices
+
+    def _choice(
+        self, chat: GenerationOptions, index: int, request_id: str, stops: list[str], prompt_index: int
+    ) -> ChoiceStream:
+        return ChoiceStream(
+            index,
+            request_id,
+            self.prompts.tokenizer,
+            stops,
+            prompt_index=prompt_index,
+            include_stop=chat.include_stop_str_in_output,
+            skip_special_tokens=chat.skip_special_tokens,
+        )
 
     async def _updates(
         self, choices: list[ChoiceStream], events: Events
@@ -428,7 +439,10 @@ class Flavor:
         return {  # the legacy completions shape
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            # (the chosen token among them, as OpenAI's "up to logprobs + 1" entries have it)
+            "top_logprobs": [
+                {**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]} for e in entries
+            ],
         }
 
     def choice(self, c: ChoiceStream, options: GenerationOptions) -> dict[str, Any]:
@@ -573,6 +587,9 @@ def sampling_params(chat: GenerationOptions) -> SamplingParams:
 
 
 def usage(choices: list[ChoiceStream]) -> dict[str, int]:
-    prompt = max(c.prompt_tokens for c in choices)
+    prompts: dict[int, int] = {}  # each prompt's tokens, counted once however many choices it has
+    for c in choices:
+        prompts[c.prompt_index] = max(prompts.get(c.prompt_index, 0), c.prompt_tokens)
+    prompt = sum(prompts.values())
     completion = sum(c.completion_tokens for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

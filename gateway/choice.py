@@ -34,6 +34,7 @@ class ChoiceStream:
     request_id: str
     tokenizer: PreTrainedTokenizerBase
     stop: list[str]
+    prompt_index: int = 0  # which prompt of a batch (/v1/completions) it answers
     include_stop: bool = False  # the stop string found ends the text, included (vLLM's include_stop_str_in_output)
     skip_special_tokens: bool = True
     detok: IncrementalDetokenizer = field(init=False)

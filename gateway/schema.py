@@ -198,7 +198,8 @@ class ChatCompletionRequest(GenerationOptions):
 class CompletionRequest(GenerationOptions):
     """The legacy ``/v1/completions``: a text prompt, no chat template, no images."""
 
-    prompt: str | list[Int64] | list[str]
+    # one prompt (text or token ids) or a batch of them, as OpenAI and vLLM take it (lm-eval sends [[ids]])
+    prompt: str | list[Int64] | list[str] | list[list[Int64]]
     # OpenAI's (and vLLM's) default for this endpoint: a client that leaves it out expects a short answer,
     # not one running to the context's end. null: the checkpoint's limit (generation_config.json), else the
     # context's.
@@ -211,6 +212,16 @@ class CompletionRequest(GenerationOptions):
     @property
     def top_logprobs_asked(self) -> int:
         return -1 if self.logprobs is None else self.logprobs
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each prompt as text or token ids."""
+        if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+
+MAX_CHOICES = 64  # prompts of a batch times n: each is a request in flight
 
 
 def _validate(model: type[GenerationOptions], body: Any) -> Any:
@@ -293,12 +304,17 @@ def _unpaired_surrogate(body: Any, where: str) -> str | None:
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     request: CompletionRequest = _validate(CompletionRequest, body)
-    if isinstance(request.prompt, list) and request.prompt and isinstance(request.prompt[0], str):
-        if len(request.prompt) != 1:
-            raise ApiError(400, "send one prompt per request (a list of prompts is not supported)", param="prompt")
-        request.prompt = request.prompt[0]
-    if request.prompt in ("", []):
-        raise ApiError(400, "the prompt is empty", param="prompt")
+    prompts = request.prompts
+    for i, prompt in enumerate(prompts):
+        if prompt in ("", []):
+            raise ApiError(400, "the prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty", param="prompt")
+    if len(prompts) * request.n > MAX_CHOICES:
+        raise ApiError(
+            400,
+            f"{len(prompts)} prompts times n = {request.n} is {len(prompts) * request.n} choices; at most "
+            f"{MAX_CHOICES} per request: send the batch in parts",
+            param="prompt",
+        )
     if request.suffix:
         raise ApiError(400, "suffix is not supported (Qwen2-VL has no fill-in-the-middle)", param="suffix")
     return request

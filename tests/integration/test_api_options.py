@@ -164,6 +164,11 @@ def test_text_completions(client: OpenAI, hf: HfChat) -> None:
     assert choice.finish_reason == "length"
     assert reply.usage.prompt_tokens == ids.shape[1] and reply.usage.completion_tokens == 12
     assert len(choice.logprobs.token_logprobs) == 12 and all(len(t) == 2 for t in choice.logprobs.top_logprobs)
+    sampled = client.completions.create(model=model, prompt=prompt, max_tokens=12, logprobs=0, seed=5,
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+    given = sampled.choices[0].logprobs  # logprobs 0: the chosen token's, in top_logprobs too
+    rows = zip(given.tokens, given.token_logprobs, given.top_logprobs, strict=True)
+    assert all(top == {token: lp} for token, lp, top in rows)
     streamed = client.completions.create(
         model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
@@ -241,6 +246,28 @@ def test_chat_template_kwargs_reach_the_template(client: OpenAI, hf: HfChat) -> 
                                tokenize=False, add_generation_prompt=True)  # fmt: skip
     added = len(hf.tokenizer(render(add_vision_id=True))["input_ids"]) - len(hf.tokenizer(render())["input_ids"])
     assert added > 0 and numbered.usage.prompt_tokens == plain.usage.prompt_tokens + added
+
+
+def test_text_completions_in_batches_and_as_token_ids(client: OpenAI, hf: HfChat) -> None:
+    model = client.models.list().data[0].id
+    texts = ["Once upon a time,", "The mountains were"]
+    ids = [hf.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    one_by_one = [
+        client.completions.create(model=model, prompt=t, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        for t in texts
+    ]
+    for prompt in (texts, ids):  # lm-eval-harness sends [[ids], ...]
+        batch = client.completions.create(
+            model=model, prompt=prompt, max_tokens=6, temperature=0, n=2, extra_body={"ignore_eos": True}
+        )
+        assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+        assert [c.text for c in batch.choices] == [r.choices[0].text for r in one_by_one for _ in range(2)]
+        assert batch.usage.prompt_tokens == sum(len(i) for i in ids) and batch.usage.completion_tokens == 4 * 6
+    single = client.completions.create(model=model, prompt=[ids[0]], max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    assert single.choices[0].text == one_by_one[0].choices[0].text
+    with pytest.raises(openai.BadRequestError, match="prompt 1 is empty"):
+        client.completions.create(model=model, prompt=["hi", ""], max_tokens=2)
 
 
 def test_max_completion_tokens_and_unknown_fields(client: OpenAI) -> None:
