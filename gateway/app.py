@@ -38,6 +38,7 @@ class Gateway:
         self.cfg = cfg
         model_dir = cfg.model_path()
         self.model_name = cfg.server.served_model_name or model_dir.name
+        self.started = int(time.time())  # the model card's "created"
         self.prompts = PromptBuilder(model_dir)
         self.defaults = sampling_defaults(model_dir) if cfg.model.generation_config == "auto" else {}
         if self.defaults:
@@ -85,7 +86,7 @@ class Gateway:
         return web.json_response(self._card())
 
     def _card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "vlm-serve"}
+        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "vlm-serve"}
 
     async def health(self, _request: web.Request) -> web.Response:
         replicas = self.pipeline.replicas
@@ -357,6 +358,7 @@ class Gateway:
                 "object": flavor.object,
                 "created": int(time.time()),
                 "model": self.model_name,
+                "system_fingerprint": None,
                 "choices": body,
                 "usage": usage(choices),
             }
@@ -377,7 +379,8 @@ class Gateway:
         except StopAsyncIteration:
             first = None
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        sse = SseWriter(web.StreamResponse(headers=headers), completion_id, self.model_name, flavor)
+        wants_usage = options.stream_options is not None and options.stream_options.include_usage
+        sse = SseWriter(web.StreamResponse(headers=headers), completion_id, self.model_name, flavor, wants_usage)
         await sse.response.prepare(request)
         try:
             await self._stream_updates(sse, options, choices, updates, first)
@@ -471,14 +474,19 @@ TEXT = Flavor("cmpl", "text_completion", "text_completion", is_chat=False)
 class SseWriter:
     """Server-sent events of one completion stream, in OpenAI's chunk shape."""
 
-    def __init__(self, response: web.StreamResponse, completion_id: str, model: str, flavor: Flavor) -> None:
+    def __init__(
+        self, response: web.StreamResponse, completion_id: str, model: str, flavor: Flavor, usage_null: bool = False
+    ) -> None:
         self.response = response
         self.completion_id = completion_id
         self.model = model
         self.flavor = flavor
         self.created = int(time.time())
+        # With include_usage every chunk but the last has "usage": null, as OpenAI's do.
+        self.usage: dict[str, None] = {"usage": None} if usage_null else {}
         # Every chunk's start: json.dumps of the header without its closing brace, then the choice's index key.
         self._head = f'data: {json.dumps(self.header())[:-1]}, "choices": [{{"index": '
+        self._end = ', "usage": null}' if usage_null else "}"
 
     def header(self) -> dict[str, Any]:
         return {
@@ -486,6 +494,7 @@ class SseWriter:
             "object": self.flavor.chunk_object,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": None,
         }
 
     async def send(self, body: dict[str, Any]) -> None:
@@ -499,8 +508,8 @@ class SseWriter:
         stream) is spliced into the stream's pre-rendered head: only the text is encoded per token."""
         if extra or not isinstance(text, str):
             choice = {"index": index, **self.flavor.delta(text), "finish_reason": finish, "logprobs": None, **extra}
-            return sse_event({**self.header(), "choices": [choice]})
-        tail = f'"finish_reason": {json.dumps(finish)}, "logprobs": null}}]}}\n\n'
+            return sse_event({**self.header(), "choices": [choice], **self.usage})
+        tail = f'"finish_reason": {json.dumps(finish)}, "logprobs": null}}]{self._end}\n\n'
         return f"{self._head}{index}, {self.flavor.delta_json(text)}, {tail}".encode()
 
 

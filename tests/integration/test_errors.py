@@ -154,6 +154,12 @@ def test_stream_ends_with_done(stack: Stack) -> None:
     events = [line for line in raw.decode().split("\n\n") if line.strip()]
     assert events[-1] == "data: [DONE]"
     assert all(e.startswith("data: ") for e in events)
+    with_usage = chat("Say something.", stream=True, stream_options={"include_usage": True})
+    status, _, raw = post(stack, with_usage)
+    bodies = [json.loads(e.removeprefix("data: ")) for e in raw.decode().split("\n\n")[:-2] if e.strip()]
+    # OpenAI's shape: usage null on every chunk but the last, which has it and no choices
+    assert all(b["usage"] is None and b["choices"] for b in bodies[:-1])
+    assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] > 0
 
 
 def test_still_serving_after_bad_input(stack: Stack) -> None:
