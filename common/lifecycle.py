@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import faulthandler
 import gc
 import logging
+import os
 import signal
 import sys
 import time
@@ -30,11 +32,26 @@ def start_process(role: str, args: argparse.Namespace) -> Config:
         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    end_with_supervisord(role)
     try:
         return load_config(args.config)
     except (OSError, ValueError) as exc:
         logging.getLogger(role).error("cannot load config: %s", exc)
         raise SystemExit(2) from exc
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def end_with_supervisord(role: str) -> None:
+    """Under supervisord, get SIGTERM (a clean stop) when it dies. A supervisord killed hard (SIGKILL, the OOM
+    killer) otherwise leaves its children running, holding the deployment's port, sockets and GPU memory, and the
+    next start cannot bind them. A process started by hand (no SUPERVISOR_ENABLED) lives as long as it likes."""
+    if "SUPERVISOR_ENABLED" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        logging.getLogger(role).warning("cannot ask for SIGTERM when supervisord dies: errno %d", ctypes.get_errno())
 
 
 def on_terminate(stop: Callable[[], None]) -> None:

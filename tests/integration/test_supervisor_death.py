@@ -1,0 +1,63 @@
+"""A real supervisord killed hard (SIGKILL, as the OOM killer does) takes its workers with it: each asked at
+start-up for SIGTERM on its parent's death, so none is left holding the deployment's sockets for the next start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.integration.conftest import REPO
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie nobody has reaped yet has ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def wait_for(predicate: object, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.1)  # watching another process's state from outside
+    return False
+
+
+def test_workers_end_when_supervisord_is_killed(tmp_path: Path) -> None:
+    config = tmp_path / "vlm.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\n')
+    log = tmp_path / "cache.log"
+    (tmp_path / "supervisord.conf").write_text(
+        f"[supervisord]\nnodaemon = true\nlogfile = {tmp_path / 'supervisord.log'}\npidfile = {tmp_path / 's.pid'}\n"
+        f"[program:cache]\ncommand = {sys.executable} -m workers.cache --config {config}\ndirectory = {REPO}\n"
+        f"redirect_stderr = true\nstdout_logfile = {log}\nstartsecs = 1\n"
+    )
+    supervisord = subprocess.Popen(
+        [str(Path(sys.executable).parent / "supervisord"), "-c", str(tmp_path / "supervisord.conf")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    children = Path(f"/proc/{supervisord.pid}/task/{supervisord.pid}/children")
+    cache = 0
+    try:
+        # ready: past start_process (where the parent-death signal is asked for), its socket bound
+        assert wait_for(lambda: log.exists() and "ready" in log.read_text(), 60), (
+            log.read_text() if log.exists() else ""
+        )
+        (cache,) = (int(pid) for pid in children.read_text().split())
+        os.kill(supervisord.pid, signal.SIGKILL)
+        supervisord.wait(timeout=10)
+        assert wait_for(lambda: not alive(cache), 20), "the cache daemon outlived supervisord"
+    finally:
+        if supervisord.poll() is None:
+            supervisord.kill()
+        if cache and alive(cache):  # (the failure above: no orphan left behind it)
+            os.kill(cache, signal.SIGKILL)
