@@ -50,7 +50,8 @@ class Gateway:
             0.0,
         )
         self.in_flight = 0  # completion requests being handled, from their first byte to their last
-        self.in_flight_bytes = 0  # their bodies' declared sizes
+        self.in_flight_bytes = 0  # their bodies' sizes (declared, or read)
+        self.counted_bytes: dict[int, int] = {}  # what each request (by id) counts in in_flight_bytes
 
     def app(self) -> web.Application:
         middlewares = [error_shapes(self.cfg.server.max_request_bytes)]
@@ -146,9 +147,10 @@ class Gateway:
         """A request past ``[server] max_requests_in_flight``, or whose body would take the bodies in flight
         past ``max_request_bytes_in_flight``, is answered 503 at once, before its body is read: a flood
         must not queue (and hold bodies of up to max_request_bytes each) without end. OpenAI's clients
-        retry a 503 after the Retry-After. (One request alone is always let in, up to max_request_bytes.)"""
+        retry a 503 after the Retry-After. (One request alone is always let in, up to max_request_bytes.)
+        A body sent in chunks, whose size is known only once read, is counted at the most it may be until then."""
         server = self.cfg.server
-        size = request.content_length or 0
+        size = server.max_request_bytes if request.content_length is None else request.content_length
         if self.in_flight >= server.max_requests_in_flight:
             busy = f"at its limit of {server.max_requests_in_flight} requests in flight"
         elif self.in_flight and self.in_flight_bytes + size > server.max_request_bytes_in_flight:
@@ -160,11 +162,12 @@ class Gateway:
             return ApiError(503, f"the server is {busy}; retry shortly", code="server_busy", retry_after_s=1).response()
         self.in_flight += 1
         self.in_flight_bytes += size
+        self.counted_bytes[id(request)] = size
         try:
             return await handler(request)
         finally:
             self.in_flight -= 1
-            self.in_flight_bytes -= size
+            self.in_flight_bytes -= self.counted_bytes.pop(id(request))
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -221,6 +224,9 @@ class Gateway:
 
     async def _json(self, request: web.Request) -> Any:
         raw = await request.read()
+        if id(request) in self.counted_bytes:  # (the size a chunked body turned out to have)
+            self.in_flight_bytes += len(raw) - self.counted_bytes[id(request)]
+            self.counted_bytes[id(request)] = len(raw)
         try:
             return await off_loop_if_large(len(raw), json.loads, raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -3,6 +3,8 @@ and serves again once requests leave."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
 import urllib.error
 import urllib.request
@@ -50,6 +52,42 @@ def refused(stack: Stack, content: Any = "hi") -> openai.InternalServerError:
     return raised.value
 
 
+def wait_until_served(stack: Stack) -> None:
+    """Until a small request is served: the requests whose clients left free their slots."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ask(stack, max_tokens=1)
+            return
+        except openai.InternalServerError:
+            assert time.monotonic() < deadline, "still refusing 30 s after the requests in flight left"
+            time.sleep(0.2)  # the gateway notices a closed stream at its next write
+
+
+def chunked_body(stack: Stack, **options: Any) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A chat request whose body is sent with Transfer-Encoding: chunked (no Content-Length)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, **options}
+    host, port = stack.base_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    headers = {"Content-Type": "application/json"}
+    connection.request("POST", "/v1/chat/completions", iter([json.dumps(body).encode()]), headers, encode_chunked=True)
+    return connection, connection.getresponse()
+
+
+def chunked_post(stack: Stack) -> int:
+    connection, response = chunked_body(stack, max_tokens=2)
+    response.read()
+    connection.close()
+    return response.status
+
+
+def chunked_stream(stack: Stack) -> http.client.HTTPConnection:
+    """A streaming request in chunks that stays in flight while its client does not read it."""
+    connection, response = chunked_body(stack, max_tokens=4000, stream=True)
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    return connection
+
+
 def test_a_body_over_max_request_bytes_gets_a_413_in_openais_shape(busy_stack: Stack) -> None:
     huge = [{"type": "image_url", "image_url": {"url": data_url(make_image(512, 512, seed=3))}}]  # ~800 kB
     with pytest.raises(openai.APIStatusError) as raised:
@@ -74,13 +112,15 @@ def test_requests_past_the_limits_are_refused_at_once_and_the_server_recovers(bu
     assert raw.value.code == 503
     first.close()  # the clients leave; their slots free as the gateway sees them go
     second.close()
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            alone = ask(busy_stack, big, max_tokens=2)  # alone, a body over the bytes limit is served
-            break
-        except openai.InternalServerError:
-            assert time.monotonic() < deadline, "still refusing 30 s after the requests in flight left"
-            time.sleep(0.2)
+    wait_until_served(busy_stack)
+    # A body in chunks (no Content-Length) counts as max_request_bytes until read: refused beside another...
+    lone = in_flight(busy_stack)
+    assert chunked_post(busy_stack) == 503
+    lone.close()
+    wait_until_served(busy_stack)
+    streaming = chunked_stream(busy_stack)  # ...let in alone, and once read counted at its size: another fits
+    assert ask(busy_stack, max_tokens=1).choices[0].finish_reason == "length"
+    streaming.close()
+    alone = ask(busy_stack, big, max_tokens=2)  # alone, a body over the bytes limit is served
     assert alone.choices[0].finish_reason == "length"
     assert busy_stack.metrics()["vlm_gateway_requests_refused_busy_total"] >= 3
