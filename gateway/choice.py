@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ class ChoiceStream:
     include_stop: bool = False  # the stop string found ends the text, included (vLLM's include_stop_str_in_output)
     skip_special_tokens: bool = True
     detok: IncrementalDetokenizer = field(init=False)
+    special_ids: frozenset[int] = field(init=False)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # emitted so far
     held: str = ""  # decoded but held back: it may be the start of a stop string
@@ -48,6 +50,7 @@ class ChoiceStream:
 
     def __post_init__(self) -> None:
         self.detok = IncrementalDetokenizer(self.tokenizer, self.skip_special_tokens)
+        self.special_ids = _special_ids(self.tokenizer)
 
     @property
     def finished(self) -> bool:
@@ -97,4 +100,39 @@ class ChoiceStream:
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        spelled = None if token_id in self.special_ids else self.tokenizer.convert_ids_to_tokens(token_id)
+        return {"token": text, "logprob": logprob, "bytes": token_bytes(spelled, text)}
+
+
+_SPECIAL_IDS: dict[int, frozenset[int]] = {}
+
+
+def _special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The tokenizer's special token ids, worked out once (transformers builds the list on every call)."""
+    if id(tokenizer) not in _SPECIAL_IDS:
+        _SPECIAL_IDS[id(tokenizer)] = frozenset(tokenizer.all_special_ids)
+    return _SPECIAL_IDS[id(tokenizer)]
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table, which Qwen2's tokenizer uses) -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+def token_bytes(spelled: str | None, text: str) -> list[int]:
+    """The token's own bytes, as OpenAI gives them: a token holding part of a UTF-8 character decodes to U+FFFD
+    alone, but its bytes are the character's, so a client can join them. Byte-level BPE vocabularies spell
+    each byte with one printable character (``spelled``: the vocabulary's spelling, None for a special token);
+    other tokens (special ones, other tokenizers' vocabularies) give their text's."""
+    table = _byte_of_char()
+    if not isinstance(spelled, str) or not all(c in table for c in spelled):
+        return list(text.encode("utf-8"))
+    return [table[c] for c in spelled]

@@ -54,6 +54,17 @@ def test_earliest_of_several_stop_strings_wins(tokenizer: PreTrainedTokenizerBas
     assert "".join(feed_all(choice, tokenizer(text)["input_ids"])) == "alpha "
 
 
+@pytest.mark.parametrize("text", ["日本語 é 🙂", "plain words", "<|im_start|>x"])
+def test_logprob_bytes_are_the_tokens_own(tokenizer: PreTrainedTokenizerBase, text: str) -> None:
+    # A token with part of a character decodes to U+FFFD alone; its bytes, joined, give the text back (OpenAI's)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    delta = TokenDelta("r", ids, "length", 3, len(ids), logprobs=[-1.0] * len(ids))
+    entries = ChoiceStream(0, "r", tokenizer, [], skip_special_tokens=False).feed(delta).logprobs
+    assert bytes(b for e in entries for b in e["bytes"]).decode() == text
+    if "日" in text:
+        assert any(e["token"] == "\ufffd" for e in entries)  # (the case: split characters)
+
+
 def test_logprob_entries(tokenizer: PreTrainedTokenizerBase) -> None:
     ids = tokenizer("hello world")["input_ids"][:2]
     choice = ChoiceStream(0, "r", tokenizer, [])
