@@ -577,6 +577,7 @@ def api_key_middleware(keys: list[str]) -> Any:
 
 # No limit of the request's or the checkpoint's: the decoder stops at the context's end, as vLLM does.
 TO_THE_CONTEXTS_END = 2**31 - 1
+TOP_TOKEN_ONLY = 1e-9  # top_p 0: a nucleus that any one token fills (the sampler always keeps the top one)
 
 
 def sampling_params(chat: GenerationOptions) -> SamplingParams:
@@ -585,7 +586,7 @@ def sampling_params(chat: GenerationOptions) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=chat.temperature,
-        top_p=chat.top_p,
+        top_p=chat.top_p or TOP_TOKEN_ONLY,
         top_k=chat.top_k,
         seed=chat.seed,
         stop_token_ids=list(chat.stop_token_ids),

@@ -119,7 +119,7 @@ class GenerationOptions(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_p: float = Field(default=1.0, ge=0.0, le=1.0)  # 0: the top token only (OpenAI takes 0)
     top_k: int = Field(default=0, ge=0, le=INT64_MAX)
     seed: Int64 | None = None
     n: int = Field(default=1, ge=1, le=16)

@@ -79,13 +79,13 @@ def test_top_logprobs_without_logprobs_is_refused(client: OpenAI) -> None:
         create(client, n=100)
 
 
-@pytest.mark.parametrize("option", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])
+@pytest.mark.parametrize("option", [{"top_k": 1}, {"top_p": 1e-6}, {"top_p": 0.0}, {"min_p": 1.0}])
 def test_filters_that_keep_only_the_top_token_equal_greedy(client: OpenAI, option: dict[str, Any]) -> None:
     greedy = create(client, temperature=0).choices[0].token_ids
     sampled_free = create(client, temperature=1.0, seed=5).choices[0].token_ids
     top_p = option.pop("top_p", None)
     extra = option
-    filtered = create(client, temperature=1.0, seed=5, extra_body=extra, **({"top_p": top_p} if top_p else {}))
+    filtered = create(client, temperature=1.0, seed=5, extra_body=extra, **({} if top_p is None else {"top_p": top_p}))
     assert sampled_free != greedy  # so the equality below says the filter worked
     assert filtered.choices[0].token_ids == greedy
 

@@ -33,7 +33,7 @@ def test_the_sampling_keys_are_read(tmp_path: Path) -> None:
 
 
 def test_values_no_request_could_send_are_left_out(tmp_path: Path) -> None:
-    bad = {"temperature": 7.0, "top_p": 0.0, "top_k": -1, "repetition_penalty": 1.1, "max_new_tokens": 0}
+    bad = {"temperature": 7.0, "top_p": 1.5, "top_k": -1, "repetition_penalty": 1.1, "max_new_tokens": 0}
     assert sampling_defaults(checkpoint(tmp_path, bad)) == {"repetition_penalty": 1.1}
 
 
