@@ -271,7 +271,8 @@ _EXTENSIONS_REFUSED = {
 
 def _refuse_extensions_we_cannot_honour(body: dict[str, Any]) -> None:
     for name, why in _EXTENSIONS_REFUSED.items():
-        if body.get(name) not in (None, False, [], {}, ""):
+        value = body.get(name)
+        if not (value is None or value is False or value in ([], {}, "")):  # (0 is a value: prompt_logprobs 0)
             raise ApiError(400, f"{name} is not supported: {why}; leave it out", code="unsupported_value", param=name)
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise ApiError(400, "best_of is not supported; use n", code="unsupported_value", param="best_of")
