@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -34,6 +35,10 @@ class ServerConfig:
     max_request_bytes_in_flight: int = 1024 * 1024 * 1024  # their bodies together (one alone may be larger)
 
     def validate(self, where: str) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"{where}.port: expected 1..65535, got {self.port}")
+        if not (isinstance(self.api_keys, list) and all(isinstance(k, str) and k for k in self.api_keys)):
+            raise ValueError(f'{where}.api_keys: expected a list of non-empty strings like ["sk-..."]')
         if self.max_requests_in_flight < 1:
             raise ValueError(f"{where}.max_requests_in_flight: expected >= 1, got {self.max_requests_in_flight}")
         if self.max_request_bytes_in_flight < 1:
@@ -50,6 +55,10 @@ class ModelConfig:
     generation_config: str = "auto"
 
     def validate(self, where: str) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"{where}.dtype: expected 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"{where}.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.generation_config not in ("auto", "ignore"):
             raise ValueError(f"{where}.generation_config: expected 'auto' or 'ignore', got {self.generation_config!r}")
 
@@ -215,6 +224,8 @@ class DecoderConfig:
                 f"{where}.replica_gpus: {gpus} names {len(gpus)} GPU(s), one per replica is needed "
                 f"(replicas = {self.replicas}); [] places replica r on GPU r * tensor_parallel"
             )
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"{where}.gpu_memory_fraction: expected a share of the GPU in (0, 1]")
         if self.graph_tokens < 0:
             raise ValueError(f"{where}.graph_tokens: expected >= 0 (0: no mixed graphs), got {self.graph_tokens}")
         if self.prefill_tokens_per_step < 1:
@@ -328,21 +339,66 @@ def _apply_section(target: Any, values: dict[str, Any], where: str) -> None:
     for key, value in values.items():
         if key not in names:
             raise ValueError(f"{where}: unknown setting {key!r}; known: {', '.join(sorted(names))}")
-        current = getattr(target, key)
-        if isinstance(current, bool) and not isinstance(value, bool):
-            raise ValueError(f"{where}.{key}: expected true/false, got {value!r}")
-        if isinstance(current, int | float) and not isinstance(current, bool):
-            value = type(current)(value)
-        setattr(target, key, value)
+        setattr(target, key, _typed(names[key].type, getattr(target, key), value, f"{where}.{key}"))
+    _check_ranges(target, where)
     if hasattr(target, "validate"):
         target.validate(where)
+
+
+def _typed(annotation: Any, default: Any, value: Any, where: str) -> Any:
+    """``value`` if it has the setting's type (an integer for a float is fine); never converted silently
+    (1.9 to 1). Lists, and settings of several types, are their section's ``validate`` to check."""
+    if "|" in str(annotation):
+        return value
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok, kind = type(value) is int, "an integer"
+    elif isinstance(default, float):
+        ok, kind = type(value) in (int, float), "a number"
+    elif isinstance(default, str):
+        ok, kind = isinstance(value, str), "a string"
+    else:  # (lists: each section says what its lists hold)
+        ok, kind = True, ""
+    if not ok:
+        raise ValueError(f"{where}: expected {kind}, got {value!r}")
+    return float(value) if isinstance(default, float) else value
+
+
+# Settings that must be positive (> 0) or at least 1, wherever they are: a zero there is never a choice, and would
+# only show later as a stack that never answers (max_running = 0) or a worker restarting for ever (block_size = 0).
+_POSITIVE = {
+    "request_timeout_s", "http_timeout_s", "encode_timeout_s", "lease_ttl_s", "pending_ttl_s", "media_wait_s",
+    "tp_timeout_s", "gpu_memory_fraction",
+}  # fmt: skip
+_AT_LEAST_ONE = {
+    "max_request_bytes", "max_media_bytes", "max_image_pixels", "max_images_per_request", "max_video_bytes",
+    "max_video_frames", "max_video_tokens", "encode_attempts", "threads", "max_running", "block_size",
+}  # fmt: skip
+
+
+def _check_ranges(target: Any, where: str) -> None:
+    for f in dataclasses.fields(target):
+        value = getattr(target, f.name)
+        if f.name in _POSITIVE and not value > 0:
+            raise ValueError(f"{where}.{f.name}: expected > 0, got {value}")
+        if f.name in _AT_LEAST_ONE and value < 1:
+            raise ValueError(f"{where}.{f.name}: expected >= 1, got {value}")
+    if isinstance(target, FetcherConfig) and target.credits < 1:
+        raise ValueError(f"{where}.credits: expected >= 1, got {target.credits}")
 
 
 def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None) -> Config:
     """Read the TOML file (``VLM_CONFIG`` or the one in ``ops/``), then the ``VLM_*`` variables."""
     env = dict(os.environ) if env is None else env
-    path = Path(path or env.get("VLM_CONFIG") or DEFAULT_CONFIG)
-    raw: dict[str, Any] = tomllib.loads(path.read_text()) if path.exists() else {}
+    named = path or env.get("VLM_CONFIG")
+    path = Path(named or DEFAULT_CONFIG)
+    if named and not path.is_file():  # (a typo in a path must not start the defaults on port 8000 instead)
+        raise ValueError(f"config file {path} does not exist")
+    try:
+        raw: dict[str, Any] = tomllib.loads(path.read_text()) if path.exists() else {}
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path} is not valid TOML: {exc}") from exc
     cfg = Config(source=str(path))
     for key, value in raw.items():
         if key in ("run_dir",):
@@ -355,7 +411,11 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
             raise ValueError(f"{path}: unknown section or key {key!r}")
     for var, (section, key, kind) in _ENV.items():
         if env.get(var):
-            setattr(getattr(cfg, section), key, kind(env[var]))
+            try:
+                setattr(getattr(cfg, section), key, kind(env[var]))
+            except ValueError as exc:
+                raise ValueError(f"{var}={env[var]!r}: expected {kind.__name__}") from exc
+            getattr(cfg, section).validate(var)
     if env.get("VLM_RUN_DIR"):
         cfg.run_dir = env["VLM_RUN_DIR"]
     if env.get("VLM_API_KEYS"):

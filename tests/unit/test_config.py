@@ -29,9 +29,16 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_defaults_when_the_file_is_missing(tmp_path: Path) -> None:
-    missing = tmp_path / "nope.toml"
-    cfg = load_config(missing, env={})
+def test_a_named_file_that_is_missing_is_an_error(tmp_path: Path) -> None:
+    # (not the defaults: a typo in VLM_CONFIG must not start a stack on port 8000 instead)
+    with pytest.raises(ValueError, match=r"nope\.toml does not exist"):
+        load_config(tmp_path / "nope.toml", env={})
+    with pytest.raises(ValueError, match=r"nope\.toml does not exist"):
+        load_config(env={"VLM_CONFIG": str(tmp_path / "nope.toml")})
+
+
+def test_defaults_when_the_file_is_empty(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, ""), env={})
     assert cfg.server == ServerConfig()
     assert cfg.model == ModelConfig()
     assert cfg.fetcher == FetcherConfig()
@@ -40,7 +47,7 @@ def test_defaults_when_the_file_is_missing(tmp_path: Path) -> None:
     assert cfg.decoder == DecoderConfig()
     assert cfg.liveness == LivenessConfig()
     assert cfg.run_dir == "" and cfg.endpoints == {}
-    assert cfg.source == str(missing)
+    assert cfg.source == str(tmp_path / "vlm.toml")
     # A few concrete values, so a changed default is noticed.
     assert (cfg.server.host, cfg.server.port) == ("127.0.0.1", 8000)
     assert cfg.fetcher.allow_private_addresses is False
@@ -325,3 +332,47 @@ def test_liveness_times_must_be_positive(tmp_path: Path) -> None:
         load_config(write(tmp_path, "[liveness]\nhold_lost_requests_s = -1\n"), env={})
     with pytest.raises(ValueError, match=r"\[liveness\].dead_after_s: expected > 0 seconds, got 0.0"):
         load_config(write(tmp_path, "[liveness]\ndead_after_s = 0\n"), env={})
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[server]\napi_keys = "sk-1"', r"\[server\]\.api_keys: expected a list of non-empty strings"),
+        ("[server]\nport = 70000", r"\.port: expected 1\.\.65535, got 70000"),
+        ("[server]\nrequest_timeout_s = -1", r"\.request_timeout_s: expected > 0, got -1"),
+        ("[decoder]\nmax_running = 0", r"\.max_running: expected >= 1, got 0"),
+        ("[decoder]\nmax_running = 1.9", r"\.max_running: expected an integer, got 1\.9"),
+        ('[decoder]\nmax_running = "lots"', r"\.max_running: expected an integer, got 'lots'"),
+        ("[decoder]\nblock_size = 0", r"\.block_size: expected >= 1"),
+        ("[decoder]\ngpu_memory_fraction = 7.5", r"\.gpu_memory_fraction: expected a share of the GPU in \(0, 1\]"),
+        ("[fetcher]\nhttp_timeout_s = -5", r"\.http_timeout_s: expected > 0"),
+        ("[fetcher]\ncredits = 0", r"\.credits: expected >= 1"),
+        (
+            '[model]\ndtype = "fp8_typo"',
+            r"\.dtype: expected 'auto', 'float32', 'bfloat16' or 'float16', got 'fp8_typo'",
+        ),
+        ('[model]\ndevice = "tpu"', r"\.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+        ("[server]\nport = = 1", r"vlm\.toml is not valid TOML: .*line 2"),
+    ],
+)
+def test_settings_are_checked_when_loaded(tmp_path: Path, text: str, message: str) -> None:
+    # (each of these loaded before, and showed only as workers restarting for ever, or a stack that never answered)
+    with pytest.raises(ValueError, match=message):
+        load_config(write(tmp_path, text), env={})
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"VLM_PORT": "abc"}, r"VLM_PORT='abc': expected int"),
+        ({"VLM_PORT": "0"}, r"VLM_PORT\.port: expected 1\.\.65535"),
+        ({"VLM_DTYPE": "fp4"}, r"VLM_DTYPE\.dtype: expected 'auto'"),
+        ({"VLM_DEVICE": "tpu"}, r"VLM_DEVICE\.device: expected 'auto'"),
+    ],
+)
+def test_environment_settings_are_checked(tmp_path: Path, env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_config(write(tmp_path, ""), env=env)
+    assert (
+        load_config(write(tmp_path, "[decoder]\ngpu_memory_fraction = 1\n"), env={}).decoder.gpu_memory_fraction == 1.0
+    )
