@@ -122,11 +122,11 @@ bench() {  # name, time limit in seconds, args...
   local killer_pid=
   if [ "$name" = mixed ] && [ -n "${KILL_PROGRAM:-}" ]; then
     (sleep "${KILL_AT:-10}"; log "killing $KILL_PROGRAM (SIGKILL)"
-     $py -m supervisor.supervisorctl -c run/8000/supervisord.conf signal KILL "vlm:$KILL_PROGRAM" >> "$out/gpu.log" 2>&1
+     $py -m supervisor.supervisorctl -c run/8000/supervisord.conf signal KILL "$KILL_PROGRAM" >> "$out/gpu.log" 2>&1
      for _ in $(seq 1 120); do  # when supervisord reports it running again (the gateway log: when it serves)
-       $py -m supervisor.supervisorctl -c run/8000/supervisord.conf status "vlm:$KILL_PROGRAM" | grep -q RUNNING && break
+       $py -m supervisor.supervisorctl -c run/8000/supervisord.conf status "$KILL_PROGRAM" | grep -q RUNNING && break
        sleep 0.5
-     done; log "$KILL_PROGRAM: $($py -m supervisor.supervisorctl -c run/8000/supervisord.conf status "vlm:$KILL_PROGRAM")") &
+     done; log "$KILL_PROGRAM: $($py -m supervisor.supervisorctl -c run/8000/supervisord.conf status "$KILL_PROGRAM")") &
     killer_pid=$!
   fi
   timeout $((limit + 30)) $py -m benchmarks.serve --url "$url" --seed 0 --time-limit "$limit" --out "$out/$name.json" "$@" \

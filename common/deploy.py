@@ -116,7 +116,6 @@ def _add_mps(text: str, run: Path, plan: MpsPlan) -> str:
         section = _section(text, name)
         body = section.group(0).rstrip("\n") + f"\nenvironment = {mps_env}{extra}\n\n"
         text = text[: section.start()] + body + text[section.end() :]
-    text = re.sub(r"^(programs = )", r"\1mps,", text, count=1, flags=re.MULTILINE)
     return text.rstrip("\n") + "\n\n" + program
 
 
@@ -146,8 +145,6 @@ def _add_decoders(text: str, replicas: int, ranks: int) -> str:
             # reaches ranks that are still there (stopped first, they left rank 0 waiting to be killed).
             below = f"priority = {int(priority.group(1)) - 1}"
             added[f"{name}-rank"] = _derived(decoder, f"{name}-rank", args, ranks - 1).replace(priority.group(0), below)
-    if added:
-        text = re.sub(r"^(programs = .*)$", rf"\1,{','.join(added)}", text, count=1, flags=re.MULTILINE)
     return "".join([text.rstrip("\n") + "\n", *("\n" + program for program in added.values())])
 
 

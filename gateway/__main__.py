@@ -23,6 +23,9 @@ def raise_open_file_limit() -> int:
     return soft
 
 
+DRAIN_S = 30.0
+
+
 def main() -> None:
     cfg = start_process("gateway", parse_args("gateway"))
     files = raise_open_file_limit()
@@ -40,6 +43,9 @@ def main() -> None:
         print=None,
         access_log=None,
         handler_cancellation=True,
+        # On SIGTERM: stop listening, let the requests in flight finish for up to this long (supervisord waits
+        # 40 s, ops/vlm.conf, and stops the workers only after), then cancel what is left.
+        shutdown_timeout=DRAIN_S,
     )
 
 

@@ -48,8 +48,14 @@ class Stack:
         )
         return out.stdout.strip()
 
-    def pid(self, program: str) -> int:
-        return int(self.ctl("pid", f"vlm:{program}"))
+    def pid(self, process: str) -> int:
+        """The pid of a process by its name (``decoder``, ``encoder-0``; supervisorctl's name for a numbered one
+        is ``encoder:encoder-0``); 0 while it is not running."""
+        for line in self.ctl("status").splitlines():
+            name, _, rest = line.partition(" ")
+            if name.split(":")[-1] == process:
+                return int(rest.split("pid ")[1].split(",")[0]) if "pid " in rest else 0
+        raise KeyError(f"supervisord runs no process {process!r}")
 
     def get_json(self, path: str) -> tuple[int, dict]:
         try:

@@ -143,7 +143,7 @@ def test_losing_a_replica_costs_only_its_requests(dp2: Stack) -> None:
     assert sum(outcome.startswith("ok:") for outcome, _, _ in outcomes) >= reissued, (outcomes, reissued)
     wait_restarted(dp2, "decoder-1", victim, timeout_s=120)
 
-    dp2.ctl("stop", "vlm:decoder-1")
+    dp2.ctl("stop", "decoder-1")
     deadline = time.monotonic() + 30
     while (health := dp2.get_json("/health"))[1]["decoders"]["decoder-1"] and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -163,7 +163,7 @@ def test_losing_a_replica_costs_only_its_requests(dp2: Stack) -> None:
     assert outcome.startswith("ok:"), outcome
     assert routed(dp2) == (before[0] + 1, before[1]), before  # the image request, on replica 0
     assert dp2.metrics()[FALLBACKS % 0] == fallbacks + 1
-    dp2.ctl("start", "vlm:decoder-1")
+    dp2.ctl("start", "decoder-1")
     dp2.wait_healthy()
     deadline = time.monotonic() + 30
     while not dp2.get_json("/health")[1]["decoders"]["decoder-1"]:

@@ -1,5 +1,6 @@
-"""A real supervisord killed hard (SIGKILL, as the OOM killer does) takes its workers with it: each asked at
-start-up for SIGTERM on its parent's death, so none is left holding the deployment's sockets for the next start."""
+"""supervisord's end, both ways. Killed hard (SIGKILL, as the OOM killer does), it takes its workers with it: each
+asked at start-up for SIGTERM on its parent's death, so none is left holding the deployment's sockets for the next
+start. Stopped (SIGTERM), it lets the streams in flight finish first."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from tests.integration.conftest import REPO
+import pytest
+from openai import OpenAI
+
+from tests.integration.conftest import REPO, serve
 
 
 def alive(pid: int) -> bool:
@@ -61,3 +65,29 @@ def test_workers_end_when_supervisord_is_killed(tmp_path: Path) -> None:
             supervisord.kill()
         if cache and alive(cache):  # (the failure above: no orphan left behind it)
             os.kill(cache, signal.SIGKILL)
+
+
+def test_a_stopped_stack_lets_its_streams_finish(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # supervisord stops the gateway first and waits for it; the gateway stops listening and lets the streams in
+    # flight finish before it exits, and only then are the workers stopped (they used to stop all at once, and
+    # every stream ended with "the decoder is not responding")
+    running = serve(tmp_path_factory, "drain")
+    stack = next(running)
+    client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=150,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    next(chunks)  # the stream is under way
+    stack.process.send_signal(signal.SIGTERM)
+    rest = list(chunks)
+    finishes = [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"] and rest[-1].usage is not None and rest[-1].usage.completion_tokens == 150
+    assert stack.process.wait(timeout=60) == 0
+    with pytest.raises(StopIteration):  # (serve's own stop: nothing left to do)
+        next(running)

@@ -54,7 +54,6 @@ def test_a_tensor_parallel_decoder_gets_its_other_ranks(tmp_path: Path) -> None:
     assert (ranks["numprocs"], ranks["numprocs_start"]) == ("3", "1")  # ranks 1, 2, 3 beside rank 0
     assert ranks["command"].endswith("-m workers.decoder --rank %(process_num)d")
     assert ranks["stdout_logfile"] == f"{tmp_path}/logs/decoder-rank-%(process_num)d.log"
-    assert parser["group:vlm"]["programs"].split(",")[-1] == "decoder-rank"
     assert parser["program:decoder"]["command"].endswith("-m workers.decoder")  # rank 0 unchanged
     # Started before rank 0 and stopped after it, so rank 0's stop broadcast finds them still there.
     assert int(ranks["priority"]) < int(parser["program:decoder"]["priority"])
@@ -64,7 +63,7 @@ def test_decoder_replicas_each_get_a_program_and_their_own_ranks(tmp_path: Path)
     text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, 2, MpsPlan(decoder_sm=70), replicas=3)
     parser = configparser.RawConfigParser()
     parser.read_string(text)
-    programs = parser["group:vlm"]["programs"].split(",")
+    programs = [s.removeprefix("program:") for s in parser.sections() if s.startswith("program:")]
     for replica, name in enumerate(["decoder", "decoder-1", "decoder-2"]):
         program, ranks = parser[f"program:{name}"], parser[f"program:{name}-rank"]
         replica_args = f" --replica {replica}" if replica else ""
@@ -99,7 +98,8 @@ def test_mps_daemon_runs_first_per_deployment_and_caps_the_encoders(tmp_path: Pa
     # the encoders yield the SMs to the decoder unless told not to
     assert 'CUDA_MPS_CLIENT_PRIORITY="1"' in parser["program:encoder"]["environment"]
     assert "CLIENT_PRIORITY" not in parser["program:decoder"]["environment"]
-    assert parser["group:vlm"]["programs"].startswith("mps,")
+    # no group: supervisord stops each program's group in turn (the gateway first, the MPS daemon last)
+    assert not [s for s in parser.sections() if s.startswith("group:")]
 
 
 def test_mps_auto_is_on_only_where_it_was_measured_to_pay() -> None:
