@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,7 +166,11 @@ def _derived(decoder: str, name: str, args: str, numprocs: int = 0) -> str:
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
         sys.exit("usage: python -m common.deploy OUT_CONF")
-    cfg = load_config()
+    try:
+        cfg = load_config()
+        preflight(cfg)
+    except (OSError, ValueError) as exc:  # (stopped here, before supervisord restarts failing workers for ever)
+        sys.exit(f"vlm-serve: {exc}")
     out = Path(argv[0])
     out.parent.mkdir(parents=True, exist_ok=True)
     template = (REPO / "ops/vlm.conf").read_text()
@@ -175,6 +180,25 @@ def main(argv: list[str]) -> None:
     decoder = cfg.decoder
     text = render(template, REPO, cfg.run_path, encoder_count(cfg), decoder.tensor_parallel, mps, decoder.replicas)
     out.write_text(text)
+
+
+def preflight(cfg: Config) -> None:
+    """What would otherwise fail only inside the workers, after supervisord has started them (and would restart
+    them for ever): a model directory that is not a Qwen2-VL checkpoint, and a port another program holds."""
+    from workers.models.spec import ModelSpec
+
+    ModelSpec.from_dir(cfg.model_path())
+    host, port = cfg.server.host, cfg.server.port
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # (as aiohttp binds: a closed port's TIME_WAIT is fine)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise OSError(
+                f"cannot listen on {host}:{port} ({exc.strerror}): another program holds it; set VLM_PORT"
+            ) from exc
 
 
 def mps_wanted(cfg: Config, has_gpu: Callable[[], bool], has_daemon: bool) -> tuple[bool, str]:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import configparser
+import socket
 from pathlib import Path
 
 import pytest
 import torch
 
 from common.config import Config
-from common.deploy import REPO, MpsPlan, encoder_count, mps_wanted, render
+from common.deploy import REPO, MpsPlan, encoder_count, mps_wanted, preflight, render
 from workers.models.runtime import encoder_gpu, resolve_device
 
 
@@ -173,3 +174,18 @@ def test_a_media_replica_on_the_text_replicas_gpu_runs_as_vision_work(tmp_path: 
     assert MpsPlan.of(cfg).vision_replicas == frozenset()
     cfg.decoder.text_replicas, cfg.decoder.replica_gpus = [0], [0, 1, 2]  # each on its own GPU
     assert MpsPlan.of(cfg).vision_replicas == frozenset()
+
+
+def test_preflight_refuses_what_workers_would_fail_on_for_ever(tmp_path: Path) -> None:
+    cfg = Config()
+    cfg.model.path = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match=r"no-such-model has no config\.json; is it a Qwen2-VL checkpoint"):
+        preflight(cfg)
+    cfg.model.path = ""  # the demo checkpoint
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        cfg.server.port = holder.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{cfg.server.port} .*another program holds it"):
+            preflight(cfg)
+    preflight(cfg)  # (the port free again)
