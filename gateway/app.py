@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -57,7 +59,10 @@ class Gateway:
         middlewares = [error_shapes(self.cfg.server.max_request_bytes)]
         if self.cfg.server.api_keys:
             middlewares.append(api_key_middleware(self.cfg.server.api_keys))
-        app = web.Application(client_max_size=self.cfg.server.max_request_bytes, middlewares=middlewares)
+        app = web.Application(
+            client_max_size=self.cfg.server.max_request_bytes, middlewares=[request_ids, *middlewares]
+        )
+        app.on_response_prepare.append(_answer_with_request_id)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -201,7 +206,7 @@ class Gateway:
         self, request: web.Request, options: GenerationOptions, prompts: list[Prompt], flavor: Flavor
     ) -> web.StreamResponse:
         self.counters["requests_total"] += 1
-        completion_id = f"{flavor.id_prefix}-{uuid.uuid4().hex}"
+        completion_id = f"{flavor.id_prefix}-{request[REQUEST_ID]}"  # (the id the workers log it under)
         events: Events = asyncio.Queue()
         choices: list[ChoiceStream] = []
         try:
@@ -419,6 +424,7 @@ class Gateway:
                     await sse.chunk(choice.index, update.text, update.finish_reason, extra)
                 item = await anext(updates, None)
         except ApiError as exc:  # mid-stream failure: the status is already sent, so report in-band
+            log.info("%s failed after its first token: %d %s", sse.completion_id, exc.status, exc.message)
             await sse.send(exc.body())
             choices = []
         except ConnectionResetError:
@@ -555,6 +561,35 @@ def error_shapes(max_request_bytes: int) -> Any:
             return internal_error(exc).response()
 
     return shape
+
+
+# Every response's x-request-id; a completion's id is its prefix and this, and it is what the workers log.
+REQUEST_ID = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"
+_CLIENT_ID = re.compile(r"[\w.:/-]{1,128}")
+
+
+@web.middleware
+async def request_ids(request: web.Request, handler: Any) -> web.StreamResponse:
+    request[REQUEST_ID] = uuid.uuid4().hex
+    return await handler(request)
+
+
+async def _answer_with_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """The id goes out with the headers (of a stream too); a refusal is logged with it, and with the id a proxy
+    gave the request (X-Request-Id), so that a client's report can be found in the logs."""
+    ours = request.get(REQUEST_ID)
+    if ours is None:
+        return
+    response.headers["x-request-id"] = ours
+    if response.status < 400:
+        return
+    theirs = request.headers.get("X-Request-Id", "")
+    given = f", X-Request-Id {theirs}" if _CLIENT_ID.fullmatch(theirs) else ""
+    message = ""
+    if isinstance(response, web.Response) and response.body:
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            message = json.loads(response.body)["error"]["message"]  # type: ignore[arg-type]
+    log.info("%s %s: %d (request %s%s) %s", request.method, request.path, response.status, ours, given, message)
 
 
 def api_key_middleware(keys: list[str]) -> Any:

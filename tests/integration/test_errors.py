@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -254,3 +255,31 @@ def test_a_large_inline_image_is_parsed_and_answered(stack: Stack) -> None:
     status, reply, _ = post(stack, body)
     assert status == 200, reply
     assert reply["choices"][0]["finish_reason"] == "length"
+
+
+def test_every_answer_has_a_request_id_and_a_refusal_is_logged_with_it(stack: Stack, client: Any) -> None:
+    fine = client.chat.completions.with_raw_response.create(
+        model=client.models.list().data[0].id, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    ours = fine.headers["x-request-id"]
+    assert re.fullmatch("[0-9a-f]{32}", ours) and fine.parse().id == f"chatcmpl-{ours}"  # (what workers log)
+    streamed = client.chat.completions.with_raw_response.create(
+        model=client.models.list().data[0].id, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
+    )
+    assert re.fullmatch("[0-9a-f]{32}", streamed.headers["x-request-id"])
+    request = urllib.request.Request(
+        stack.base_url + "/v1/chat/completions",
+        json.dumps(chat(image("ftp://nowhere/x.png"))).encode(),
+        {"Content-Type": "application/json", "X-Request-Id": "proxy-42"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 400
+    rid = refused.value.headers["x-request-id"]
+    log = stack.run_dir / "logs" / "gateway.log"
+    deadline = time.monotonic() + 10
+    while rid not in log.read_text():  # (supervisord copies the process's output into the file)
+        assert time.monotonic() < deadline, f"request {rid} is not in {log}"
+        time.sleep(0.1)
+    line = next(line for line in log.read_text().splitlines() if rid in line)
+    assert "400" in line and "X-Request-Id proxy-42" in line and "ftp" in line, line
