@@ -367,7 +367,7 @@ def test_snapshot_is_consistent() -> None:
     snap = s.snapshot()
     assert snap["entries"] == 3
     assert snap["bytes_used"] == B + 4 * B + B
-    assert snap["bytes_total"] == 16 * B
+    assert snap["bytes_capacity"] == 16 * B
     assert snap["leased_requests"] == 1
     assert snap["misses"] == 3 and snap["commits"] == 2
     assert all(isinstance(v, float) for v in snap.values())

@@ -222,8 +222,8 @@ class EmbeddingStore:
             "pending_entries": float(sum(not e.ready for e in self.entries.values())),
             "spilled_entries": float(sum(e.tier == SPILL for e in self.entries.values())),
             "bytes_used": float(self.allocator.size - self.allocator.free_bytes),
-            "bytes_total": float(self.allocator.size),
+            "bytes_capacity": float(self.allocator.size),  # (not "_total": Prometheus reads that as a counter)
             "spill_bytes_used": float(self.spill_allocator.size - self.spill_allocator.free_bytes),
-            "spill_bytes_total": float(self.spill_allocator.size),
+            "spill_bytes_capacity": float(self.spill_allocator.size),
             "leased_requests": float(len(self.leases)),
         }
