@@ -136,7 +136,7 @@ class Dispatcher:
         for peer in [p for p in self.peers.values() if now - p.last_seen > self.dead_after_s]:
             self._lose_peer(peer, f"silent for {now - peer.last_seen:.1f}s")
         for job in [j for j in self.jobs.values() if j.deadline < now]:
-            self._fail(job, "timed out waiting for a live worker")
+            self._fail(job, "timed out waiting for a live worker" if self.peers else "no worker is live to take it")
         self.dispatch()
 
     def _fail(self, job: Job, why: str) -> None:

@@ -481,3 +481,35 @@ def test_a_gpu_embedding_pool_on_a_cpu_host_is_refused_at_start(tmp_path: Path) 
     cfg.run_dir, cfg.cache.device_pool = str(tmp_path), True
     with pytest.raises(ValueError, match=r"device_pool = true needs a CUDA GPU"):
         CacheDaemon(cfg)
+
+
+def test_a_request_waiting_on_a_failed_encode_is_told_why(tmp_path: Path) -> None:
+    """The daemon on real sockets: a decoder waiting on an embedding whose encode failed gets the reason the
+    fetcher gave (it got "encode failed, expired or the cache restarted" whatever had happened)."""
+    import zmq
+
+    from common.protocol import CacheAcquire, CacheAcquireResult, CacheCommit, CacheLookup, decode, encode
+    from workers.cache.daemon import CacheDaemon
+
+    cfg = Config()
+    cfg.run_dir, cfg.cache.pool_bytes = str(tmp_path), 1 << 20
+    daemon = CacheDaemon(cfg)
+    decoder = zmq.Context.instance().socket(zmq.DEALER)
+    decoder.setsockopt(zmq.IDENTITY, b"decoder")
+    decoder.connect(daemon.channel.address)
+    try:
+        daemon.handle(b"fetcher", CacheLookup("c1", "h" * 64, 4 * 8, "float32", [4, 2]))  # reserved: encode it
+        decoder.send(encode(CacheAcquire("c2", "req-1", ["h" * 64])))
+        peer, msg = daemon.channel.recv()  # (through the socket: the daemon can now route the answer back)
+        assert peer == b"decoder" and msg is not None
+        daemon.handle(peer, msg)
+        reason = "vision encoder unavailable: no worker is live to take it"
+        daemon.handle(b"fetcher", CacheCommit("h" * 64, error=reason))
+        assert decoder.poll(5000)
+        answer = decode(decoder.recv())
+        assert isinstance(answer, CacheAcquireResult) and answer.status == 503
+        assert f"({reason}); retry the request" in answer.message
+    finally:
+        decoder.close(linger=0)
+        daemon.channel.close()
+        daemon.pool.unlink()

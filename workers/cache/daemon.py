@@ -26,6 +26,7 @@ from common.transport import Channel, EventLoop, worker_identity
 from workers.cache.store import MAIN, EmbeddingStore, Entry, PoolFull, Spill
 
 log = logging.getLogger(__name__)
+_FAILURES_KEPT = 1024
 
 
 class CacheDaemon:
@@ -53,6 +54,7 @@ class CacheDaemon:
         self.ctx = zmq.Context()
         self.channel = Channel(self.ctx, zmq.ROUTER, cfg.endpoint("cache"), bind=True)
         self.waiters: dict[str, tuple[bytes, CacheAcquire]] = {}
+        self.failures: dict[str, str] = {}  # content hash -> why its encode failed, the latest few
         self.loop = EventLoop()
         self.loop.exit_if_stalled(cfg.liveness.stall_exit_s, "cache")
         self.loop.on_message(self.channel, self.handle)
@@ -86,6 +88,9 @@ class CacheDaemon:
             case CacheCommit(content_hash=h):
                 log.warning("encode of %s failed: %s", h[:12], msg.error)
                 self.store.fail(h)
+                self.failures[h] = msg.error  # (for the requests waiting on it: they are told why)
+                while len(self.failures) > _FAILURES_KEPT:
+                    del self.failures[next(iter(self.failures))]
                 self.answer_waiters()
             case CacheAcquire():
                 self.store.lease(msg.request_id, msg.content_hashes, self.cfg.cache.lease_ttl_s)
@@ -138,13 +143,13 @@ class CacheDaemon:
             entries = [self.store.entries.get(h) for h in msg.content_hashes]
             missing = [h for h, e in zip(msg.content_hashes, entries, strict=True) if e is None]
             if missing:
+                why = self.failures.get(missing[0], "encode failed, expired or the cache restarted")
                 reply = CacheAcquireResult(
                     call_id,
                     msg.request_id,
                     [],
                     status=503,
-                    message=f"embedding of media {missing[0][:12]} is not available (encode failed, expired "
-                    "or the cache restarted); retry the request",
+                    message=f"embedding of media {missing[0][:12]} is not available ({why}); retry the request",
                 )
                 self.store.release(msg.request_id)
             elif all(e is not None and e.ready for e in entries):
