@@ -208,6 +208,7 @@ class WorkerStatus(Message):
     worker_id: str
     incarnation: str
     credits: int
+    workers_live: int = -1  # a fetcher's: the encoders it sees live (so /health knows images can be served)
 
 
 @message

@@ -98,9 +98,10 @@ class Gateway:
         replicas = self.pipeline.replicas
         body: dict[str, Any] = {"decoder": self.pipeline.decoder_live()}
         body["fetchers"] = self.pipeline.fetchers.live_peers()
+        body["encoders"] = self.pipeline.encoders_live()  # (as the fetchers see them)
         if len(replicas.all) > 1:
             body["decoders"] = {r.name: replicas.live(r) for r in replicas.all}
-        healthy = body["decoder"] and body["fetchers"] > 0
+        healthy = body["decoder"] and body["fetchers"] > 0 and body["encoders"] > 0
         return web.json_response({"status": "ok" if healthy else "degraded", **body}, status=200 if healthy else 503)
 
     async def metrics(self, _request: web.Request) -> web.Response:
@@ -581,14 +582,16 @@ async def _answer_with_request_id(request: web.Request, response: web.StreamResp
     if ours is None:
         return
     response.headers["x-request-id"] = ours
-    if response.status < 400:
+    if response.status < 400 or not request.path.startswith("/v1/"):  # (not /health's 503s: probes poll it)
         return
     theirs = request.headers.get("X-Request-Id", "")
     given = f", X-Request-Id {theirs}" if _CLIENT_ID.fullmatch(theirs) else ""
-    message = ""
-    if isinstance(response, web.Response) and response.body:
-        with contextlib.suppress(ValueError, TypeError, AttributeError):
-            message = json.loads(response.body)["error"]["message"]  # type: ignore[arg-type]
+    body: Any = None
+    if isinstance(response, web.Response) and isinstance(response.body, bytes):
+        with contextlib.suppress(ValueError):
+            body = json.loads(response.body)
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message", "") if isinstance(error, dict) else ""
     log.info("%s %s: %d (request %s%s) %s", request.method, request.path, response.status, ours, given, message)
 
 

@@ -91,6 +91,7 @@ class Pipeline:
         self.requests: dict[str, Tracked] = {}
         self.rewired: dict[str, str] = {}  # a re-issued request's wire id -> its request id
         self.held: dict[str, Tracked] = {}  # request id -> a request lost with its replica, waiting for a live one
+        self.encoders_seen: dict[bytes, int] = {}  # fetcher -> the encoders it last said were live
         self.stats_waiters: dict[str, asyncio.Future[StatsResult]] = {}
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -217,6 +218,7 @@ class Pipeline:
             match msg:
                 case WorkerStatus():
                     self.fetchers.peer_status(peer, msg)
+                    self.encoders_seen[peer] = msg.workers_live
                 case FetchDone(request_id=rid):
                     self.fetchers.complete(rid)
                     if (tracked := self._tracked(rid)) is not None:
@@ -354,6 +356,10 @@ class Pipeline:
             log.info("no request is held for a decoder replica any more")
 
     # ------------------------------------------------------------------ status
+    def encoders_live(self) -> int:
+        """The vision encoders a live fetcher sees live (each fetcher sees them all)."""
+        return max((self.encoders_seen.get(peer, 0) for peer in self.fetchers.peers), default=0)
+
     def decoder_live(self) -> bool:
         """Whether text-only requests and requests with media both have a live decoder replica."""
         return all(self.replicas.serving().values())

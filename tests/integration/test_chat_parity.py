@@ -137,4 +137,4 @@ def test_models_and_health(stack: Stack) -> None:
     status, body = stack.get_json("/v1/models")
     assert status == 200 and body["data"][0]["object"] == "model"
     status, body = stack.get_json("/health")
-    assert status == 200 and body["decoder"] and body["fetchers"] >= 1
+    assert status == 200 and body["decoder"] and body["fetchers"] >= 1 and body["encoders"] >= 1

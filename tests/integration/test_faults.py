@@ -87,6 +87,21 @@ def cache_gauges_settle(stack: Stack, timeout_s: float = 30.0) -> dict[str, floa
         time.sleep(0.2)
 
 
+def test_health_says_when_no_encoder_is_live(stack: Stack) -> None:
+    # (it said "ok" with the encoder down, while requests with images waited a minute for one)
+    stack.ctl("stop", "encoder:encoder-0")
+    try:
+        deadline = time.monotonic() + 20
+        while (reply := stack.get_json("/health"))[0] != 503:
+            assert time.monotonic() < deadline, reply
+            time.sleep(0.2)  # the fetcher calls it dead after dead_after_s, and says so at its next heartbeat
+        assert reply[1]["encoders"] == 0 and reply[1]["status"] == "degraded"
+    finally:
+        stack.ctl("start", "encoder:encoder-0")
+    wait_restarted(stack, "encoder-0", 0)
+    assert stack.get_json("/health")[1]["encoders"] == 1
+
+
 @pytest.mark.parametrize("program", ["encoder-0", "fetcher-0", "cache", "decoder"])
 def test_kill_9_mid_flight(stack: Stack, program: str) -> None:
     """Every request ends (answered or failed with an explained 5xx) within the bound; afterwards no lease

@@ -157,7 +157,8 @@ class FetcherWorker:
 
     # ------------------------------------------------------------------ liveness
     def heartbeat(self) -> None:
-        self.gateway.send(WorkerStatus("fetcher", "fetcher", self.incarnation, self.cfg.fetcher.credits))
+        live = self.encode.live_peers()
+        self.gateway.send(WorkerStatus("fetcher", "fetcher", self.incarnation, self.cfg.fetcher.credits, live))
         for channel in self.encoders:
             channel.send(Ping("fetcher"))
         self.encode.tick()
