@@ -108,7 +108,7 @@ def one_of_each() -> list[Message]:
         SAMPLING,
         MEDIA,
         PREPARED,
-        WorkerStatus(role="encoder", worker_id="encoder.0", incarnation="99-1", credits=4),
+        WorkerStatus(role="fetcher", worker_id="fetcher", incarnation="99-1", credits=4, workers_live=2),
         Ping(sender="fetcher"),
         GenerateRequest(
             request_id="req-1",
