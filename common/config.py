@@ -115,7 +115,7 @@ class EncoderConfig:
     overlap_batches: bool = True
 
     def validate(self, where: str) -> None:
-        for name, low in (("count", 0), ("credits", 1), ("max_batch_patches", 1)):
+        for name, low in (("count", 0), ("max_batch_patches", 1)):  # (credits: _AT_LEAST_ONE)
             if getattr(self, name) < low:
                 raise ValueError(f"{where}.{name}: expected >= {low}, got {getattr(self, name)}")
         indices = isinstance(self.gpus, list) and all(type(g) is int for g in self.gpus)  # (bool is an int)
@@ -373,7 +373,7 @@ _POSITIVE = {
 }  # fmt: skip
 _AT_LEAST_ONE = {
     "max_request_bytes", "max_media_bytes", "max_image_pixels", "max_images_per_request", "max_video_bytes",
-    "max_video_frames", "max_video_tokens", "encode_attempts", "threads", "max_running", "block_size",
+    "max_video_frames", "max_video_tokens", "encode_attempts", "threads", "credits", "max_running", "block_size",
 }  # fmt: skip
 
 
@@ -384,8 +384,6 @@ def _check_ranges(target: Any, where: str) -> None:
             raise ValueError(f"{where}.{f.name}: expected > 0, got {value}")
         if f.name in _AT_LEAST_ONE and value < 1:
             raise ValueError(f"{where}.{f.name}: expected >= 1, got {value}")
-    if isinstance(target, FetcherConfig) and target.credits < 1:
-        raise ValueError(f"{where}.credits: expected >= 1, got {target.credits}")
 
 
 def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None) -> Config:

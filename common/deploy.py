@@ -190,9 +190,8 @@ def preflight(cfg: Config) -> None:
     ModelSpec.from_dir(cfg.model_path())
     host, port = cfg.server.host, cfg.server.port
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.setsockopt(
-            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
-        )  # (as aiohttp binds: a closed port's TIME_WAIT is fine)
+        # SO_REUSEADDR as aiohttp binds: a port in TIME_WAIT after the last stop is free to it
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:

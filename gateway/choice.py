@@ -104,14 +104,11 @@ class ChoiceStream:
         return {"token": text, "logprob": logprob, "bytes": token_bytes(spelled, text)}
 
 
-_SPECIAL_IDS: dict[int, frozenset[int]] = {}
-
-
+@functools.cache
 def _special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """The tokenizer's special token ids, worked out once (transformers builds the list on every call)."""
-    if id(tokenizer) not in _SPECIAL_IDS:
-        _SPECIAL_IDS[id(tokenizer)] = frozenset(tokenizer.all_special_ids)
-    return _SPECIAL_IDS[id(tokenizer)]
+    """The tokenizer's special token ids, worked out once per tokenizer (transformers builds the list on every
+    call). Cached by the tokenizer itself, not its id(): an id can be reused once a tokenizer is freed."""
+    return frozenset(tokenizer.all_special_ids)
 
 
 @functools.cache
