@@ -39,18 +39,13 @@ def processor_chat_template(model_dir: Path) -> str | None:
     """The template transformers' Qwen2-VL processor renders with, found where it looks: the
     ``chat_template`` of processor_config.json, else chat_template.json (the legacy file, which a
     tokenizer does not read), else chat_template.jinja (or additional_chat_templates/default.jinja)."""
-    jinja = next(
-        (
-            p
-            for p in (model_dir / "chat_template.jinja", model_dir / "additional_chat_templates" / "default.jinja")
-            if p.is_file()
-        ),
-        None,
-    )
+    jinja = model_dir / "chat_template.jinja"
+    if not jinja.is_file():
+        jinja = model_dir / "additional_chat_templates" / "default.jinja"
     for found in (
         _json_field(model_dir / "processor_config.json", "chat_template"),
         _json_field(model_dir / "chat_template.json", "chat_template"),
-        jinja.read_text(encoding="utf-8") if jinja else None,
+        jinja.read_text(encoding="utf-8") if jinja.is_file() else None,
     ):
         if template := _default_template(found):
             return template
@@ -123,10 +118,6 @@ class PromptBuilder:
                     # The Qwen2-VL template renders this as <|vision_start|><|video_pad|><|vision_end|>.
                     parts.append({"type": "video"})
             rendered.append({"role": role, "content": parts})
-        if add_generation_prompt and continue_final_message:
-            raise ApiError(
-                400, "continue_final_message needs add_generation_prompt: false", param="add_generation_prompt"
-            )
         try:
             text = self.tokenizer.apply_chat_template(
                 rendered,

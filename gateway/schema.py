@@ -325,6 +325,8 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     request: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
     if request.top_logprobs is not None and not request.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if request.add_generation_prompt and request.continue_final_message:
+        raise ApiError(400, "continue_final_message needs add_generation_prompt: false", param="add_generation_prompt")
     _refuse_what_we_cannot_honour(request)
     return request
 
