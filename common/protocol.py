@@ -209,6 +209,7 @@ class WorkerStatus(Message):
     incarnation: str
     credits: int
     workers_live: int = -1  # a fetcher's: the encoders it sees live (so /health knows images can be served)
+    workers_known: int = -1  # a fetcher's: the encoders it dispatches to, live or not (the gateway asks them for stats)
 
 
 @message

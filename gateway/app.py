@@ -105,31 +105,28 @@ class Gateway:
         return web.json_response({"status": "ok" if healthy else "degraded", **body}, status=200 if healthy else 503)
 
     async def metrics(self, _request: web.Request) -> web.Response:
-        """Prometheus text format: gateway latency histograms and counters, the cache daemon's and
-        the decoder's counters and gauges (reported by them; counters are cumulative per process)."""
+        """Prometheus text format: the gateway's latency histograms and counters, and the counters and gauges of
+        the cache daemon, each vision encoder and fetcher (asked now; one that does not answer in time is left
+        out) and each decoder replica (its last report). Counters are cumulative per process."""
         lines = self.latency.render()
-        lines += render_values(
-            "vlm_gateway",
-            {
-                **self.counters,
-                "requests_in_flight": len(self.pipeline.requests),
-                # (sent again after the decoder replica they went to was lost before their first token)
-                "requests_reissued": sum(r.reissued for r in self.pipeline.replicas.all),
-                # (lost with their replica before their first token, waiting for one to be live: hold_lost_requests_s)
-                "requests_held": len(self.pipeline.held),
-            },
-            counters={*self.counters, "requests_reissued"},
-        )
-        cache_counters = {"hits", "misses", "pending_hits", "commits", "evictions", "spills", "failed", "full"}
-        lines += render_values("vlm_cache", await self.pipeline.cache_stats(), counters=cache_counters)
-        replicas = self.pipeline.replicas.all
-        stats = {str(r.index): r.stats for r in replicas}
-        names = {k for values in stats.values() for k in values}
-        decoder_counters = {k for k in names if not k.startswith(("kv_", "requests_"))} | {"requests_finished"}
-        if len(stats) == 1:
-            lines += render_values("vlm_decoder", stats["0"], counters=decoder_counters)
+        pipeline = self.pipeline
+        gateway = {
+            **self.counters,
+            "requests_in_flight": len(pipeline.requests),
+            "requests_reissued_total": sum(r.reissued for r in pipeline.replicas.all),
+            "requests_held": len(pipeline.held),
+        }
+        lines += render_values("vlm_gateway", gateway)
+        workers = await pipeline.worker_stats()
+        lines += render_values("vlm_cache", workers.get("cache", {}))
+        for role in ("encoder", "fetcher"):
+            each = {name.removeprefix(f"{role}."): v for name, v in workers.items() if name.startswith(f"{role}.")}
+            lines += render_values(f"vlm_{role}", each, label=role)
+        replicas = pipeline.replicas.all
+        if len(replicas) == 1:
+            lines += render_values("vlm_decoder", replicas[0].stats)
         else:  # one series per replica, and where the gateway sent requests
-            lines += render_values("vlm_decoder", stats, counters=decoder_counters, label="replica")
+            lines += render_values("vlm_decoder", {str(r.index): r.stats for r in replicas}, label="replica")
             routing = {
                 str(r.index): dict(
                     requests_in_flight=r.load,
@@ -139,8 +136,7 @@ class Gateway:
                 )
                 for r in replicas
             }
-            counters = {"requests_routed", "fallback_requests", "reissued_requests"}
-            lines += render_values("vlm_gateway_replica", routing, counters=counters, label="replica")
+            lines += render_values("vlm_gateway_replica", routing, label="replica")
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:

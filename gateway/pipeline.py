@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -92,13 +93,16 @@ class Pipeline:
         self.rewired: dict[str, str] = {}  # a re-issued request's wire id -> its request id
         self.held: dict[str, Tracked] = {}  # request id -> a request lost with its replica, waiting for a live one
         self.encoders_seen: dict[bytes, int] = {}  # fetcher -> the encoders it last said were live
+        # For /metrics: a channel to each encoder hub, opened once a fetcher has said how many there are (the
+        # count may hang on the GPUs there are, which the gateway does not look at)
+        self.encoders: list[AsyncChannel] = []
         self.stats_waiters: dict[str, asyncio.Future[StatsResult]] = {}
         self.tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
         self.tasks = [
             asyncio.create_task(coro)
-            for coro in (self._read_fetch(), self._read_inbox(), self._read_cache(), self._tick())
+            for coro in (self._read_fetch(), self._read_inbox(), self._read_stats(self.cache), self._tick())
         ]
         if self.cfg.liveness.stall_exit_s > 0:
             self.tasks.append(asyncio.create_task(self._rearm(StallWatchdog(self.cfg.liveness.stall_exit_s))))
@@ -116,7 +120,7 @@ class Pipeline:
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
-        for channel in (self.fetch, self.inbox, self.cache, *self.decoders):
+        for channel in (self.fetch, self.inbox, self.cache, *self.decoders, *self.encoders):
             channel.close()
 
     # ------------------------------------------------------------------ submitting
@@ -219,6 +223,9 @@ class Pipeline:
                 case WorkerStatus():
                     self.fetchers.peer_status(peer, msg)
                     self.encoders_seen[peer] = msg.workers_live
+                    self._open_encoders(msg.workers_known)
+                case StatsResult(call_id=call_id) if call_id in self.stats_waiters:
+                    self.stats_waiters.pop(call_id).set_result(msg)
                 case FetchDone(request_id=rid):
                     self.fetchers.complete(rid)
                     if (tracked := self._tracked(rid)) is not None:
@@ -250,11 +257,17 @@ class Pipeline:
                 case _:
                     pass
 
-    async def _read_cache(self) -> None:
+    async def _read_stats(self, channel: AsyncChannel) -> None:
         while True:
-            _, msg = await self.cache.recv()
+            _, msg = await channel.recv()
             if isinstance(msg, StatsResult) and msg.call_id in self.stats_waiters:
                 self.stats_waiters.pop(msg.call_id).set_result(msg)
+
+    def _open_encoders(self, count: int) -> None:
+        for k in range(len(self.encoders), count):
+            channel = AsyncChannel(self.ctx, zmq.DEALER, self.cfg.endpoint(f"encoder.{k}"), bind=False)
+            self.encoders.append(channel)
+            self.tasks.append(asyncio.create_task(self._read_stats(channel)))
 
     async def _tick(self) -> None:
         while True:
@@ -364,12 +377,24 @@ class Pipeline:
         """Whether text-only requests and requests with media both have a live decoder replica."""
         return all(self.replicas.serving().values())
 
-    async def cache_stats(self, timeout_s: float = 2.0) -> dict[str, float]:
-        call_id = uuid.uuid4().hex
-        future = self.stats_waiters[call_id] = asyncio.get_running_loop().create_future()
-        self._send(self.cache, StatsRequest(call_id))
+    async def worker_stats(self, timeout_s: float = 2.0) -> dict[str, dict[str, float]]:
+        """Counters and gauges of the cache daemon, each encoder and each live fetcher, by the name each gives
+        (``cache``, ``encoder.0``, ``fetcher.0``), asked all at once; one that does not answer within
+        ``timeout_s`` (down, or busy past it) is left out."""
+        asks: dict[str, Callable[[Message], object]] = {}
+        for channel in (self.cache, *self.encoders):
+            asks[uuid.uuid4().hex] = lambda msg, channel=channel: self._send(channel, msg)
+        for peer in list(self.fetchers.peers):
+            asks[uuid.uuid4().hex] = lambda msg, peer=peer: self._send_to_fetcher(peer, msg)
+        loop = asyncio.get_running_loop()
+        futures = {call_id: loop.create_future() for call_id in asks}
+        self.stats_waiters.update(futures)
+        for call_id, send in asks.items():
+            send(StatsRequest(call_id))
         try:
-            return (await asyncio.wait_for(future, timeout_s)).counters
-        except TimeoutError:
-            self.stats_waiters.pop(call_id, None)
-            return {}
+            await asyncio.wait(futures.values(), timeout=timeout_s)
+        finally:
+            for call_id in futures:
+                self.stats_waiters.pop(call_id, None)
+        answers = [f.result() for f in futures.values() if f.done() and not f.cancelled()]
+        return {answer.role: answer.counters for answer in answers}

@@ -11,12 +11,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import zmq
 from openai import OpenAI
 
 from common.config import load_config
-from common.protocol import StatsRequest, StatsResult
-from common.transport import Channel
 from tests.integration.conftest import Stack, serve
 from tests.integration.test_faults import cache_gauges_settle
 from tests.media import data_url, make_image
@@ -40,21 +37,8 @@ def onnx_encoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def images_encoded(stack: Stack, index: int) -> float:
-    """Ask encoder ``index`` itself over its socket (the gateway's /metrics does not see encoders)."""
-    cfg = load_config(stack.config_path)
-    ctx = zmq.Context.instance()
-    channel = Channel(ctx, zmq.DEALER, cfg.endpoint(f"encoder.{index}"), bind=False)
-    try:
-        channel.send(StatsRequest(f"test-{index}"))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if channel.sock.poll(500):
-                _, msg = channel.recv()
-                if isinstance(msg, StatsResult):
-                    return msg.counters["images_encoded"]
-        raise TimeoutError(f"encoder {index} did not answer a stats request")
-    finally:
-        channel.close()
+    """Encoder ``index``'s count, from the gateway's /metrics (which asks each encoder)."""
+    return stack.metrics()[f'vlm_encoder_images_encoded_total{{encoder="{index}"}}']
 
 
 def ask(client: OpenAI, seed: int) -> str:

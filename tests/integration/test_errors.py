@@ -210,29 +210,42 @@ def test_client_disconnect_releases_every_stage(stack: Stack, stream: bool) -> N
 def test_metrics_parse_as_prometheus_and_move(stack: Stack) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    def families() -> dict[str, object]:
+    from gateway.metrics import UNDOCUMENTED
+
+    def families() -> dict[str, Any]:
         with urllib.request.urlopen(stack.base_url + "/metrics", timeout=10) as r:
             return {f.name: f for f in text_string_to_metric_families(r.read().decode())}
 
+    def sample(fams: dict[str, Any], name: str, suffix: str = "", **labels: str) -> float:
+        return next(s.value for s in fams[name].samples if s.name == name + suffix and s.labels == labels)
+
     before = families()
-    assert post(stack, chat("Count the stars."))[0] == 200
+    image = [{"type": "image_url", "image_url": {"url": data_url(make_image(90, 70, seed=73101))}}]
+    assert post(stack, chat([*image, {"type": "text", "text": "Count the stars."}]))[0] == 200
     after = families()
     for name in (
         "vlm_time_to_first_token_seconds",
         "vlm_inter_token_latency_seconds",
         "vlm_e2e_request_latency_seconds",
     ):
-        assert after[name].type == "histogram"  # type: ignore[attr-defined]
-
-    def count(fams: dict[str, object], name: str) -> float:
-        samples = fams[name].samples  # type: ignore[attr-defined]
-        return next(s.value for s in samples if s.name == f"{name}_count")
-
-    assert count(after, "vlm_time_to_first_token_seconds") == count(before, "vlm_time_to_first_token_seconds") + 1
-    assert count(after, "vlm_request_queue_seconds") == count(before, "vlm_request_queue_seconds") + 1
-    assert after["vlm_gateway_requests"].type == "counter"  # type: ignore[attr-defined]
-    assert after["vlm_decoder_kv_usage"].type == "gauge"  # type: ignore[attr-defined]
+        assert after[name].type == "histogram"
+    count = "vlm_time_to_first_token_seconds"
+    assert sample(after, count, "_count") == sample(before, count, "_count") + 1
+    count = "vlm_request_queue_seconds"
+    assert sample(after, count, "_count") == sample(before, count, "_count") + 1
+    assert after["vlm_gateway_requests"].type == "counter"
+    assert after["vlm_decoder_kv_usage"].type == "gauge"
     assert "vlm_cache_commits" in after and "vlm_decoder_prefix_hit_tokens" in after
+    # the vision path's own processes, asked by the gateway: the new image was loaded once and encoded once
+    grew = {
+        (name, role): sample(after, name, "_total", **{role: "0"}) - sample(before, name, "_total", **{role: "0"})
+        for name, role in (("vlm_fetcher_items_loaded", "fetcher"), ("vlm_encoder_images_encoded", "encoder"))
+    }
+    assert set(grew.values()) == {1.0}, grew
+    assert after["vlm_encoder_busy_seconds"].type == "counter"
+    assert sample(after, "vlm_fetcher_encoders_live", fetcher="0") == 1
+    undocumented = sorted(name for name, family in after.items() if family.documentation in ("", UNDOCUMENTED))
+    assert not undocumented, f"families without a HELP line of their own: {undocumented}"
 
 
 def test_completion_prompt_ids_past_64_bits_are_refused_by_name(stack: Stack) -> None:

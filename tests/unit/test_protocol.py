@@ -108,7 +108,9 @@ def one_of_each() -> list[Message]:
         SAMPLING,
         MEDIA,
         PREPARED,
-        WorkerStatus(role="fetcher", worker_id="fetcher", incarnation="99-1", credits=4, workers_live=2),
+        WorkerStatus(
+            role="fetcher", worker_id="fetcher.0", incarnation="99-1", credits=4, workers_live=2, workers_known=3
+        ),
         Ping(sender="fetcher"),
         GenerateRequest(
             request_id="req-1",

@@ -110,7 +110,8 @@ class EncoderWorker:
             case EncodeJob():
                 self.queued.append((peer, msg, time.monotonic()))
             case StatsRequest(call_id=c):
-                self.jobs.send_to(peer, StatsResult(c, self.name, self.incarnation, dict(self.counters)))
+                stats = {**self.counters, "jobs_queued": float(len(self.queued))}
+                self.jobs.send_to(peer, StatsResult(c, self.name, self.incarnation, stats))
             case _:
                 log.warning("unexpected %s", msg.TAG)
 

@@ -38,6 +38,8 @@ from common.protocol import (
     PreparedMedia,
     PreparedRequest,
     RequestError,
+    StatsRequest,
+    StatsResult,
     TensorRef,
     WorkerStatus,
 )
@@ -94,8 +96,9 @@ class CacheCall:
 
 
 class FetcherWorker:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, index: int = 0) -> None:
         self.cfg = cfg
+        self.name = f"fetcher.{index}"
         self.incarnation, identity = worker_identity("fetcher")
         model_path = cfg.model_path()
         self.spec = ModelSpec.from_dir(model_path)
@@ -141,6 +144,7 @@ class FetcherWorker:
             "load_s": 0.0,
             "thread_wait_s": 0.0,
             "encode_jobs": 0.0,
+            "requests_failed": 0.0,
         }
         self.window = CounterWindow(self.counters)
         self.loop.every(REPORT_EVERY_S, self.report)
@@ -157,8 +161,8 @@ class FetcherWorker:
 
     # ------------------------------------------------------------------ liveness
     def heartbeat(self) -> None:
-        live = self.encode.live_peers()
-        self.gateway.send(WorkerStatus("fetcher", "fetcher", self.incarnation, self.cfg.fetcher.credits, live))
+        live, known = self.encode.live_peers(), len(self.encoders)
+        self.gateway.send(WorkerStatus("fetcher", self.name, self.incarnation, self.cfg.fetcher.credits, live, known))
         for channel in self.encoders:
             channel.send(Ping("fetcher"))
         self.encode.tick()
@@ -206,8 +210,19 @@ class FetcherWorker:
                     self.start_load(rid, index, media)
             case Abort(request_id=rid):
                 self.inflight.pop(rid, None)
+            case StatsRequest(call_id=call_id):
+                self.gateway.send(StatsResult(call_id, self.name, self.incarnation, self.stats()))
             case _:
                 pass
+
+    def stats(self) -> dict[str, float]:
+        gauges = {
+            "requests_in_flight": len(self.inflight),
+            "encode_jobs_queued": len(self.encode.queue),
+            "encode_jobs_at_encoders": sum(len(p.jobs) for p in self.encode.peers.values()),
+            "encoders_live": self.encode.live_peers(),
+        }
+        return {**self.counters, **{k: float(v) for k, v in gauges.items()}}
 
     def start_load(self, request_id: str, index: int, media: MediaInput) -> None:
         """One thread task per item, so a request's images load side by side; or, where the same item is
@@ -394,6 +409,7 @@ class FetcherWorker:
 
     # ------------------------------------------------------------------ endings
     def finish_error(self, request_id: str, status: int, message: str) -> None:
+        self.counters["requests_failed"] += 1
         self.results.send(RequestError(request_id, status, "invalid_media" if status < 500 else "unavailable", message))
         self.done(request_id)
 
