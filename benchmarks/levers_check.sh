@@ -78,6 +78,7 @@
 #                    either: their openings differ), the records compared: a replica on GPU 1 answers as GPU 0 does
 #   overlap-mixed    mixed and its control (MPS, 200 image requests) with [decoder] overlap_mixed; and
 #                    seed3img-anchor with it (compare with mixed-mps and mps)
+#   mps-static-probe   whether MPS offers static SM partitions here (benchmarks/mps_static_probe.sh), and green contexts
 # A part named twice takes a suffix for its folder: PARTS="none mps none@2 mps@2".
 # Usage: SHIP=$OUT [PARTS="vit mps"] benchmarks/levers_check.sh OUT_DIR   (carry .whl; all: about 10 minutes)
 set -uo pipefail
@@ -95,6 +96,7 @@ small_pool=(CUDA_VISIBLE_DEVICES=0 DEVICE_POOL=1 POOL_BYTES=536870912 C32_REQUES
 for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; do
   part=${entry%@*} dir=${entry/@/-}
   case $part in
+    mps-static-probe) benchmarks/mps_static_probe.sh "$out/$dir" ;;
     tests) mkdir -p "$out/$dir"
       python3 -m pytest -q -m gpu tests/gpu/test_vision_gpu.py tests/gpu/test_kernels_gpu.py tests/gpu/test_engine_gpu.py \
         > "$out/$dir/pytest.log" 2>&1 ;;
