@@ -28,7 +28,7 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 VLM_CONFIG="$PWD/benchmarks/gpu.toml"
 if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
-  || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${ENCODER_OVERLAP:-}${DECODING_BUDGET:-}${SPILL_BYTES:-}${POOL_BYTES:-}${OVERLAP_MIXED:-}${REPLICAS:-}${REPLICA_GPUS:-}${BLOCK_SIZE:-}${DEAD_AFTER_S:-}${HOLD_S:-}" ]; then  # variants of gpu.toml
+  || [ -n "${ENCODERS:-}${ENCODER_GPUS:-}${ENCODER_OVERLAP:-}${DECODING_BUDGET:-}${SPILL_BYTES:-}${POOL_BYTES:-}${OVERLAP_MIXED:-}${REPLICAS:-}${REPLICA_GPUS:-}${BLOCK_SIZE:-}${DEAD_AFTER_S:-}${HOLD_S:-}${SM_SPLIT:-}" ]; then  # variants of gpu.toml
   cp benchmarks/gpu.toml /tmp/gpu-variant.toml
   # DEVICE_POOL=1: the embedding pool in GPU memory, handed over by CUDA IPC
   [ "${DEVICE_POOL:-0}" = 1 ] && sed -i "/^\[cache\]/a device_pool = true" /tmp/gpu-variant.toml
@@ -38,6 +38,8 @@ if [ "${MPS:-0}" = 1 ] || [ "${TP:-1}" != 1 ] || [ "${DEVICE_POOL:-0}" = 1 ] \
   # MPS=1 [MPS_SM=percent]: the CUDA MPS daemon, encoders capped at MPS_SM% of the SMs (gpu.toml: off)
   [ "${MPS:-0}" = 1 ] && sed -i "s/^mps = false.*/mps = true\nmps_encoder_sm_percent = ${MPS_SM:-100}\nmps_decoder_sm_percent = ${MPS_DECODER_SM:-100}\nmps_encoder_low_priority = ${MPS_LOW_PRIORITY:-true}/" /tmp/gpu-variant.toml
   [ -n "${ENCODERS:-}" ] && sed -i "/^\[encoder\]/a count = ${ENCODERS}" /tmp/gpu-variant.toml
+  # SM_SPLIT=96: [encoder] sm_split (the text decoder on the first 96 SMs, vision work on the rest)
+  [ -n "${SM_SPLIT:-}" ] && sed -i "/^\[encoder\]/a sm_split = ${SM_SPLIT}" /tmp/gpu-variant.toml
   [ -n "${ENCODER_GPUS:-}" ] && sed -i "/^\[encoder\]/a gpus = [${ENCODER_GPUS}]" /tmp/gpu-variant.toml
   # ENCODER_OVERLAP=1 or 0: [encoder] overlap_batches (the next batch's forward queued before the last one's
   # rows are handed out)

@@ -78,6 +78,12 @@
 #                    either: their openings differ), the records compared: a replica on GPU 1 answers as GPU 0 does
 #   overlap-mixed    mixed and its control (MPS, 200 image requests) with [decoder] overlap_mixed; and
 #                    seed3img-anchor with it (compare with mixed-mps and mps)
+#   green-isolation  green contexts under MPS (benchmarks/green_isolation.sh): disjoint SMs, and a decode-like step
+#                    beside matrix products with and without them
+#   mixed-split-N    mixed and its control on one GPU, MPS, the decoder on the first N SMs and the encoder on the
+#                    rest, each in a green context ([encoder] sm_split = N)
+#   mixed-routed-split-N   the same with two replicas routed by modality on GPU 0: the text replica on the first N
+#                    SMs, the encoder and the media replica on the rest
 #   mps-static-probe   whether MPS offers static SM partitions here (benchmarks/mps_static_probe.sh), and green contexts
 # A part named twice takes a suffix for its folder: PARTS="none mps none@2 mps@2".
 # Usage: SHIP=$OUT [PARTS="vit mps"] benchmarks/levers_check.sh OUT_DIR   (carry .whl; all: about 10 minutes)
@@ -97,6 +103,7 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
   part=${entry%@*} dir=${entry/@/-}
   case $part in
     mps-static-probe) benchmarks/mps_static_probe.sh "$out/$dir" ;;
+    green-isolation) benchmarks/green_isolation.sh "$out/$dir" ;;
     tests) mkdir -p "$out/$dir"
       python3 -m pytest -q -m gpu tests/gpu/test_vision_gpu.py tests/gpu/test_kernels_gpu.py tests/gpu/test_engine_gpu.py \
         > "$out/$dir/pytest.log" 2>&1 ;;
@@ -265,6 +272,10 @@ for entry in ${PARTS:-tests vit none mps mixed-none mixed-mps spill no-spill}; d
       REPLICA_GPUS=0,0 MPS=1 MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-routed-one-gpu-sm*) stack "$dir" CUDA_VISIBLE_DEVICES=0 REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 \
       REPLICA_GPUS=0,0 MPS=1 MPS_SM="${part##*-sm}" MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
+    mixed-split-*) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 SM_SPLIT="${part##*-}" MIXED_REQUESTS=200 \
+      ONLY="mixed mixed-text-only" ;;
+    mixed-routed-split-*) stack "$dir" CUDA_VISIBLE_DEVICES=0 REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 \
+      REPLICA_GPUS=0,0 MPS=1 SM_SPLIT="${part##*-}" MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-routed-one-gpu-normal) stack "$dir" CUDA_VISIBLE_DEVICES=0 REPLICAS=2 TEXT_REPLICAS=0 MEDIA_REPLICAS=1 \
       REPLICA_GPUS=0,0 MPS=1 MPS_LOW_PRIORITY=false MIXED_REQUESTS=200 ONLY="mixed mixed-text-only" ;;
     mixed-kill-one-gpu) stack "$dir" CUDA_VISIBLE_DEVICES=0 MPS=1 MIXED_REQUESTS=200 KILL_PROGRAM=decoder KILL_AT=10 \

@@ -113,9 +113,13 @@ class EncoderConfig:
     # it took 11.7 -> 12.7 req/s and the mean TTFT 1.51 -> 0.88 s, answers identical
     # (benchmarks/results/2026-11-30-h200-overlap-skinny-c195769).
     overlap_batches: bool = True
+    # On a GPU that the encoders share with a decoder replica that takes text: that replica runs on the GPU's first
+    # sm_split SMs, the encoders (and media-only replicas there) on the rest, each process in a CUDA green context,
+    # so that vision work never holds the SMs a decode step needs (`workers.models.sm_partition`). 0: all share all.
+    sm_split: int = 0
 
     def validate(self, where: str) -> None:
-        for name, low in (("count", 0), ("max_batch_patches", 1)):  # (credits: _AT_LEAST_ONE)
+        for name, low in (("count", 0), ("max_batch_patches", 1), ("sm_split", 0)):  # (credits: _AT_LEAST_ONE)
             if getattr(self, name) < low:
                 raise ValueError(f"{where}.{name}: expected >= {low}, got {getattr(self, name)}")
         indices = isinstance(self.gpus, list) and all(type(g) is int for g in self.gpus)  # (bool is an int)

@@ -271,12 +271,13 @@ class DecoderRank:
     running rank 0's steps until told to stop."""
 
     def __init__(self, cfg: Config, replica: int, rank: int) -> None:
+        from common.deploy import vision_replicas
         from workers.decoder.worker import runner_options  # (the worker imports this module)
         from workers.models.runtime import claim_device, resolve_dtype
         from workers.models.tensor_parallel import load_shard
 
         incarnation = f"{os.getpid()}-{time.time_ns() % 10**9}"
-        device = claim_device(cfg, cfg.decoder_gpu(replica, rank))
+        device = claim_device(cfg, cfg.decoder_gpu(replica, rank), vision=replica in vision_replicas(cfg))
         spec = ModelSpec.from_dir(cfg.model_path())
         tp = TensorParallel(rank, cfg.decoder.tensor_parallel, spec.vocab_size)
         model = load_shard(cfg.model_path(), spec, tp, device, resolve_dtype(cfg, device))

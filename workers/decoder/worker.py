@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from common.config import Config, decoder_name
+from common.deploy import vision_replicas
 from common.lifecycle import REPORT_EVERY_S, CounterWindow
 from common.protocol import (
     Abort,
@@ -120,7 +121,7 @@ class DecoderWorker:
         self.incarnation, _ = worker_identity(self.name)
         path = cfg.model_path()
         self.spec = ModelSpec.from_dir(path)
-        device = claim_device(cfg, cfg.decoder_gpu(replica))
+        device = claim_device(cfg, cfg.decoder_gpu(replica), vision=replica in vision_replicas(cfg))
         started = time.monotonic()
         dtype = resolve_dtype(cfg, device)
         world = cfg.decoder.tensor_parallel

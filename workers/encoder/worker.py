@@ -57,7 +57,7 @@ class EncoderWorker:
         self.cfg = cfg
         self.name = f"encoder.{index}"
         self.incarnation, _ = worker_identity(self.name)
-        self.device = claim_device(cfg, encoder_gpu(cfg, index))
+        self.device = claim_device(cfg, encoder_gpu(cfg, index), vision=True)
         self.dtype = resolve_dtype(cfg, self.device)
         started = time.monotonic()
         self.tower = load_vision_backend(cfg, self.device, self.dtype)

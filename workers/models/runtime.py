@@ -37,18 +37,33 @@ def resolve_device(cfg: Config, gpu: int = 0) -> torch.device:
 GPU_PROCESS_CPU_THREADS = 2
 
 
-def claim_device(cfg: Config, gpu: int = 0) -> torch.device:
+def claim_device(cfg: Config, gpu: int = 0, vision: bool = False) -> torch.device:
     """The device a GPU process (encoder, decoder rank) works on, made ready for it: on CUDA it becomes
     the current device (Triton and NCCL launch there, not on cuda:0), and torch's CPU ops get
     ``GPU_PROCESS_CPU_THREADS`` threads. Such a process's CPU tensors are bookkeeping (positions, masks,
     embeddings to upload): an OpenMP team of every core per small op costs more than it saves, and its
     spinning threads take cores from the fetcher, the gateway and the other GPU processes on the host.
-    On a CPU host the model runs on the CPU, so torch keeps its default threads there."""
+    On a CPU host the model runs on the CPU, so torch keeps its default threads there.
+    With ``[encoder] sm_split`` on a GPU shared by vision work and a text decoder, the process is confined to its
+    side of the split (``vision``: an encoder, or a media-only replica)."""
     device = resolve_device(cfg, gpu)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.set_num_threads(GPU_PROCESS_CPU_THREADS)
+        if cfg.encoder.sm_split and device.index in split_gpus(cfg):
+            from workers.models.sm_partition import confine
+
+            confine(device, cfg.encoder.sm_split, "rest" if vision else "first")
     return device
+
+
+def split_gpus(cfg: Config) -> set[int]:
+    """The GPUs that ``[encoder] sm_split`` splits: an encoder's that a replica taking text also runs on."""
+    from common.deploy import encoder_count
+
+    text = cfg.decoder_gpus(r for r in range(cfg.decoder.replicas) if cfg.takes_text(r))
+    visible = torch.cuda.device_count()
+    return {encoder_gpu(cfg, k) % visible for k in range(encoder_count(cfg))} & text
 
 
 def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
