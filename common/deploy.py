@@ -169,12 +169,12 @@ def main(argv: list[str]) -> None:
     try:
         cfg = load_config()
         preflight(cfg)
+        wanted, why = mps_wanted(cfg, _has_gpu, _has_mps_daemon())
     except (OSError, ValueError) as exc:  # (stopped here, before supervisord restarts failing workers for ever)
         sys.exit(f"vlm-serve: {exc}")
     out = Path(argv[0])
     out.parent.mkdir(parents=True, exist_ok=True)
     template = (REPO / "ops/vlm.conf").read_text()
-    wanted, why = mps_wanted(cfg, _has_gpu, _has_mps_daemon())
     print(f"CUDA MPS: {'on' if wanted else 'off'} ({why})", file=sys.stderr)
     mps = MpsPlan.of(cfg) if wanted else None
     decoder = cfg.decoder
@@ -210,14 +210,17 @@ def mps_wanted(cfg: Config, has_gpu: Callable[[], bool], has_daemon: bool) -> tu
     CUDA IPC pool has not been measured: ``mps = true`` asks for it there. ``has_gpu`` is asked only where the
     answer depends on it (it imports torch: a second or two)."""
     setting = cfg.encoder.mps
-    if setting is False:
-        return False, "[encoder] mps = false"
-    if setting == "auto" and not has_daemon:
-        return False, "auto: nvidia-cuda-mps-control is not on PATH"
+    if setting is False or (setting == "auto" and not has_daemon):
+        why = "[encoder] mps = false" if setting is False else "auto: nvidia-cuda-mps-control is not on PATH"
+        if cfg.encoder.sm_split and has_gpu():  # without MPS the processes take turns: a split only takes SMs
+            raise ValueError(f"[encoder] sm_split needs the CUDA MPS daemon, and {why}")
+        return False, why
     if not has_gpu():
         return False, "no CUDA GPU"
     if setting is True:
         return True, "[encoder] mps = true"
+    if cfg.encoder.sm_split:
+        return True, "auto: [encoder] sm_split runs the two sides of a GPU at once"
     if cfg.encoder.gpus and not cfg.decoder_gpus() & set(cfg.encoder.gpus):
         return False, "auto: no encoder shares a decoder's GPU"
     if cfg.decoder.tensor_parallel > 1 or cfg.decoder.replicas > 1 or cfg.cache.device_pool:

@@ -347,6 +347,7 @@ def test_liveness_times_must_be_positive(tmp_path: Path) -> None:
         ("[decoder]\ngpu_memory_fraction = 7.5", r"\.gpu_memory_fraction: expected a share of the GPU in \(0, 1\]"),
         ("[fetcher]\nhttp_timeout_s = -5", r"\.http_timeout_s: expected > 0"),
         ("[fetcher]\ncredits = 0", r"\.credits: expected >= 1"),
+        ("[encoder]\nsm_split = -8", r"\.sm_split: expected >= 0, got -8"),
         (
             '[model]\ndtype = "fp8_typo"',
             r"\.dtype: expected 'auto', 'float32', 'bfloat16' or 'float16', got 'fp8_typo'",

@@ -131,6 +131,27 @@ def test_mps_auto_is_on_only_where_it_was_measured_to_pay() -> None:
     assert mps_wanted(cfg, has_gpu=lambda: True, has_daemon=True) == (False, "[encoder] mps = false")
 
 
+def test_sm_split_needs_mps_and_splits_only_gpus_shared_with_a_text_replica() -> None:
+    from workers.models.runtime import split_gpus
+
+    cfg = Config()
+    cfg.encoder.sm_split = 72
+    cfg.decoder.replicas, cfg.decoder.replica_gpus = 2, [0, 0]
+    cfg.decoder.text_replicas, cfg.decoder.media_replicas = [0], [1]
+    # auto: on with a split, though replicas > 1 has it off otherwise
+    assert mps_wanted(cfg, has_gpu=lambda: True, has_daemon=True)[0] is True
+    for setting, daemon in ((False, True), ("auto", False)):
+        cfg.encoder.mps = setting
+        with pytest.raises(ValueError, match="sm_split needs the CUDA MPS daemon"):
+            mps_wanted(cfg, has_gpu=lambda: True, has_daemon=daemon)
+        assert mps_wanted(cfg, has_gpu=lambda: False, has_daemon=daemon)[0] is False  # a CPU host: no split
+    assert split_gpus(cfg, visible=1) == {0}
+    cfg.encoder.gpus = [1]  # the encoder on a GPU of its own: nothing to split
+    assert split_gpus(cfg, visible=2) == set()
+    cfg.encoder.gpus, cfg.encoder.count, cfg.decoder.replica_gpus = [], 2, [0, 1]  # encoders on both; text on 0
+    assert split_gpus(cfg, visible=2) == {0}
+
+
 def test_mps_can_cap_every_decoder_rank_too(tmp_path: Path) -> None:
     plan = MpsPlan(50, 70, encoder_below_normal=False)
     text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, 2, plan)

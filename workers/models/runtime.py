@@ -50,19 +50,19 @@ def claim_device(cfg: Config, gpu: int = 0, vision: bool = False) -> torch.devic
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.set_num_threads(GPU_PROCESS_CPU_THREADS)
-        if cfg.encoder.sm_split and device.index in split_gpus(cfg):
+        if cfg.encoder.sm_split and device.index in split_gpus(cfg, torch.cuda.device_count()):
             from workers.models.sm_partition import confine
 
             confine(device, cfg.encoder.sm_split, "rest" if vision else "first")
     return device
 
 
-def split_gpus(cfg: Config) -> set[int]:
-    """The GPUs that ``[encoder] sm_split`` splits: an encoder's that a replica taking text also runs on."""
+def split_gpus(cfg: Config, visible: int) -> set[int]:
+    """The GPUs that ``[encoder] sm_split`` splits (of ``visible`` GPUs): an encoder's that a replica taking text
+    also runs on."""
     from common.deploy import encoder_count
 
     text = cfg.decoder_gpus(r for r in range(cfg.decoder.replicas) if cfg.takes_text(r))
-    visible = torch.cuda.device_count()
     return {encoder_gpu(cfg, k) % visible for k in range(encoder_count(cfg))} & text
 
 
