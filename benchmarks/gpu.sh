@@ -119,7 +119,7 @@ bench() {  # name, time limit in seconds, args...
   # CPU per process and GPU use every 2 s while it runs: which process starves which
   top -b -d 2 -w 250 -c 2>/dev/null | grep --line-buffered -E "^top|^%Cpu|python" > "$out/$name.top" &
   local top_pid=$!
-  nvidia-smi dmon -s um -d 2 > "$out/$name.dmon" 2>/dev/null &
+  nvidia-smi dmon -s pucm -d 2 > "$out/$name.dmon" 2>/dev/null &  # power, utilization, clocks, memory
   local dmon_pid=$!
   local killer_pid=
   if [ "$name" = mixed ] && [ -n "${KILL_PROGRAM:-}" ]; then

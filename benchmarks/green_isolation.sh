@@ -13,17 +13,23 @@ nvidia-cuda-mps-control -d
 sleep 1
 run() { python3 -m benchmarks.green_isolation --out "$out/green.jsonl" --sms "$split" "$@"; }
 pair() {  # label, victim side, aggressor side: the products start first and outlast the step's timing
+  nvidia-smi dmon -s puc -d 1 > "$out/$1.dmon" 2>/dev/null &  # power and clocks: does the GPU throttle?
+  local dmon=$!
   run --role aggressor --side "$3" --seconds 14 --label "$1" &
   local products=$!
   sleep 5
   run --role victim --side "$2" --seconds 6 --label "$1"
   wait $products
+  kill $dmon 2>/dev/null
 }
 {
   run --role smids --side first --label first
   run --role smids --side rest --label rest
   run --role victim --side all --label alone-all
+  nvidia-smi dmon -s puc -d 1 > "$out/alone.dmon" 2>/dev/null &
+  alone_dmon=$!
   run --role victim --side first --label alone-first
+  kill $alone_dmon 2>/dev/null
   run --role aggressor --side rest --seconds 6 --label alone-rest
   pair both-all all all
   pair split first rest
