@@ -86,6 +86,9 @@ def aggressor(device: torch.device, seconds: float) -> dict[str, object]:
     return {"products": products, "tflops": 2 * 8192**3 * products / elapsed / 1e12}
 
 
+ROLES = {"victim": victim, "aggressor": aggressor}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--role", choices=["smids", "victim", "aggressor"], required=True)
@@ -100,9 +103,7 @@ def main() -> None:
     record: dict[str, object] = {"role": args.role, "side": args.side, "label": args.label}
     if args.side != "all":
         record["sms_given"] = confine(device, args.sms, args.side)
-    run = {"smids": lambda: smids(device), "victim": lambda: victim(device, args.seconds)}
-    run["aggressor"] = lambda: aggressor(device, args.seconds)
-    record.update(run[args.role]())
+    record.update(smids(device) if args.role == "smids" else ROLES[args.role](device, args.seconds))
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "smids"}))

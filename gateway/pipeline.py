@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -381,16 +380,16 @@ class Pipeline:
         """Counters and gauges of the cache daemon, each encoder and each live fetcher, by the name each gives
         (``cache``, ``encoder.0``, ``fetcher.0``), asked all at once; one that does not answer within
         ``timeout_s`` (down, or busy past it) is left out."""
-        asks: dict[str, Callable[[Message], object]] = {}
-        for channel in (self.cache, *self.encoders):
-            asks[uuid.uuid4().hex] = lambda msg, channel=channel: self._send(channel, msg)
-        for peer in list(self.fetchers.peers):
-            asks[uuid.uuid4().hex] = lambda msg, peer=peer: self._send_to_fetcher(peer, msg)
+        targets: list[AsyncChannel | bytes] = [self.cache, *self.encoders, *self.fetchers.peers]  # (bytes: a fetcher)
+        calls = {uuid.uuid4().hex: target for target in targets}
         loop = asyncio.get_running_loop()
-        futures = {call_id: loop.create_future() for call_id in asks}
+        futures = {call_id: loop.create_future() for call_id in calls}
         self.stats_waiters.update(futures)
-        for call_id, send in asks.items():
-            send(StatsRequest(call_id))
+        for call_id, target in calls.items():
+            if isinstance(target, bytes):
+                self._send_to_fetcher(target, StatsRequest(call_id))
+            else:
+                self._send(target, StatsRequest(call_id))
         try:
             await asyncio.wait(futures.values(), timeout=timeout_s)
         finally:
