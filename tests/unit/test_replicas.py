@@ -116,18 +116,33 @@ def test_bad_replica_settings_are_refused_by_name(settings: dict, message: str) 
 
 
 def test_metrics_of_several_replicas_are_one_series_each() -> None:
-    from gateway.metrics import render_values
+    from gateway.metrics import CATALOGUE, UNDOCUMENTED, render_values
 
     stats = {"0": {"requests_finished": 3.0, "kv_usage": 0.5}, "1": {"requests_finished": 4.0}}
-    lines = render_values("vlm_decoder", stats, counters={"requests_finished"}, label="replica")
+    lines = render_values("vlm_decoder", stats, label="replica")
     assert lines == [
+        f"# HELP vlm_decoder_kv_usage {CATALOGUE['vlm_decoder_kv_usage'][1]}",
         "# TYPE vlm_decoder_kv_usage gauge",
         'vlm_decoder_kv_usage{replica="0"} 0.5',
+        f"# HELP vlm_decoder_requests_finished_total {CATALOGUE['vlm_decoder_requests_finished'][1]}",
         "# TYPE vlm_decoder_requests_finished_total counter",
         'vlm_decoder_requests_finished_total{replica="0"} 3.0',
         'vlm_decoder_requests_finished_total{replica="1"} 4.0',
     ]
-    assert render_values("vlm_decoder", stats["1"], counters={"requests_finished"}) == [
+    assert render_values("vlm_decoder", stats["1"])[1:] == [
         "# TYPE vlm_decoder_requests_finished_total counter",
         "vlm_decoder_requests_finished_total 4.0",
+    ]
+    # seconds counters spelt as Prometheus has them; a key nobody described is still served, and says so
+    assert render_values("vlm_encoder", {"busy_s": 1.5})[1:] == [
+        "# TYPE vlm_encoder_busy_seconds_total counter",
+        "vlm_encoder_busy_seconds_total 1.5",
+    ]
+    assert render_values("vlm_x", {"new_total": 1.0, "level": 2.0}) == [
+        f"# HELP vlm_x_level {UNDOCUMENTED}",
+        "# TYPE vlm_x_level gauge",
+        "vlm_x_level 2.0",
+        f"# HELP vlm_x_new_total {UNDOCUMENTED}",
+        "# TYPE vlm_x_new_total counter",
+        "vlm_x_new_total 1.0",
     ]
