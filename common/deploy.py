@@ -170,6 +170,10 @@ def main(argv: list[str]) -> None:
         cfg = load_config()
         preflight(cfg)
         wanted, why = mps_wanted(cfg, _has_gpu, _has_mps_daemon())
+        if wanted and cfg.encoder.sm_split:
+            from workers.models.runtime import check_sm_split  # (torch: already imported to ask for a GPU)
+
+            check_sm_split(cfg)
     except (OSError, ValueError) as exc:  # (stopped here, before supervisord restarts failing workers for ever)
         sys.exit(f"vlm-serve: {exc}")
     out = Path(argv[0])

@@ -27,3 +27,17 @@ def test_the_two_sides_of_a_split_run_on_disjoint_sms(tmp_path: Path) -> None:
     first, rest, whole = (sms_used(side, split, tmp_path) for side in ("first", "rest", "all"))
     assert len(first) == split and not first & rest, (sorted(first), sorted(rest))
     assert first | rest == whole and len(whole) == total
+
+
+def test_a_split_that_leaves_one_side_no_sms_is_refused_before_start() -> None:
+    from common.config import Config
+    from workers.models.runtime import check_sm_split
+
+    cfg = Config()
+    cfg.encoder.gpus = [0]  # the encoder beside the lone decoder on GPU 0
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg.encoder.sm_split = (total * 3 // 4) // 8 * 8
+    check_sm_split(cfg)
+    cfg.encoder.sm_split = total
+    with pytest.raises(ValueError, match="leaves no SMs for the vision side"):
+        check_sm_split(cfg)

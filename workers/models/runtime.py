@@ -57,6 +57,18 @@ def claim_device(cfg: Config, gpu: int = 0, vision: bool = False) -> torch.devic
     return device
 
 
+def check_sm_split(cfg: Config) -> None:
+    """Before anything starts: ``[encoder] sm_split`` must leave SMs on both sides of each GPU it splits (else
+    every process there would fail at start, and supervisord would restart them for ever)."""
+    for gpu in sorted(split_gpus(cfg, torch.cuda.device_count())):
+        total = torch.cuda.get_device_properties(gpu).multi_processor_count
+        if not 0 < cfg.encoder.sm_split < total:
+            raise ValueError(
+                f"[encoder] sm_split = {cfg.encoder.sm_split} leaves no SMs for the vision side of GPU {gpu}, "
+                f"which has {total}; choose fewer (on the H200, 64-72 of 132)"
+            )
+
+
 def split_gpus(cfg: Config, visible: int) -> set[int]:
     """The GPUs that ``[encoder] sm_split`` splits (of ``visible`` GPUs): an encoder's that a replica taking text
     also runs on."""
