@@ -89,19 +89,22 @@ def render(
     text = text[: encoder.start()] + body + text[encoder.end() :]
     text = _add_decoders(text, replicas, decoder_ranks)
     if mps is not None:
-        text = _add_mps(text, run, mps)
+        text = _add_mps(text, repo, run, mps)
     return text
 
 
-def _add_mps(text: str, run: Path, plan: MpsPlan) -> str:
+def _add_mps(text: str, repo: Path, run: Path, plan: MpsPlan) -> str:
     """The MPS control daemon of this deployment (its pipe and log directories in the run directory, so
-    two deployments never share one), started first; every GPU process talks to it through the same
-    pipe directory, with the plan's SM caps and the encoders' client priority."""
+    two deployments never share one), started first and ended with supervisord even if that is killed hard
+    (`common.exec_supervised`); every GPU process talks to it through the same pipe directory, with the plan's SM
+    caps and the encoders' client priority."""
     pipes, logs = run / "mps" / "pipe", run / "mps" / "log"
     mps_env = f'CUDA_MPS_PIPE_DIRECTORY="{pipes}",CUDA_MPS_LOG_DIRECTORY="{logs}"'
+    daemon = f"{repo}/.venv/bin/python -m common.exec_supervised nvidia-cuda-mps-control -f"
     program = (
         "[program:mps]\n"
-        f"command = /bin/sh -c 'mkdir -p {pipes} {logs} && exec nvidia-cuda-mps-control -f'\n"
+        f"command = /bin/sh -c 'mkdir -p {pipes} {logs} && exec {daemon}'\n"
+        f"directory = {repo}\n"
         f"environment = {mps_env}\n"
         "priority = 5\nautorestart = true\nstartsecs = 1\nstopsignal = TERM\nredirect_stderr = true\n"
         f"stdout_logfile = {run}/logs/mps.log\n"

@@ -36,6 +36,7 @@ def wait_for(predicate: object, timeout_s: float) -> bool:
 
 
 def test_workers_end_when_supervisord_is_killed(tmp_path: Path) -> None:
+    # the cache daemon (ours), and a program that is not ours started as the MPS control daemon is (`sleep` here)
     config = tmp_path / "vlm.toml"
     config.write_text(f'run_dir = "{tmp_path / "run"}"\n')
     log = tmp_path / "cache.log"
@@ -43,6 +44,8 @@ def test_workers_end_when_supervisord_is_killed(tmp_path: Path) -> None:
         f"[supervisord]\nnodaemon = true\nlogfile = {tmp_path / 'supervisord.log'}\npidfile = {tmp_path / 's.pid'}\n"
         f"[program:cache]\ncommand = {sys.executable} -m workers.cache --config {config}\ndirectory = {REPO}\n"
         f"redirect_stderr = true\nstdout_logfile = {log}\nstartsecs = 1\n"
+        f"[program:foreign]\ncommand = /bin/sh -c 'exec {sys.executable} -m common.exec_supervised sleep 600'\n"
+        f"directory = {REPO}\nstartsecs = 1\n"
     )
     supervisord = subprocess.Popen(
         [str(Path(sys.executable).parent / "supervisord"), "-c", str(tmp_path / "supervisord.conf")],
@@ -50,21 +53,31 @@ def test_workers_end_when_supervisord_is_killed(tmp_path: Path) -> None:
         stderr=subprocess.DEVNULL,
     )
     children = Path(f"/proc/{supervisord.pid}/task/{supervisord.pid}/children")
-    cache = 0
+
+    def programs() -> list[int]:
+        return [int(pid) for pid in children.read_text().split()]
+
+    def sleeping() -> bool:  # the foreign program has become `sleep` (past the exec, its death signal asked for)
+        return any(Path(f"/proc/{pid}/comm").read_text().strip() == "sleep" for pid in programs())
+
+    pids: list[int] = []
     try:
         # ready: past start_process (where the parent-death signal is asked for), its socket bound
         assert wait_for(lambda: log.exists() and "ready" in log.read_text(), 60), (
             log.read_text() if log.exists() else ""
         )
-        (cache,) = (int(pid) for pid in children.read_text().split())
+        assert wait_for(sleeping, 30)
+        pids = programs()
+        assert len(pids) == 2, pids
         os.kill(supervisord.pid, signal.SIGKILL)
         supervisord.wait(timeout=10)
-        assert wait_for(lambda: not alive(cache), 20), "the cache daemon outlived supervisord"
+        assert wait_for(lambda: not any(alive(pid) for pid in pids), 20), "a program outlived supervisord"
     finally:
         if supervisord.poll() is None:
             supervisord.kill()
-        if cache and alive(cache):  # (the failure above: no orphan left behind it)
-            os.kill(cache, signal.SIGKILL)
+        for pid in pids:  # (the failure above: no orphan left behind it)
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_stopped_stack_lets_its_streams_finish(tmp_path_factory: pytest.TempPathFactory) -> None:
