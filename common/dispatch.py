@@ -52,11 +52,16 @@ class Dispatcher:
         *,
         dead_after_s: float,
         max_attempts: int = 3,
+        hold_without_workers_s: float | None = None,
     ) -> None:
+        """``hold_without_workers_s``: once no worker has been live for that long (a crash loop, a pool never
+        started), queued jobs fail at once instead of each waiting out its own deadline; None: they wait."""
         self.send = send
         self.on_fail = on_fail
         self.dead_after_s = dead_after_s
         self.max_attempts = max_attempts
+        self.hold_without_workers_s = hold_without_workers_s
+        self.none_live_since = time.monotonic()
         self.peers: dict[bytes, Peer] = {}
         self.jobs: dict[str, Job] = {}
         self.queue: deque[str] = deque()
@@ -80,6 +85,8 @@ class Dispatcher:
     def _lose_peer(self, peer: Peer, why: str) -> None:
         log.warning("worker %s %s; re-issuing %d job(s)", peer.key, why, len(peer.jobs))
         self.peers.pop(peer.key, None)
+        if not self.peers:
+            self.none_live_since = time.monotonic()
         for job_id in sorted(peer.jobs):
             job = self.jobs.get(job_id)
             if job is not None:
@@ -137,6 +144,10 @@ class Dispatcher:
             self._lose_peer(peer, f"silent for {now - peer.last_seen:.1f}s")
         for job in [j for j in self.jobs.values() if j.deadline < now]:
             self._fail(job, "timed out waiting for a live worker" if self.peers else "no worker is live to take it")
+        hold = self.hold_without_workers_s
+        if not self.peers and hold is not None and now - self.none_live_since >= hold:
+            for job in list(self.jobs.values()):
+                self._fail(job, f"no worker has been live for {now - self.none_live_since:.0f} s")
         self.dispatch()
 
     def _fail(self, job: Job, why: str) -> None:

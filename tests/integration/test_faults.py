@@ -16,7 +16,7 @@ from openai import OpenAI
 
 from benchmarks.hf_chat import HfChat
 from common.config import load_config
-from tests.integration.conftest import Stack
+from tests.integration.conftest import Stack, serve
 from tests.integration.test_chat_parity import NEW_TOKENS, ask, image_part
 from tests.media import data_url, make_image
 
@@ -100,6 +100,35 @@ def test_health_says_when_no_encoder_is_live(stack: Stack) -> None:
         stack.ctl("start", "encoder:encoder-0")
     wait_restarted(stack, "encoder-0", 0)
     assert stack.get_json("/health")[1]["encoders"] == 1
+
+
+def test_with_every_encoder_down_past_the_hold_image_requests_fail_at_once(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # (each waited encode_timeout_s for an encoder before, a minute by default, while a crash loop went on)
+    running = serve(tmp_path_factory, "no-encoder", "[liveness]\nhold_lost_requests_s = 1.0\n")
+    stack = next(running)
+    try:
+        client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        stack.ctl("stop", "encoder:encoder-0")
+        deadline = time.monotonic() + 20
+        while stack.get_json("/health")[0] != 503:  # the fetcher has called it dead
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(1.5)  # past the hold
+        picture = {"type": "image_url", "image_url": {"url": data_url(make_image(64, 48, seed=31_337))}}
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [picture]}])
+        assert time.monotonic() - started < 10  # the fixture's encode_timeout_s is 30
+        assert failed.value.status_code == 503, failed.value
+        assert "vision encoder unavailable: no worker has been live" in failed.value.message, failed.value.message
+        stack.ctl("start", "encoder:encoder-0")
+        wait_restarted(stack, "encoder-0", 0)
+        assert one_request(client, model, seed=31_338)[0].startswith("ok:")
+    finally:
+        next(running, None)
 
 
 @pytest.mark.parametrize("program", ["encoder-0", "fetcher-0", "cache", "decoder"])

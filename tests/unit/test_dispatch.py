@@ -33,9 +33,16 @@ class Harness:
     failed: list[tuple[str, str]] = field(default_factory=list)
     unreachable: set[bytes] = field(default_factory=set)
     max_attempts: int = 3
+    hold: float | None = None
 
     def __post_init__(self) -> None:
-        self.dispatcher = Dispatcher(self.send, self.on_fail, dead_after_s=DEAD_AFTER, max_attempts=self.max_attempts)
+        self.dispatcher = Dispatcher(
+            self.send,
+            self.on_fail,
+            dead_after_s=DEAD_AFTER,
+            max_attempts=self.max_attempts,
+            hold_without_workers_s=self.hold,
+        )
 
     def send(self, peer: bytes, payload: Message) -> bool:
         assert isinstance(payload, Ping)
@@ -328,3 +335,44 @@ def test_send_failure_with_no_other_worker_requeues(h: Harness) -> None:
     assert h.failed == []
     h.status(b"ok", credits=1)
     assert h.sent == [(b"ok", "j1")]
+
+
+def test_with_no_worker_live_for_the_hold_queued_jobs_fail_at_once(clock: Clock) -> None:
+    h = Harness(clock, hold=30.0)
+    h.submit("j1", timeout_s=600)
+    clock.advance(29)
+    h.dispatcher.tick()
+    assert h.failed == []  # (workers may still be starting)
+    clock.advance(2)
+    h.dispatcher.tick()
+    assert h.failed == [("j1", "no worker has been live for 31 s")]
+
+    h.status(b"w1", credits=1)  # a worker comes, takes a job, then goes silent: its job waits for a restart
+    h.submit("j2", timeout_s=600)
+    h.submit("j3", timeout_s=600)  # (no credit left: queued while the worker is live)
+    clock.advance(20)
+    h.status(b"w1", credits=1)  # (its heartbeat)
+    h.dispatcher.tick()
+    assert [job for job, _ in h.failed] == ["j1"]  # a job queued behind a live worker is not held to the hold
+    clock.advance(DEAD_AFTER + 1)  # silent past dead_after_s: lost now, its job queued again
+    h.dispatcher.tick()
+    clock.advance(29)
+    h.dispatcher.tick()
+    assert [job for job, _ in h.failed] == ["j1"]
+    clock.advance(2)
+    h.dispatcher.tick()
+    assert sorted(job for job, _ in h.failed) == ["j1", "j2", "j3"]
+    h.submit("j4", timeout_s=600)  # still none live: the next tick answers it
+    h.dispatcher.tick()
+    assert h.failed[-1][0] == "j4"
+
+
+def test_without_a_hold_jobs_wait_for_their_deadline(clock: Clock) -> None:
+    h = Harness(clock)
+    h.submit("j1", timeout_s=60)
+    clock.advance(59)
+    h.dispatcher.tick()
+    assert h.failed == []
+    clock.advance(2)
+    h.dispatcher.tick()
+    assert h.failed == [("j1", "no worker is live to take it")]

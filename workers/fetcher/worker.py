@@ -122,6 +122,8 @@ class FetcherWorker:
             self.encode_failed,
             dead_after_s=cfg.liveness.dead_after_s,
             max_attempts=cfg.fetcher.encode_attempts,
+            # with every encoder down that long, image requests fail at once (503) instead of a minute each
+            hold_without_workers_s=cfg.liveness.hold_lost_requests_s,
         )
         self.threads = ThreadPoolExecutor(cfg.fetcher.threads, thread_name_prefix="fetch")
         self.inflight: dict[str, InFlight] = {}
