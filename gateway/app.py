@@ -113,7 +113,7 @@ class Gateway:
         gateway = {
             **self.counters,
             "requests_in_flight": len(pipeline.requests),
-            "requests_reissued_total": sum(r.reissued for r in pipeline.replicas.all),
+            "requests_reissued": sum(r.reissued for r in pipeline.replicas.all),
             "requests_held": len(pipeline.held),
         }
         lines += render_values("vlm_gateway", gateway)
