@@ -365,14 +365,3 @@ def test_with_no_worker_live_for_the_hold_queued_jobs_fail_at_once(clock: Clock)
     h.submit("j4", timeout_s=600)  # still none live: the next tick answers it
     h.dispatcher.tick()
     assert h.failed[-1][0] == "j4"
-
-
-def test_without_a_hold_jobs_wait_for_their_deadline(clock: Clock) -> None:
-    h = Harness(clock)
-    h.submit("j1", timeout_s=60)
-    clock.advance(59)
-    h.dispatcher.tick()
-    assert h.failed == []
-    clock.advance(2)
-    h.dispatcher.tick()
-    assert h.failed == [("j1", "no worker is live to take it")]
