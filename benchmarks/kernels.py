@@ -1,4 +1,4 @@
-"""Decode attention bandwidth: ``python -m workers.kernels.bench`` on a CUDA GPU.
+"""Decode attention bandwidth: ``python -m benchmarks.kernels`` on a CUDA GPU.
 
 Decode attention reads every context token's K and V once per step and does little arithmetic, so its
 speed is the bytes it reads over the time it takes; this prints that rate against the H200's 4.8 TB/s of
@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reference", action="store_true", help="also time the plain-torch reference")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("workers.kernels.bench needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks.kernels needs a CUDA GPU", file=sys.stderr)
         return 2
     cases = [
         Case(model, int(batch), int(context))

@@ -1,4 +1,4 @@
-"""Compile the kernels for an NVIDIA GPU without one: ``python -m workers.kernels.aot``.
+"""Compile the kernels for an NVIDIA GPU without one: ``python -m benchmarks.aot``.
 
 Triton's interpreter checks what the kernels compute but never compiles them. This builds each kernel's
 launch at the real models' shapes on meta tensors, specialises its arguments as Triton's JIT would on a
@@ -57,16 +57,13 @@ def attention_launches(
         metadata = _metadata(tokens, max_q, seqs, max_ctx, block_size=block_size)
         q = torch.empty((tokens, heads, head_dim), dtype=dtype, device=META)
         cache = torch.empty((4096 * 16, kv_heads, head_dim), dtype=dtype, device=META)
-        _, launches = attention_triton.plan(
-            q, cache, cache, metadata, head_dim**-0.5, num_splits=splits, balanced=splits is None
-        )
+        _, launches = attention_triton.plan(q, cache, cache, metadata, head_dim**-0.5, num_splits=splits)
         for launch in launches:
             yield f"{name} {launch.kernel.__name__.strip('_')} {case}", launch
 
 
 def other_launches(name: str, heads: int, kv_heads: int, head_dim: int, hidden: int, intermediate: int):
-    from workers.kernels import activation_triton, cache_triton, norm_triton, rotary_triton, skinny_gemm_triton
-    from workers.kernels.skinny_gemm import SkinnyTiles
+    from workers.kernels import activation_triton, cache_triton, norm_triton, rotary_triton
 
     tokens, bf16 = 256, torch.bfloat16
     k = torch.empty((tokens, kv_heads, head_dim), dtype=bf16, device=META)
@@ -78,11 +75,6 @@ def other_launches(name: str, heads: int, kv_heads: int, head_dim: int, hidden: 
     yield f"{name} rms_norm", norm_triton.plan(x, None, weight, 1e-6)[2]
     yield f"{name} fused_add_rms_norm", norm_triton.plan(x, x, weight, 1e-6)[2]
     yield f"{name} fused_add_layer_norm", norm_triton.plan(x, x, weight, 1e-6, bias=weight)[2]
-    rows = torch.empty((32, hidden), dtype=bf16, device=META)
-    projection = torch.empty((hidden, hidden), dtype=bf16, device=META)
-    partial, total = skinny_gemm_triton.plan(rows, projection, weight, SkinnyTiles())[1]
-    yield f"{name} skinny_gemm partials", partial
-    yield f"{name} skinny_gemm sum", total
     gate_up = torch.empty((tokens, 2 * intermediate), dtype=bf16, device=META)
     yield f"{name} silu_and_mul", activation_triton.plan(gate_up[:, :intermediate], gate_up[:, intermediate:])[1]
     qkv = torch.empty((tokens, heads + 2 * kv_heads, head_dim), dtype=bf16, device=META)

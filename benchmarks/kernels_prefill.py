@@ -1,12 +1,12 @@
-"""Prefill attention speed: ``python -m workers.kernels.bench_prefill [--out F.json]`` on a CUDA GPU.
+"""Prefill attention speed: ``python -m benchmarks.kernels_prefill [--out F.json]`` on a CUDA GPU.
 
 The paged kernel's prefill launches (a prompt chunk, alone or with decodes in the same step) for the
 Qwen2-VL 2B and 7B attention shapes, at every tile shape of a small grid (and forced key splits at the
 default shape), against PyTorch's SDPA on the same queries with the keys laid out contiguously
 (FlashAttention-2 where it runs: the speed a contiguous layout allows). Each launch is checked against
 the fp32 reference first. Times are the kernel's alone: one call captured in a CUDA graph and replayed,
-as the engine's steps run (a plain call's time also holds the host's launch path, tens of microseconds:
-session 8's first sweep timed that way and could not tell the shapes apart). Causal FLOPs over time gives
+as the engine's steps run (a plain call's time also holds the host's launch path, which hides the differences
+between shapes). Causal FLOPs over time gives
 TFLOP/s. The best tile shape per case, and the one best over all cases (least total time), are printed
 and written out: that is how `PREFILL_TILES` is chosen.
 """
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.kernels import GEOMETRIES, checked_graph_us, eager_us
 from workers.kernels.attention import AttentionMetadata, paged_attention_reference, paged_attention_triton
-from workers.kernels.bench import GEOMETRIES, checked_graph_us, eager_us
 from workers.models.paged import BatchLayout
 
 BLOCK_SIZE = 16  # the server's default; --block-size tries others
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--default-only", action="store_true", help="only PREFILL_TILES (and the forced splits)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("workers.kernels.bench_prefill needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks.kernels_prefill needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
     report = run(torch.device("cuda"), args.models, args.block_size, args.default_only)
     if args.out:
