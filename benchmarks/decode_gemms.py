@@ -32,7 +32,6 @@ BATCHES = (1, 8, 32, 40, 64)
 LIBRARIES = ("cublas", "cublaslt")
 
 
-
 def time_projection(k: int, n: int, bias: bool, batch: int) -> dict[str, float]:
     """F.linear's time for one projection's weight read from HBM."""
     weight_bytes = k * n * 2

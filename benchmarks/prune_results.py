@@ -28,11 +28,15 @@ KEPT_NAMES = frozenset({"README.md", "summary.md", "run.sh", "machine.txt"})
 # Logs that hold a tool's printed table or verdict rather than a process's trace.
 TOOL_OUTPUT = re.compile(
     r"(pytest|bench|engine|vision|vit|times|profile|parity|compare|probe|sweep|green|deaths|sigkill|gemms|"
-    r"prefill|decode|host_path|gateway_load|topo|machine|mps)", re.IGNORECASE)
+    r"prefill|decode|host_path|gateway_load|topo|machine|mps)",
+    re.IGNORECASE,
+)
 # Processes' own logs (supervisord's programs, the driver's progress log): only their notable lines are kept.
 PROCESS_LOG = re.compile(r"^(cache|decoder|encoder|fetcher|gateway|mps|supervisord|gpu|synth|run)[\w-]*\.(log|out)$")
-NOTABLE = re.compile(r"WARNING|ERROR|CRITICAL|Traceback| ready |dead|restart|kill|signal|re-issu|sent again|silent|"
-                     r"not healthy|ended with status|RUNNING|exit")
+NOTABLE = re.compile(
+    r"WARNING|ERROR|CRITICAL|Traceback| ready |dead|restart|kill|signal|re-issu|sent again|silent|"
+    r"not healthy|ended with status|RUNNING|exit"
+)
 EXCERPT_CHARS = 3000
 SUMMARY_CHARS = 60_000
 
@@ -66,14 +70,15 @@ def excerpt(path: Path) -> str:
         notable = [line[:300] for line in text.splitlines() if NOTABLE.search(line)]
         return "\n".join(notable[:12])
     if path.name.startswith("pytest"):
-        verdicts = [line for line in text.splitlines()
-                    if re.search(r"passed|failed|error|skipped|exit", line, re.IGNORECASE)]
+        verdicts = [
+            line for line in text.splitlines() if re.search(r"passed|failed|error|skipped|exit", line, re.IGNORECASE)
+        ]
         return "\n".join(verdicts[-20:])
     if len(text) <= EXCERPT_CHARS:
         return text.rstrip()
     lines = text.splitlines()
     head, tail = "\n".join(lines[:15]), "\n".join(lines[-30:])
-    return f"{head[:EXCERPT_CHARS // 3]}\n[...]\n{tail[-2 * EXCERPT_CHARS // 3:]}"
+    return f"{head[: EXCERPT_CHARS // 3]}\n[...]\n{tail[-2 * EXCERPT_CHARS // 3 :]}"
 
 
 def cited_names(run: Path) -> set[str]:
@@ -127,9 +132,11 @@ def prune(run: Path) -> None:
                     sections.append(f"## `{rel}`\n\n```text\n{body}\n```\n")
             path.unlink()
     if sections:
-        header = ("# Excerpts of this run's raw logs\n\nThe raw logs were deleted when the results were pruned to "
-                  "one record per run (`benchmarks/prune_results.py`); these are the lines the README's figures "
-                  "come from: tool outputs whole or head and tail, pytest verdicts.\n\n")
+        header = (
+            "# Excerpts of this run's raw logs\n\nThe raw logs were deleted when the results were pruned to "
+            "one record per run (`benchmarks/prune_results.py`); these are the lines the README's figures "
+            "come from: tool outputs whole or head and tail, pytest verdicts.\n\n"
+        )
         (run / "summary.md").write_text((header + "\n".join(sections))[:SUMMARY_CHARS])
     for folder in sorted((p for p in run.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
         if folder.name == "raw":
