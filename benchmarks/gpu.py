@@ -38,7 +38,7 @@ import tomllib
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from benchmarks.prune_results import load_json, summarise_json
 
@@ -63,9 +63,10 @@ class Run:
     def raw(self) -> Path:
         return self.out / "raw"
 
-    def env(self) -> dict[str, str]:
+    def env(self, code: Path | None = None) -> dict[str, str]:
+        """The environment of a tool run from ``code`` (default: the repository under test)."""
         site = ["/tmp/site"] if Path("/tmp/site").is_dir() else []
-        return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ":".join([*site, str(self.repo)])}
+        return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ":".join([*site, str(code or self.repo)])}
 
     def python(self, name: str, module: str, *argv: str, timeout: int, cwd: Path | None = None) -> int:
         """``python3 -m module argv`` in the repository (or ``cwd``), its output into raw/NAME.log."""
@@ -75,7 +76,12 @@ class Run:
         with open(self.raw / f"{name}.log", "w") as out:
             try:
                 code = subprocess.run(
-                    command, cwd=cwd or self.repo, env=self.env(), stdout=out, stderr=subprocess.STDOUT, timeout=timeout
+                    command,
+                    cwd=cwd or self.repo,
+                    env=self.env(cwd),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    timeout=timeout,
                 ).returncode
             except subprocess.TimeoutExpired:
                 code = 124
@@ -187,11 +193,8 @@ def revision(run: Run) -> str:
 
 
 def machine(run: Run) -> dict[str, Any]:
-    gpu = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+    gpu = subprocess.run(query, capture_output=True, text=True).stdout.strip() if shutil.which(query[0]) else "no GPU"
     versions = subprocess.run(
         [sys.executable, "-c", "import torch; print('torch', torch.__version__)"],
         capture_output=True,
@@ -471,9 +474,7 @@ def run_workloads(run: Run, url: str, prefix: str = "") -> None:
             for name, argv in workload_argv(workload, clients, run.args.requests):
                 name = prefix + name
                 with open(run.raw / f"{name}.dmon", "w") as trace:  # power, utilisation, clocks, memory
-                    dmon = subprocess.Popen(
-                        ["nvidia-smi", "dmon", "-s", "pucm", "-d", "2"], stdout=trace, stderr=subprocess.DEVNULL
-                    )
+                    dmon = gpu_trace(trace)
                     run.python(
                         name,
                         "benchmarks.serve",
@@ -484,12 +485,21 @@ def run_workloads(run: Run, url: str, prefix: str = "") -> None:
                         "--out",
                         str(run.raw / f"{name}.json"),
                         *argv,
+                        *shlex.split(run.args.client_args),
                         timeout=run.args.time_limit + 60,
                         cwd=HERE,
                     )
-                    dmon.terminate()
+                    if dmon is not None:
+                        dmon.terminate()
                 save_metrics(url, run.raw / f"{name}.metrics")
                 run.keep(name, run.raw / f"{name}.json")
+
+
+def gpu_trace(trace: IO[str]) -> subprocess.Popen[bytes] | None:
+    """`nvidia-smi dmon` samples into ``trace`` while a workload runs (none off a GPU host)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    return subprocess.Popen(["nvidia-smi", "dmon", "-s", "pucm", "-d", "2"], stdout=trace, stderr=subprocess.DEVNULL)
 
 
 def save_metrics(url: str, path: Path) -> None:
@@ -623,6 +633,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="serve: a setting over benchmarks/gpu.toml, in TOML (--set encoder.mps=true)",
     )
     p.add_argument("--url", help="serve: a server already running; no stack is started")
+    p.add_argument("--client-args", default="", help="serve/vllm: more arguments for benchmarks.serve (--small)")
     p.add_argument("--engine-args", default="", help="engine: more arguments for benchmarks.engine, one string")
     p.add_argument("--peer-dir", type=Path, default=Path(".vllm-peer"), help="vllm: the copy of vllm-peer/")
     p.add_argument("--timeout", type=int, default=300, help="seconds each tool of a part may take")
