@@ -34,7 +34,7 @@ from common.config import DecoderConfig
 from common.protocol import PreparedRequest, SamplingParams
 from workers.decoder.engine import Engine
 from workers.decoder.graphs import StepGraphs, StepInputs
-from workers.kernels import attention_triton, paged_attention, skinny_gemm
+from workers.kernels import attention_triton, paged_attention
 from workers.models.language import LanguageModel
 from workers.models.paged import BatchLayout, FusedLayer, PagedKVCache, fuse_layers, paged_forward
 from workers.models.spec import ModelSpec
@@ -323,36 +323,15 @@ def parse_mix(text: str) -> list[tuple[int, int]]:
 def add_decode_kernel_options(parser: argparse.ArgumentParser) -> None:
     """The decode kernels' settings a benchmark can compare (this and engine_mixed)."""
     parser.add_argument(
-        "--balanced-splits",
-        action=argparse.BooleanOptionalAction,
-        default=attention_triton.BALANCED_DECODE_SPLITS,
-        help="decode attention's splits of one length for the whole batch (the server's default: on)",
-    )
-    parser.add_argument(
-        "--decode-program-per-sequence",
-        action=argparse.BooleanOptionalAction,
-        default=attention_triton.DECODE_PROGRAM_PER_SEQUENCE,
-        help="decode attention's grid: a program per sequence, no search (the server's default: on)",
-    )
-    parser.add_argument(
-        "--skinny-tiles", type=Path, help="decode projections through workers.kernels.skinny_gemm where they won"
-    )
-    parser.add_argument(
-        "--decode-tiles", type=Path, help="decode attention's tile shape: the best of a workers.kernels.bench sweep"
+        "--decode-tiles", type=Path, help="decode attention's tile shape: the best of a benchmarks.kernels sweep"
     )
 
 
 def use_decode_kernel_options(args: argparse.Namespace) -> None:
-    """Set them process-wide, as the server's module settings would be: the attention's splits, and the
-    decode projections that beat cuBLAS in a `benchmarks.decode_gemms --triton` sweep (`TUNED_TILES`)."""
-    attention_triton.BALANCED_DECODE_SPLITS = args.balanced_splits
-    attention_triton.DECODE_PROGRAM_PER_SEQUENCE = args.decode_program_per_sequence
+    """Set them process-wide, as the server's module settings would be."""
     if args.decode_tiles:
         attention_triton.DECODE_TILES = attention_triton.Tiles(**json.loads(args.decode_tiles.read_text())["best"])
         print(f"decode tiles: {attention_triton.DECODE_TILES}", flush=True)
-    if args.skinny_tiles:
-        skinny_gemm.TUNED_TILES.update(skinny_gemm.load_tuned(args.skinny_tiles))
-        print(f"skinny GEMM tiles: {skinny_gemm.TUNED_TILES or 'none won'}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -404,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile_decode or args.time_decode:
         for per_sm, mix in itertools.product(args.split_programs_per_sm, args.decode_mix):
             attention_triton.SPLIT_PROGRAMS_PER_SM = per_sm
-            print(f"split target: {per_sm} programs per SM, balanced splits {args.balanced_splits}", flush=True)
+            print(f"split target: {per_sm} programs per SM", flush=True)
             time_decode_graph(model, mix, args.graph_max_context, args.profile_decode, args.block_size)
         return
     results["language_weight_bytes"] = language_bytes(model)

@@ -376,9 +376,6 @@ def main(argv: list[str] | None = None) -> None:
         "decoding_budget": args.decoding_budget,
         "block_size": engine.blocks.block_size,
         "per_span_inputs": args.per_span_inputs,
-        "balanced_splits": args.balanced_splits,
-        "decode_program_per_sequence": args.decode_program_per_sequence,
-        "skinny_tiles": str(args.skinny_tiles),
         "decode_tiles": str(args.decode_tiles),
     }
     results = {"model": str(args.model), "load": load.__dict__, "seconds": args.seconds, **settings}

@@ -1,5 +1,5 @@
-"""Do green contexts keep two MPS clients on disjoint SMs? One role per process, run side by side under MPS by
-benchmarks/green_isolation.sh:
+"""Do green contexts keep two MPS clients on disjoint SMs? One role per process, run side by side under MPS
+(tests/gpu/test_sm_partition_gpu.py runs the first):
 
 - ``smids``: which SMs a process's kernels ran on (each program of a Triton kernel records %smid);
 - ``victim``: a decode-like step (28 bf16 projections of 32 rows against weights that do not fit in L2, replayed

@@ -2,7 +2,7 @@
 
 tests/unit/test_kernels.py checks the same kernels in Triton's interpreter; this adds what only a GPU shows:
 compilation for the target, tensor-core rounding, and lengths that take many tiles and splits. Benchmarks
-are not tests: ``python -m workers.kernels.bench`` prints decode attention bandwidth.
+are not tests: ``python -m benchmarks.kernels`` prints decode attention bandwidth.
 
 The 16-bit tolerances here allow one more ulp than the interpreter's (CUDA's exp and rsqrt are not the
 CPU's, and the compiler may contract a multiply and add into an fma): they are first guesses for the first
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.kernels import activation, attention, cache, norm, rotary, skinny_gemm
+from workers.kernels import activation, attention, cache, norm, rotary
 from workers.kernels._launch import triton_available
 from workers.models.language import LanguageModel, mrope_cos_sin, rope_inv_freq
 from workers.models.paged import BatchLayout, PagedKVCache, paged_attention_reference, paged_forward
@@ -123,17 +123,10 @@ def test_decode(heads: int, kv_heads: int, head_dim: int, batch: int) -> None:
     check_attention(*paged_batch([1] * batch, context_lens, heads, kv_heads, head_dim, seed=batch))
 
 
-@pytest.mark.parametrize("balanced", [False, True], ids=["splits_per_sequence", "balanced_splits"])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), MODELS)
-def test_decode_with_one_long_context_among_short(
-    heads: int, kv_heads: int, head_dim: int, balanced: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """31 decodes of about 1,100 keys and one of 30,000: each sequence cut into the heuristic's split count,
-    or every one into splits of one length for the batch (`BALANCED_DECODE_SPLITS`, the long one then gets
-    up to 32 splits and the short ones few)."""
-    from workers.kernels import attention_triton
-
-    monkeypatch.setattr(attention_triton, "BALANCED_DECODE_SPLITS", balanced)
+def test_decode_with_one_long_context_among_short(heads: int, kv_heads: int, head_dim: int) -> None:
+    """31 decodes of about 1,100 keys and one of 30,000: every one cut into splits of one length for the batch
+    (the long one then gets up to 32 splits and the short ones few)."""
     rng = random.Random(7)
     context_lens = [rng.randrange(900, 1300) for _ in range(31)] + [30_000]
     check_attention(*paged_batch([1] * 32, context_lens, heads, kv_heads, head_dim, seed=7))
@@ -237,22 +230,6 @@ def test_fused_add_layer_norm(hidden: int) -> None:
     # One bf16 rounding apart at unit scale; not in ulps: the bias makes outputs near zero, where torch's
     # Welford statistics and the kernel's two passes differ by more than such an output's own ulp.
     torch.testing.assert_close(normed, expected_normed, rtol=8e-3, atol=8e-3)
-
-
-@pytest.mark.parametrize("split_k", [1, 4, 16])
-@pytest.mark.parametrize(("k", "n", "bias"), [(1536, 2048, True), (8960, 1536, False)], ids=["2b-qkv", "2b-down"])
-@pytest.mark.parametrize("m", [1, 32, 64])
-def test_skinny_gemm(m: int, k: int, n: int, bias: bool, split_k: int) -> None:
-    """Decode projections through the split-K kernel against cuBLAS, in bf16 (both sum in fp32)."""
-    g = torch.Generator(device=CUDA).manual_seed(4)
-    x = torch.randn((m, k), generator=g, device=CUDA).bfloat16()
-    w = (torch.randn((n, k), generator=g, device=CUDA) / k**0.5).bfloat16()
-    b = torch.randn(n, generator=g, device=CUDA).bfloat16() if bias else None
-    tiles = skinny_gemm.SkinnyTiles(block_n=32, block_k=128, split_k=split_k)
-    out = skinny_gemm.skinny_gemm_triton(x, w, b, tiles)
-    # Outputs of unit scale: one bf16 rounding apart at most (8e-3 below 2). Not in ulps: near zero the two
-    # fp32 sums' order alone can move a tiny output by more than its own ulp.
-    torch.testing.assert_close(out, skinny_gemm.skinny_gemm_reference(x, w, b), rtol=8e-3, atol=8e-3)
 
 
 @pytest.mark.parametrize("intermediate", [8960, 18944])  # 2b, 7b

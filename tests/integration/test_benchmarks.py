@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
-from benchmarks import baseline_hf, media, report, serve, workloads
+from benchmarks import baseline_hf, gpu, media, prune_results, report, serve, workloads
 from common.config import load_config
 from tests.integration.conftest import REPO, Stack
 
@@ -388,6 +388,45 @@ def test_text_open_loop_as_a_subprocess(stack: Stack, tmp_path: Path) -> None:
     assert results["summary"]["completed"] == 3
     assert [r["scheduled_s"] for r in results["requests"]] == serve.arrival_times(3, 20.0, 1)
     assert all(60 <= r["prompt_tokens"] <= 100 for r in results["requests"])  # --prompt-tokens 80
+
+
+def test_gpu_driver_serve_part_keeps_a_summary_and_raw_data(stack: Stack, tmp_path: Path) -> None:
+    """`benchmarks.gpu serve --url` against a running server: the summary JSON without per-request records
+    and summary.md in the result folder, the full JSON under raw/ (git-ignored)."""
+    argv = ["serve", "--url", stack.base_url, "--result-dir", str(tmp_path), "--workloads", "seed3img", "--clients",
+            "2", "--requests", "2", "--time-limit", "60", "--client-args", " ".join(SMALL)]  # fmt: skip
+    subprocess.run([sys.executable, "-m", "benchmarks.gpu", *argv], cwd=REPO, check=True, timeout=180)
+    summary = json.loads((tmp_path / "seed3img-c2.json").read_text())
+    assert summary["summary"]["completed"] == 2 and "requests" not in summary
+    assert len(json.loads((tmp_path / "raw" / "seed3img-c2.json").read_text())["requests"]) == 2
+    record = (tmp_path / "summary.md").read_text()
+    assert "benchmarks.gpu serve" in record and "seed3img-c2" in record
+    assert json.loads((tmp_path / "machine.json").read_text())["command"].startswith("python3 -m benchmarks.gpu")
+
+
+def test_gpu_driver_workloads_have_seeds_of_their_own() -> None:
+    argvs = [argv for w in gpu.WORKLOADS if w != "parity" for _, argv in gpu.workload_argv(w, 32, None)]
+    seeds = [argv[argv.index("--seed") + 1] for argv in argvs]
+    assert len(seeds) == len(set(seeds))
+    assert gpu.workload_argv("seed3img", 32, None)[0][0] == "seed3img-c32"
+
+
+def test_prune_results_keeps_summaries_and_cited_lines(tmp_path: Path) -> None:
+    run = tmp_path / "2026-01-01-h200-x-abc1234"
+    (run / "c1").mkdir(parents=True)
+    (run / "README.md").write_text("Decode steps in `c1/times.log`; errors none.\n")
+    (run / "c1" / "times.log").write_text("decode 32x1100: 2.250 ms\n")
+    (run / "c1" / "decoder.log").write_text("step line\n" * 1000)
+    (run / "c1" / "mixed.top").write_text("top\n")
+    with gzip.open(run / "c1" / "mixed.json.gz", "wt") as f:
+        json.dump({"config": {"workload": "mixed"}, "summary": {"p99_itl_ms": 5.0}, "requests": [{"itl_s": [0.1]}]}, f)
+    prune_results.prune(run)
+    assert sorted(p.name for p in run.rglob("*") if p.is_file()) == ["README.md", "mixed.json", "summary.md"]
+    assert json.loads((run / "c1" / "mixed.json").read_text()) == {
+        "config": {"workload": "mixed"},
+        "summary": {"p99_itl_ms": 5.0},
+    }
+    assert "decode 32x1100: 2.250 ms" in (run / "summary.md").read_text()
 
 
 def test_multiturn_carries_answers(stack: Stack, tmp_path: Path) -> None:

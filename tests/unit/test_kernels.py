@@ -4,7 +4,7 @@ The interpreter runs each kernel program by program in numpy: the same kernel so
 dtype conversions as on a GPU, so wrong addressing, masks or block-table walks show up here. What it cannot
 show (the compiled code's speed, tensor-core rounding, races between programs) is for
 tests/gpu/test_kernels_gpu.py. One test compiles every kernel for the H200 (sm_90) without a GPU
-(`workers.kernels.aot`), which the interpreter never does: that catches what only the compiler rejects.
+(`benchmarks.aot`), which the interpreter never does: that catches what only the compiler rejects.
 
 Triton picks the interpreter once, when it is imported, from TRITON_INTERPRET; this module sets the variable
 before that import. Where it cannot (triton already imported compiled in this process, or a CUDA device
@@ -23,7 +23,6 @@ Tolerances (measured worst cases are in the comments beside them):
 - silu_and_mul: fp32 within FP32_ULPS (measured 3: exp), 16-bit within 2 ulps (measured 2 in fp16, 0 in bf16:
   an fp32 ulp of exp can flip the rounding of silu(gate), which the product with up then scales).
 - apply_mrope: bit for bit in every dtype (products of 16-bit values are exact in fp32, roundings as torch's).
-- skinny_gemm: fp32 within 1e-5 (the summation order), 16-bit within 1 ulp of F.linear (both sum in fp32).
 - vision_rotary_qk: bit for bit (fp32 arithmetic from the same tables, no fused multiply-add); quick_gelu:
   fp32 within FP32_ULPS, 16-bit within 2 ulps (an fp32 ulp of exp can flip a rounding, as in silu).
 """
@@ -49,7 +48,6 @@ from workers.kernels import (
     cache,
     norm,
     rotary,
-    skinny_gemm,
     vision,
 )
 from workers.kernels.attention import AttentionMetadata, attention_metadata
@@ -246,7 +244,7 @@ def test_default_tiles_and_small_query_blocks(heads: int, kv_heads: int, head_di
 @pytest.mark.parametrize("heavy_first", [False, True], ids=["in-order", "heavy-first"])
 @pytest.mark.parametrize(("block_m", "block_n"), [(128, 32), (128, 64), (128, 128), (64, 128), (32, 64)])
 def test_prefill_tile_shapes(block_m: int, block_n: int, heavy_first: bool) -> None:
-    """Every tile shape `workers.kernels.bench_prefill` may choose for prefill gives the same attention: 128
+    """Every tile shape `benchmarks.kernels_prefill` may choose for prefill gives the same attention: 128
     query rows hold 21 tokens of a 6-head group (126 rows), 32 rows hold 5, a 128-key tile spans several
     blocks; and a sequence's query blocks may run last first."""
     from workers.kernels.attention_triton import Tiles
@@ -284,17 +282,13 @@ def test_split_k(heads: int, kv_heads: int, head_dim: int, num_splits: int, dtyp
     check_attention(*batch, num_splits=num_splits, block_n=16)
 
 
-@pytest.mark.parametrize("balanced", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [GEOMETRIES[0], GEOMETRIES[2]])
-def test_decode_batch_splits_by_itself(
-    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, balanced: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A small decode-only batch with a long context: the heuristic splits it (700 keys: 10 splits), each
-    sequence into that many (balanced off, the default) or into splits of one length for the batch (on)."""
+def test_decode_batch_splits_by_itself(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """A small decode-only batch with a long context: the heuristic splits it (700 keys: 10 splits), into
+    splits of one length for the batch."""
     from workers.kernels import attention_triton
 
-    monkeypatch.setattr(attention_triton, "BALANCED_DECODE_SPLITS", balanced)
     context_lens = [700, 65, 1]
     assert attention_triton.choose_num_splits(len(context_lens) * kv_heads, max(context_lens), 132) == 10
     batch = paged_batch([1, 1, 1], context_lens, 16, heads, kv_heads, head_dim, dtype, seed=3)
@@ -306,15 +300,12 @@ SKEWED_CONTEXT_LENS = [1200, 40, 300, 1, 200, 64, 65, 129]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [GEOMETRIES[0], GEOMETRIES[2]])
-def test_balanced_decode_splits(
-    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_balanced_decode_splits(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
     """Splits of one length for the whole batch: the long context uses many splits, the short ones few or
     one, and the merge reads only those that were written (a stray read of another split's scratch would
     show)."""
     from workers.kernels import attention_triton
 
-    monkeypatch.setattr(attention_triton, "BALANCED_DECODE_SPLITS", True)
     q, kv_k, kv_v, layout = paged_batch([1] * 8, SKEWED_CONTEXT_LENS, 16, heads, kv_heads, head_dim, dtype, seed=4)
     _, launches = attention_triton.plan(q, kv_k, kv_v, attention_metadata(layout), 0.1, block_n=16)
     assert launches[0].constexprs["BALANCED"] and launches[1].constexprs["BALANCED"]
@@ -324,15 +315,12 @@ def test_balanced_decode_splits(
 # The padding rows merge scratch that no program wrote (as in a graph, where nothing reads them): numpy may warn.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:divide by zero:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.parametrize("per_sequence", [True, False])
-def test_balanced_decode_splits_with_graph_padding(monkeypatch: pytest.MonkeyPatch, per_sequence: bool) -> None:
+def test_balanced_decode_splits_with_graph_padding() -> None:
     """As a padded decode graph launches it: empty sequences and tokens of no sequence after the real ones,
     splits planned for a longer context than any present. The real rows match the reference, with a
-    program per sequence (`DECODE_PROGRAM_PER_SEQUENCE`) and with the general grid's search."""
+    program per sequence."""
     from workers.kernels import attention_triton
 
-    monkeypatch.setattr(attention_triton, "BALANCED_DECODE_SPLITS", True)
-    monkeypatch.setattr(attention_triton, "DECODE_PROGRAM_PER_SEQUENCE", per_sequence)
     heads, kv_heads, head_dim = GEOMETRIES[2].values
     q, kv_k, kv_v, layout = paged_batch([1] * 8, SKEWED_CONTEXT_LENS, 16, heads, kv_heads, head_dim, torch.float32)
     real = attention_metadata(layout)
@@ -350,8 +338,8 @@ def test_balanced_decode_splits_with_graph_padding(monkeypatch: pytest.MonkeyPat
     )
     q_padded = torch.cat([q, torch.randn(pad, heads, head_dim)])
     _, launches = attention_triton.plan(q_padded, kv_k, kv_v, padded, 0.1, block_n=16)
-    assert [launch.constexprs["ONE_PER_SEQUENCE"] for launch in launches] == [per_sequence] * 2
-    assert launches[0].grid[0] == (8 + pad if per_sequence else 2 * (8 + pad))
+    assert [launch.constexprs["ONE_PER_SEQUENCE"] for launch in launches] == [True] * 2
+    assert launches[0].grid[0] == 8 + pad
     out = attention.paged_attention_triton(q_padded, kv_k, kv_v, padded, head_dim**-0.5, block_n=16)
     expected = paged_attention_reference(q, kv_k, kv_v, layout, head_dim**-0.5)
     torch.testing.assert_close(out[:8], expected, **ATTN_FP32)
@@ -642,48 +630,6 @@ def test_quick_gelu(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     assert_ulps(vision.quick_gelu_triton(x), vision.quick_gelu_reference(x), ulps16=2)
 
 
-# --- skinny GEMM (decode projections) ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    ("m", "n", "k", "split_k", "bias"),
-    [
-        (1, 40, 100, 3, True),
-        (5, 64, 256, 4, False),
-        (32, 48, 300, 2, True),
-        (17, 33, 129, 1, True),
-        (64, 16, 64, 8, False),
-    ],
-)
-def test_skinny_gemm(m: int, n: int, k: int, split_k: int, bias: bool, dtype: torch.dtype) -> None:
-    """K cut in splits (the last one short, or more splits asked for than K has steps), ragged M and N:
-    as F.linear, to the summation order (fp32) or one rounding (16-bit: both accumulate in fp32)."""
-    g = torch.Generator().manual_seed(23)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
-    b = torch.randn(n, generator=g).to(dtype) if bias else None
-    tiles = skinny_gemm.SkinnyTiles(block_n=16, block_k=32, split_k=split_k)
-    out = skinny_gemm.skinny_gemm_triton(x, w, b, tiles)
-    expected = skinny_gemm.skinny_gemm_reference(x, w, b)
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    else:
-        assert_ulps(out, expected)
-
-
-def test_skinny_gemm_rejects_what_it_does_not_do() -> None:
-    x, w = torch.zeros(4, 8), torch.zeros(6, 8)
-    with pytest.raises(ValueError, match="rows"):
-        skinny_gemm.skinny_gemm_triton(torch.zeros(65, 8), w)
-    with pytest.raises(ValueError, match=r"\[N, K\]"):
-        skinny_gemm.skinny_gemm_triton(x, torch.zeros(6, 9))
-    with pytest.raises(ValueError, match="bias"):
-        skinny_gemm.skinny_gemm_triton(x, w, torch.zeros(5))
-    with pytest.raises(ValueError, match="dtype"):
-        skinny_gemm.skinny_gemm_triton(x, w.bfloat16())
-
-
 # --- M-RoPE -------------------------------------------------------------------------------------------
 
 ROPE_GEOMETRIES = [  # (heads, kv_heads, head_dim, mrope_section): tiny, 2b, 7b
@@ -737,10 +683,10 @@ def test_apply_mrope_rejects_mismatches() -> None:
 
 
 def test_every_kernel_compiles_for_h200() -> None:
-    """`python -m workers.kernels.aot` in a process of its own: this one imported triton as an interpreter."""
+    """`python -m benchmarks.aot` in a process of its own: this one imported triton as an interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-m", "workers.kernels.aot", "--arch", "90"],
+        [sys.executable, "-m", "benchmarks.aot", "--arch", "90"],
         env=env,
         capture_output=True,
         text=True,

@@ -37,34 +37,18 @@ from workers.kernels.attention import AttentionMetadata
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 32
 # One key tile per split at least. Decode at small batch is latency bound (each program walks its tiles one
-# dependent load after another): on the H200 a 7b-shaped layer at batch 1 and 1,000 keys took 17 us with
-# 256-key splits (8 programs), which is a tenth of the step; many short splits cost only their merge.
+# dependent load after another), so a short context is better served by many short splits, which cost only
+# their merge.
 MIN_SPLIT_TOKENS = 64
-# What `choose_num_splits` aims at (a module setting so that benchmarks can sweep it). Every split of a
-# sequence gets an equal share of its keys, so a few long (image) contexts among short ones make the
-# longest programs, and the launch waits for them. More, shorter programs bound that: on the H200, a
-# 2b-shaped decode step of 32 x 1,100 tokens plus 3 x 3,100 took 2.77 ms at 2 per SM, 2.47 at 4, 2.49 at 8;
-# 32 x 1,100 alone 2.25, 2.23, 2.25 (benchmarks/results/2026-11-30-h200-decode-splits-1cb3ade).
+# What `choose_num_splits` aims at (a module setting so that benchmarks can sweep it). More, shorter programs
+# bound the launch's wait for its longest ones when a few long (image) contexts sit among short ones.
 SPLIT_PROGRAMS_PER_SM = 4
 DEFAULT_SM_COUNT = 132  # H200; used when the device cannot be asked (the interpreter)
-# Decode launches cut every sequence's keys into splits of one length for the whole batch (`_balanced_tiles`),
-# instead of each sequence into the same number of splits: then a long context among short ones gets more
-# programs rather than longer ones. On the H200 (2b-shaped, decode graphs with max context 32,768, 4 programs
-# per SM) that wins big on skewed batches: 128 x 600 + 1 x 20,000 took 6.95 ms against 17.68; 31 x 1,100 +
-# 1 x 30,000 4.09 against 5.44. In the engine under mixed's load it costs the text streams' own batch
-# (32 x 1,000-1,256 keys) 1.1-1.4% a decode step, and saves 0.7% with image contexts among them
-# (benchmarks/results/2026-11-30-h200-balanced-splits-vit-4aa9354). On since its GPU parity test passed
-# (tests/gpu/test_kernels_gpu.py, session 11): a long conversation among short ones no longer slows every
-# stream by 2.5x, for about 1% on uniform batches. A module setting so benchmarks can compare.
-BALANCED_DECODE_SPLITS = True
-
-# Decode launches with one program per sequence (token s is sequence s's query) instead of the general
-# grid's program per query block plus a spare per sequence, each found by a binary search over
-# query_starts: every program of a decode launch, the many that exit at once included, began with that
-# search's chain of dependent loads. On the H200 (2b decode graphs) steps took 0.9-3.6% less, the most with
-# three 3,100-key contexts among 32 of 1,100 (benchmarks/results/2026-11-30-h200-overlap-skinny-c195769/c8).
-# A module setting so benchmarks can compare.
-DECODE_PROGRAM_PER_SEQUENCE = True
+# Decode launches with no forced split count cut every sequence's keys into splits of one length for the whole
+# batch (`_balanced_tiles`), instead of each sequence into the same number of splits: a long context among
+# short ones then gets more programs rather than longer ones, and does not slow every stream's step.
+# Decode launches also run one program per sequence (token s is sequence s's query) instead of the general
+# grid's program per query block plus a spare per sequence, each found by a binary search over query_starts.
 
 
 @dataclass(frozen=True)
@@ -266,11 +250,10 @@ def _sequence_at(query_starts_ptr, num_seqs, position, BLOCK_Q: tl.constexpr, SP
 def _balanced_tiles(context_total_ptr, num_kv_heads, split_target, num_tiles, num_splits, BLOCK_N: tl.constexpr):
     """Key tiles per split when splits are cut to one length for the whole batch: about ``split_target``
     programs with work in all, so a long context gets more splits, not longer ones (up to the grid's
-    ``num_splits``; past that its splits grow). The batch's keys in all are one number summed once a step:
-    in session 10's first try each program summed the context lengths itself."""
+    ``num_splits``; past that its splits grow). The batch's keys in all are one number summed once a step, not
+    by each program."""
     total = tl.load(context_total_ptr)
-    # Rounded up: to nearest (more, shorter programs) the engine's decode steps were slower (3.9% against 1.7%
-    # over unbalanced on 32 x 1,000-1,256 keys, when each program still summed the context lengths itself).
+    # Rounded up: rounding to nearest (more, shorter programs) made the engine's decode steps slower.
     split_tiles = tl.maximum(tl.cdiv(tl.cdiv(total, BLOCK_N) * num_kv_heads, split_target), 1)
     return tl.maximum(split_tiles, tl.cdiv(num_tiles, num_splits))
 
@@ -355,11 +338,10 @@ def plan(
     block_n: int | None = None,
     interpreted_mode: bool = False,
     tiles: Tiles | None = None,
-    balanced: bool | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output tensor and the launches that fill it (the attention kernel, then the split merge if any).
-    ``tiles`` replaces the default tile shape of the batch's kind; ``block_m``/``block_n`` override it;
-    ``balanced`` (default `BALANCED_DECODE_SPLITS`) applies to decode batches with no forced split count."""
+    ``tiles`` replaces the default tile shape of the batch's kind; ``block_m``/``block_n`` override it.
+    Decode batches with no forced split count get balanced splits."""
     tokens, heads, head_dim = q.shape
     kv_heads = kv_k.shape[1]
     group = heads // kv_heads
@@ -370,7 +352,7 @@ def plan(
     _check_blocks(block_m, block_n, group)
     # Decode-only batches put one token per program: more query rows would only be padding.
     block_q = 1 if decode_only else block_m // group
-    balanced = (BALANCED_DECODE_SPLITS if balanced is None else balanced) and decode_only and num_splits is None
+    balanced = decode_only and num_splits is None
     if num_splits is None:
         busy = -(-tokens // block_q) * kv_heads  # programs with work (the grid also holds spares)
         num_splits = choose_num_splits(busy, metadata.max_context_len, sm_count(q.device))
@@ -386,7 +368,7 @@ def plan(
     split_target = SPLIT_PROGRAMS_PER_SM * sm_count(q.device)
     # A program per sequence where token s is sequence s's one query: a decode batch, the empty sequences of
     # a padded graph (if any) after the real ones, as `BatchLayout` and the graphs lay them out.
-    one_per_seq = DECODE_PROGRAM_PER_SEQUENCE and decode_only and tokens == metadata.num_seqs
+    one_per_seq = decode_only and tokens == metadata.num_seqs
     context_total = metadata.context_total if balanced else metadata.context_lens  # (read only if balanced)
     if split:
         part_max = torch.empty((tokens, heads, num_splits), dtype=torch.float32, device=q.device)

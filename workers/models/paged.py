@@ -27,7 +27,6 @@ from workers.kernels.attention import AttentionMetadata
 from workers.kernels.cache import reshape_and_cache
 from workers.kernels.norm import fused_add_rms_norm, rms_norm
 from workers.kernels.rotary import apply_mrope
-from workers.kernels.skinny_gemm import decode_linear
 from workers.models.language import DecoderLayer, LanguageModel, _causal_mask, apply_rotary, mrope_cos_sin
 from workers.models.spec import ModelSpec
 from workers.models.tensor_parallel import TensorParallel
@@ -493,9 +492,9 @@ def _fused_layers(
         norm = layer.post_attention_layernorm
         h, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
         intermediate = weights.gate_up_weight.shape[0] // 2
-        gate_up = decode_linear(h, weights.gate_up_weight)
+        gate_up = F.linear(h, weights.gate_up_weight)
         activated = silu_and_mul(gate_up[:, :intermediate], gate_up[:, intermediate:])
-        h = step.reduce(decode_linear(activated, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias))
+        h = step.reduce(F.linear(activated, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias))
         if index + 1 < len(layers):
             norm = layers[index + 1].input_layernorm
             h, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
@@ -507,11 +506,11 @@ def _fused_attention(
 ) -> torch.Tensor:
     attn, t = layer.self_attn, h.shape[0]
     heads, kv_heads = attn.num_heads, attn.num_kv_heads
-    qkv = decode_linear(h, weights.qkv_weight, weights.qkv_bias).view(t, heads + 2 * kv_heads, attn.head_dim)
+    qkv = F.linear(h, weights.qkv_weight, weights.qkv_bias).view(t, heads + 2 * kv_heads, attn.head_dim)
     q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
     apply_mrope(q, k, step.cos, step.sin, inplace=True)
     reshape_and_cache(k, v, step.kv.keys[index], step.kv.values[index], step.slots)
-    return decode_linear(_attend(q, index, attn.head_dim, step).reshape(t, -1), attn.o_proj.weight, attn.o_proj.bias)
+    return F.linear(_attend(q, index, attn.head_dim, step).reshape(t, -1), attn.o_proj.weight, attn.o_proj.bias)
 
 
 def _attend(q: torch.Tensor, index: int, head_dim: int, step: StepContext) -> torch.Tensor:

@@ -1,0 +1,661 @@
+"""The GPU driver: ``python3 -m benchmarks.gpu --result-dir DIR [options] PART [PART ...]`` on the GPU machine.
+
+Parts (run in the order given, each against every ``--repo``):
+
+- ``tests``: the GPU-marked tests (tests/gpu and the unit files with GPU cases).
+- ``kernels``: decode attention bandwidth (`benchmarks.kernels`), the prefill tile sweep
+  (`benchmarks.kernels_prefill`), the decode projections per BLAS library (`benchmarks.decode_gemms`).
+- ``engine``: `benchmarks.engine` (decode steps, prefills, the real engine's TPOT at batch 1 and 32).
+- ``vision``: the ViT's images/s (`benchmarks.vision`) and where its time goes (`benchmarks.vit_profile`).
+- ``serve``: the stack under supervisord, the ``--workloads`` at each of ``--clients`` (`benchmarks.serve`); with
+  ``--url`` against a server already running instead.
+- ``hf``: the transformers baseline on seed3img's prompts (`benchmarks.baseline_hf`).
+- ``vllm``: vLLM 0.22 (`--peer-dir`, a copy of ../shared/tools/vllm-peer) on the same checkpoint with the same
+  workloads, then stopped; ``vllm-part1`` and ``vllm-part2`` copy the carried tarball parts first (one device
+  call each, see that folder's README).
+
+Each part writes its summary (JSON without per-request records, `benchmarks.prune_results.summarise_json`)
+into the result folder and everything raw (full JSONs, logs, /metrics, `nvidia-smi dmon`) under its ``raw/``,
+which git ignores. ``machine.json`` and ``summary.md`` (command, machine, revision, date, table) are rewritten
+after every part; with ``--ship DIR`` the folder is also packed into DIR/results.tgz after every part, so what
+finished comes back from a call cut short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import tomllib
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from benchmarks.prune_results import load_json, summarise_json
+
+HERE = Path(__file__).resolve().parents[1]  # this checkout: the client, the wheels, gpu.toml
+PORT = 8000
+PEER_PORT = 8100
+PARTS = ("tests", "kernels", "engine", "vision", "serve", "hf", "vllm", "vllm-part1", "vllm-part2")
+WORKLOADS = ("parity", "seed3img", "seed3img-anchor", "multiturn", "text", "mixed")
+GPU_TESTS = ["tests/gpu", "tests/unit/test_paged.py", "tests/unit/test_sampling.py", "tests/unit/test_model_parity.py"]
+
+
+@dataclass
+class Run:
+    """One repository's run: where its code is, where its results go, what it wrote."""
+
+    repo: Path
+    out: Path
+    args: argparse.Namespace
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def raw(self) -> Path:
+        return self.out / "raw"
+
+    def env(self, code: Path | None = None) -> dict[str, str]:
+        """The environment of a tool run from ``code`` (default: the repository under test)."""
+        site = ["/tmp/site"] if Path("/tmp/site").is_dir() else []
+        return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ":".join([*site, str(code or self.repo)])}
+
+    def python(self, name: str, module: str, *argv: str, timeout: int, cwd: Path | None = None) -> int:
+        """``python3 -m module argv`` in the repository (or ``cwd``), its output into raw/NAME.log."""
+        self.raw.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", module, *argv]
+        log(f"{name}: {shlex.join(command)}")
+        with open(self.raw / f"{name}.log", "w") as out:
+            try:
+                code = subprocess.run(
+                    command,
+                    cwd=cwd or self.repo,
+                    env=self.env(cwd),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    timeout=timeout,
+                ).returncode
+            except subprocess.TimeoutExpired:
+                code = 124
+        if code:
+            log(f"{name}: exit {code}")
+        return code
+
+    def keep(self, name: str, path: Path) -> None:
+        """The summary of the JSON at ``path`` (in raw/) as NAME.json, and a row for summary.md."""
+        if not path.exists():
+            self.rows.append({"name": name, "missing": True})
+            return
+        data = load_json(path)
+        (self.out / f"{name}.json").write_text(json.dumps(summarise_json(data), indent=1) + "\n")
+        self.rows.append({"name": name, **table_row(data)})
+
+
+def log(message: str) -> None:
+    print(f"[gpu {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def table_row(data: Any) -> dict[str, Any]:
+    """The figures summary.md tabulates: a serve run's headline, the engine's TPOT, else nothing."""
+    if isinstance(data, dict) and "summary" in data and "mean_tpot_ms" in data["summary"]:
+        s = data["summary"]
+        keys = (
+            "completed",
+            "errors",
+            "output_tokens_per_s",
+            "mean_ttft_ms",
+            "p99_ttft_ms",
+            "mean_tpot_ms",
+            "p50_tpot_ms",
+            "p99_itl_ms",
+        )
+        return {key: s.get(key) for key in keys}
+    if isinstance(data, dict) and "engine_tpot" in data:
+        return {"engine_tpot": data["engine_tpot"]}
+    return {}
+
+
+# --- the machine: wheels, the venv wrapper, the checkpoint ---------------------------------------------------
+
+
+def install_wheels() -> None:
+    """The wheels carried in .whl/ (../shared/tools/device-wheels.sh fills it) into /tmp/site, once per machine."""
+    wheels = sorted((HERE / ".whl").glob("*.whl"))
+    if not wheels or (Path("/tmp/site") / ".installed").exists():
+        return
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--upgrade",
+            "--target",
+            "/tmp/site",
+            *map(str, wheels),
+        ],
+        check=True,
+    )
+    (Path("/tmp/site") / ".installed").touch()
+
+
+def venv_wrapper(repo: Path) -> None:
+    """ops/vlm.conf runs .venv/bin/python: where that is no Python with torch, a wrapper around this one."""
+    python = repo / ".venv" / "bin" / "python"
+    if subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode == 0:
+        return
+    if (repo / ".venv").is_symlink() or (repo / ".venv").is_file():
+        (repo / ".venv").unlink()
+    shutil.rmtree(repo / ".venv", ignore_errors=True)  # never write through a venv's python symlink
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+
+
+def checkpoint(args: argparse.Namespace) -> Path:
+    """The synthetic checkpoint of ``--size`` (generated once) or ``--model``."""
+    model = args.model or Path(f"/tmp/qwen2-vl-{args.size}-synth")
+    if not (model / "config.json").exists():
+        log(f"generating the {args.size} synthetic checkpoint at {model}")
+        subprocess.run(
+            [sys.executable, "-m", "workers.models.synth", "--size", args.size, "--out", str(model), "--seed", "0"],
+            cwd=HERE,
+            env={**os.environ, "PYTHONPATH": str(HERE)},
+            check=True,
+        )
+    return model
+
+
+def revision(run: Run) -> str:
+    """The checkout's `.revision` file (an exported tree has no git metadata), ``--rev`` for this checkout, else
+    git's HEAD where the checkout is a repository's top (the device copy's git metadata may lag its tree)."""
+    if (run.repo / ".revision").exists():
+        return (run.repo / ".revision").read_text().strip()
+    if run.args.rev and run.repo == HERE:
+        return run.args.rev
+    git = ["git", "-C", str(run.repo), "rev-parse"]
+    top = subprocess.run([*git, "--show-toplevel"], capture_output=True, text=True).stdout.strip()
+    if not top or Path(top).resolve() != run.repo:
+        return "unknown"
+    return subprocess.run([*git, "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+
+
+def machine(run: Run) -> dict[str, Any]:
+    query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+    gpu = subprocess.run(query, capture_output=True, text=True).stdout.strip() if shutil.which(query[0]) else "no GPU"
+    versions = subprocess.run(
+        [sys.executable, "-c", "import torch; print('torch', torch.__version__)"],
+        capture_output=True,
+        text=True,
+        env=run.env(),
+    ).stdout.strip()
+    return {
+        "gpu": gpu,
+        "software": versions,
+        "revision": revision(run),
+        "repo": str(run.repo),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(["python3", "-m", "benchmarks.gpu", *sys.argv[1:]]),
+    }
+
+
+# --- the stack ------------------------------------------------------------------------------------------------
+
+
+def stack_config(run: Run) -> Path:
+    """benchmarks/gpu.toml (the repository's, else this one's) with every ``--set SECTION.KEY=VALUE`` applied."""
+    base = run.repo / "benchmarks" / "gpu.toml"
+    config = tomllib.loads((base if base.exists() else HERE / "benchmarks" / "gpu.toml").read_text())
+    for item in run.args.set:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        config.setdefault(section, {})[name] = tomllib.loads(f"v = {value}")["v"]
+    lines = []
+    for section, values in config.items():
+        lines.append(f"[{section}]")
+        lines += [f"{name} = {json.dumps(value)}" for name, value in values.items()]
+    path = run.raw / "gpu.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start_stack(run: Run, model: Path) -> subprocess.Popen[bytes]:
+    """supervisord with the repository's deploy (ops.deploy, or common.deploy before it), healthy or raise."""
+    env = {**run.env(), "VLM_CONFIG": str(stack_config(run)), "VLM_MODEL": str(model)}
+    deploy = "ops.deploy" if (run.repo / "ops" / "deploy.py").exists() else "common.deploy"
+    conf = run.repo / "run" / str(PORT) / "supervisord.conf"
+    shutil.rmtree(conf.parent / "logs", ignore_errors=True)
+    subprocess.run([sys.executable, "-m", deploy, str(conf)], cwd=run.repo, env=env, check=True)
+    with open(run.raw / "supervisord.out", "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)],
+            cwd=run.repo,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    if not wait_healthy(f"http://127.0.0.1:{PORT}", 240, process):
+        stop_stack(run, process)
+        raise RuntimeError("the stack did not become healthy (see raw/ for its logs)")
+    log("stack healthy")
+    return process
+
+
+def wait_healthy(url: str, seconds: int, process: subprocess.Popen[bytes] | None = None) -> bool:
+    for _ in range(seconds):
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return True
+        except OSError:
+            if process is not None and process.poll() is not None:
+                return False
+            time.sleep(1)
+    return False
+
+
+def stop_stack(run: Run, process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to supervisord (it stops its programs), SIGKILL to its process group if it lingers; logs kept."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    for log_file in (run.repo / "run" / str(PORT) / "logs").glob("*.log"):
+        shutil.copy(log_file, run.raw / log_file.name)
+
+
+# --- parts ----------------------------------------------------------------------------------------------------
+
+
+def part_tests(run: Run) -> None:
+    code = run.python(
+        "pytest-gpu",
+        "pytest",
+        "-q",
+        "-m",
+        "gpu",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "faulthandler_timeout=150",
+        *GPU_TESTS,
+        timeout=run.args.timeout,
+    )
+    verdict = (run.raw / "pytest-gpu.log").read_text().strip().splitlines()[-1:]
+    run.rows.append({"name": "pytest-gpu", "exit": code, "verdict": " ".join(verdict)})
+
+
+def part_kernels(run: Run) -> None:
+    run.python("kernels", "benchmarks.kernels", timeout=run.args.timeout)
+    run.python(
+        "kernels_prefill",
+        "benchmarks.kernels_prefill",
+        "--out",
+        str(run.raw / "kernels_prefill.json"),
+        timeout=run.args.timeout,
+    )
+    run.keep("kernels_prefill", run.raw / "kernels_prefill.json")
+    run.python(
+        "decode_gemms", "benchmarks.decode_gemms", "--out", str(run.raw / "decode_gemms.json"), timeout=run.args.timeout
+    )
+    run.keep("decode_gemms", run.raw / "decode_gemms.json")
+
+
+def part_engine(run: Run) -> None:
+    model = checkpoint(run.args)
+    extra = shlex.split(run.args.engine_args)
+    run.python(
+        "engine",
+        "benchmarks.engine",
+        "--model",
+        str(model),
+        "--out",
+        str(run.raw / "engine.json"),
+        *extra,
+        timeout=run.args.timeout,
+    )
+    run.keep("engine", run.raw / "engine.json")
+
+
+def part_vision(run: Run) -> None:
+    model = checkpoint(run.args)
+    for name, module in (("vision", "benchmarks.vision"), ("vit_profile", "benchmarks.vit_profile")):
+        run.python(
+            name, module, "--model", str(model), "--out", str(run.raw / f"{name}.json"), timeout=run.args.timeout
+        )
+        run.keep(name, run.raw / f"{name}.json")
+
+
+def part_hf(run: Run) -> None:
+    model = checkpoint(run.args)
+    run.python(
+        "hf-seed3img",
+        "benchmarks.baseline_hf",
+        "--model",
+        str(model),
+        "--workload",
+        "seed3img",
+        "--batch-sizes",
+        "1,8",
+        "--num-requests",
+        "8",
+        "--seed",
+        "0",
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
+        "--out",
+        str(run.raw / "hf-seed3img.json"),
+        timeout=run.args.timeout,
+    )
+    run.keep("hf-seed3img", run.raw / "hf-seed3img.json")
+
+
+def workload_argv(workload: str, clients: int, requests: int | None) -> list[tuple[str, list[str]]]:
+    """(name, `benchmarks.serve` arguments) of one workload at ``clients``. Each has a seed of its own: workloads
+    with one seed share images and prompts, and would hit the prefix cache a previous one filled."""
+    anchor = ["--image-size", "768x1024", "--max-tokens-spread", "0"]  # ANCHORS' vLLM rows exactly
+    one = clients == 1
+    if workload == "seed3img":
+        return [
+            (
+                f"seed3img-c{clients}",
+                [
+                    "--workload",
+                    "seed3img",
+                    "--concurrency",
+                    str(clients),
+                    "--num-requests",
+                    str(requests or (8 if one else 2 * clients)),
+                    "--seed",
+                    "4" if one else "0",
+                ],
+            )
+        ]
+    if workload == "seed3img-anchor":
+        return [
+            (
+                f"seed3img-anchor-c{clients}",
+                [
+                    "--workload",
+                    "seed3img",
+                    "--concurrency",
+                    str(clients),
+                    "--num-requests",
+                    str(requests or 2 * clients),
+                    "--seed",
+                    "3",
+                    *anchor,
+                ],
+            )
+        ]
+    if workload == "multiturn":
+        return [
+            (
+                f"multiturn-c{clients}",
+                [
+                    "--workload",
+                    "multiturn",
+                    "--concurrency",
+                    str(clients),
+                    "--num-requests",
+                    str(requests or clients),
+                    "--seed",
+                    "5",
+                ],
+            )
+        ]
+    if workload == "text":
+        return [
+            (
+                f"text-c{clients}",
+                [
+                    "--workload",
+                    "text",
+                    "--concurrency",
+                    str(clients),
+                    "--num-requests",
+                    str(requests or 2 * clients),
+                    "--seed",
+                    "6",
+                ],
+            )
+        ]
+    mixed = [
+        "--workload",
+        "mixed",
+        "--concurrency",
+        str(clients),
+        "--vision-rate",
+        "6",
+        "--num-requests",
+        str(requests or 60),
+        *anchor,
+    ]
+    return [
+        (f"mixed-c{clients}", [*mixed, "--seed", "1"]),
+        (f"mixed-text-only-c{clients}", [*mixed, "--seed", "2", "--vision-off"]),
+    ]
+
+
+def run_workloads(run: Run, url: str, prefix: str = "") -> None:
+    """Every ``--workloads`` at every ``--clients`` against ``url``, with the client of this checkout."""
+    for workload in run.args.workloads:
+        if workload == "parity":
+            path = run.raw / f"{prefix}parity.json"
+            run.python(
+                f"{prefix}parity",
+                "benchmarks.parity",
+                "record",
+                "--url",
+                url,
+                "--out",
+                str(path),
+                timeout=300,
+                cwd=HERE,
+            )
+            continue
+        for clients in run.args.clients:
+            for name, argv in workload_argv(workload, clients, run.args.requests):
+                name = prefix + name
+                with open(run.raw / f"{name}.dmon", "w") as trace:  # power, utilisation, clocks, memory
+                    dmon = gpu_trace(trace)
+                    run.python(
+                        name,
+                        "benchmarks.serve",
+                        "--url",
+                        url,
+                        "--time-limit",
+                        str(run.args.time_limit),
+                        "--out",
+                        str(run.raw / f"{name}.json"),
+                        *argv,
+                        *shlex.split(run.args.client_args),
+                        timeout=run.args.time_limit + 60,
+                        cwd=HERE,
+                    )
+                    if dmon is not None:
+                        dmon.terminate()
+                save_metrics(url, run.raw / f"{name}.metrics")
+                run.keep(name, run.raw / f"{name}.json")
+
+
+def gpu_trace(trace: IO[str]) -> subprocess.Popen[bytes] | None:
+    """`nvidia-smi dmon` samples into ``trace`` while a workload runs (none off a GPU host)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    return subprocess.Popen(["nvidia-smi", "dmon", "-s", "pucm", "-d", "2"], stdout=trace, stderr=subprocess.DEVNULL)
+
+
+def save_metrics(url: str, path: Path) -> None:
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            path.write_bytes(response.read())
+    except OSError:
+        pass  # vLLM's and ours differ; neither is a figure of the run
+
+
+def part_serve(run: Run) -> None:
+    if run.args.url:
+        run_workloads(run, run.args.url)
+        return
+    venv_wrapper(run.repo)
+    process = start_stack(run, checkpoint(run.args))
+    try:
+        run_workloads(run, f"http://127.0.0.1:{PORT}")
+    finally:
+        stop_stack(run, process)
+
+
+def peer_script(run: Run) -> str:
+    return str((HERE / run.args.peer_dir / "device.sh").resolve())
+
+
+def part_vllm(run: Run) -> None:
+    """vLLM on the same checkpoint, the same workloads and client; one server at a time."""
+    subprocess.run(["bash", peer_script(run), "setup"], cwd=HERE, check=True)
+    model = checkpoint(run.args)
+    start = f"source {shlex.quote(peer_script(run))} && vllm_start {shlex.quote(str(model))} {PEER_PORT} && wait"
+    with open(run.raw / "vllm.log", "w") as out:
+        server = subprocess.Popen(
+            ["bash", "-c", start], cwd=HERE, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        if not wait_healthy(f"http://127.0.0.1:{PEER_PORT}", 420, server):
+            raise RuntimeError("vLLM did not start (raw/vllm.log)")
+        run_workloads(run, f"http://127.0.0.1:{PEER_PORT}", prefix="vllm-")
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait()
+
+
+def part_vllm_copy(run: Run, number: int) -> None:
+    subprocess.run(["bash", peer_script(run), "part", str(number)], cwd=HERE, check=True)
+
+
+# --- the record -----------------------------------------------------------------------------------------------
+
+
+def write_record(run: Run, info: dict[str, Any]) -> None:
+    """machine.json and summary.md: the command, machine, revision, date and a table of what the parts wrote."""
+    (run.out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
+    lines = [
+        f"# {run.out.name}",
+        "",
+        f"Command: `{info['command']}`",
+        "",
+        f"Machine: {info['gpu']}; {info['software']}. Revision {info['revision']} ({info['repo']}), {info['date']}.",
+        "",
+        "| run | figures |",
+        "| --- | --- |",
+    ]
+    lines += [f"| {row['name']} | {json.dumps({k: v for k, v in row.items() if k != 'name'})} |" for row in run.rows]
+    (run.out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def ship(result_dir: Path, ship_dir: Path | None) -> None:
+    if ship_dir is not None:
+        with tarfile.open(ship_dir / "results.tgz", "w:gz") as archive:
+            archive.add(result_dir, arcname=result_dir.name)
+
+
+def run_part(run: Run, part: str) -> None:
+    runners = {
+        "tests": part_tests,
+        "kernels": part_kernels,
+        "engine": part_engine,
+        "vision": part_vision,
+        "serve": part_serve,
+        "hf": part_hf,
+        "vllm": part_vllm,
+        "vllm-part1": lambda r: part_vllm_copy(r, 1),
+        "vllm-part2": lambda r: part_vllm_copy(r, 2),
+    }
+    try:
+        runners[part](run)
+    except (RuntimeError, subprocess.CalledProcessError, OSError) as error:  # the next part still runs
+        log(f"{part} failed: {error}")
+        run.rows.append({"name": part, "failed": str(error)})
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("parts", nargs="+", choices=PARTS)
+    p.add_argument("--result-dir", type=Path, required=True, help="where summaries (and raw/) go")
+    p.add_argument(
+        "--repo",
+        type=Path,
+        action="append",
+        help="a checkout to run the parts against (repeat: side "
+        "by side, each into RESULT_DIR/<its folder name>); default: this one",
+    )
+    p.add_argument(
+        "--rev",
+        help="this checkout's revision to record (its git metadata may lag on the device); "
+        "another checkout's comes from its .revision file",
+    )
+    p.add_argument("--model", type=Path, help="a checkpoint (default: the synthetic one of --size)")
+    p.add_argument("--size", default="2b", help="the synthetic checkpoint's shape (workers.models.synth)")
+    p.add_argument(
+        "--workloads",
+        type=lambda s: s.split(","),
+        default=["seed3img"],
+        help=f"serve/vllm: a comma list of {', '.join(WORKLOADS)}",
+    )
+    p.add_argument(
+        "--clients",
+        type=lambda s: [int(c) for c in s.split(",")],
+        default=[32],
+        help="serve/vllm: concurrency (text streams for mixed), a comma list",
+    )
+    p.add_argument("--requests", type=int, help="serve/vllm: requests per workload (default: per workload)")
+    p.add_argument("--time-limit", type=int, default=90, help="serve/vllm: seconds one workload may run")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="serve: a setting over benchmarks/gpu.toml, in TOML (--set encoder.mps=true)",
+    )
+    p.add_argument("--url", help="serve: a server already running; no stack is started")
+    p.add_argument("--client-args", default="", help="serve/vllm: more arguments for benchmarks.serve (--small)")
+    p.add_argument("--engine-args", default="", help="engine: more arguments for benchmarks.engine, one string")
+    p.add_argument("--peer-dir", type=Path, default=Path(".vllm-peer"), help="vllm: the copy of vllm-peer/")
+    p.add_argument("--timeout", type=int, default=300, help="seconds each tool of a part may take")
+    p.add_argument("--ship", type=Path, help="pack the result folder into SHIP/results.tgz after every part")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    install_wheels()
+    repos = [r.resolve() for r in args.repo or [HERE]]
+    result_dir = args.result_dir.resolve()
+    runs = [Run(repo, result_dir / repo.name if len(repos) > 1 else result_dir, args) for repo in repos]
+    for run in runs:
+        run.raw.mkdir(parents=True, exist_ok=True)
+    for part in args.parts:
+        for run in runs:  # part by part, the checkouts alternating: the same machine state for both
+            log(f"{part} on {run.repo}")
+            run_part(run, part)
+            write_record(run, machine(run))
+            ship(result_dir, args.ship)
+
+
+if __name__ == "__main__":
+    main()
