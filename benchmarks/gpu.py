@@ -154,7 +154,7 @@ def install_wheels() -> None:
 def venv_wrapper(repo: Path) -> None:
     """ops/vlm.conf runs .venv/bin/python: where that is no Python with torch, a wrapper around this one."""
     python = repo / ".venv" / "bin" / "python"
-    if subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode == 0:
+    if python.exists() and subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode == 0:
         return
     if (repo / ".venv").is_symlink() or (repo / ".venv").is_file():
         (repo / ".venv").unlink()
