@@ -238,6 +238,7 @@ def start_stack(run: Run, model: Path) -> subprocess.Popen[bytes]:
     conf = run.repo / "run" / str(PORT) / "supervisord.conf"
     shutil.rmtree(conf.parent / "logs", ignore_errors=True)
     subprocess.run([sys.executable, "-m", deploy, str(conf)], cwd=run.repo, env=env, check=True)
+    (conf.parent / "logs").mkdir(parents=True, exist_ok=True)  # (ops/serve made it before ops.deploy did)
     with open(run.raw / "supervisord.out", "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)],
