@@ -1,6 +1,6 @@
 """The supervisord configuration of one deployment, rendered from ``ops/vlm.conf``.
 
-``python -m common.deploy OUT`` (what ``./ops/serve`` runs) writes it for the configuration that
+``python -m ops.deploy OUT`` (what ``vlm-serve serve`` and ``./ops/serve`` run) writes it for the configuration that
 ``VLM_CONFIG`` names: paths point at this checkout and at the deployment's own run directory (so two
 deployments never share a socket, pid file or log), the encoder program runs one process per
 encoder the fetcher will dispatch to (``[encoder] count``, 0: one per visible GPU), data-parallel decoder
@@ -21,21 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import Config, decoder_name, load_config
+from common.topology import encoder_count, has_gpu, vision_replicas
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def encoder_count(cfg: Config) -> int:
-    """Encoders to run: one per listed GPU, the configured count, or one per visible GPU (one on a CPU host)."""
-    if cfg.encoder.gpus:
-        return len(cfg.encoder.gpus)
-    if cfg.encoder.count:
-        return cfg.encoder.count
-    if not _may_have_gpu():
-        return 1
-    import torch  # only when the count depends on the hardware
-
-    return max(1, torch.cuda.device_count())
 
 
 @dataclass(frozen=True)
@@ -56,14 +44,6 @@ class MpsPlan:
         return cls(
             enc.mps_encoder_sm_percent, enc.mps_decoder_sm_percent, enc.mps_encoder_low_priority, vision_replicas(cfg)
         )
-
-
-def vision_replicas(cfg: Config) -> frozenset[int]:
-    """Media-only decoder replicas that share a GPU with a replica that takes text."""
-    text_gpus = cfg.decoder_gpus(r for r in range(cfg.decoder.replicas) if cfg.takes_text(r))
-    return frozenset(
-        r for r in range(cfg.decoder.replicas) if not cfg.takes_text(r) and cfg.replica_gpu_set(r) & text_gpus
-    )
 
 
 def render(
@@ -168,11 +148,11 @@ def _derived(decoder: str, name: str, args: str, numprocs: int = 0) -> str:
 
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
-        sys.exit("usage: python -m common.deploy OUT_CONF")
+        sys.exit("usage: python -m ops.deploy OUT_CONF")
     try:
         cfg = load_config()
         preflight(cfg)
-        wanted, why = mps_wanted(cfg, _has_gpu, _has_mps_daemon())
+        wanted, why = mps_wanted(cfg, has_gpu, _has_mps_daemon())
         if wanted and cfg.encoder.sm_split:
             from workers.models.runtime import check_sm_split  # (torch: already imported to ask for a GPU)
 
@@ -233,20 +213,6 @@ def mps_wanted(cfg: Config, has_gpu: Callable[[], bool], has_daemon: bool) -> tu
     if cfg.decoder.tensor_parallel > 1 or cfg.decoder.replicas > 1 or cfg.cache.device_pool:
         return False, "auto: not measured with tensor_parallel > 1, replicas > 1 or device_pool; set mps = true to try"
     return True, "auto: an encoder shares the decoder's GPU"
-
-
-def _has_gpu() -> bool:
-    if not _may_have_gpu():
-        return False
-    import torch  # only when MPS may be wanted
-
-    return torch.cuda.is_available()
-
-
-def _may_have_gpu() -> bool:
-    """False on a host without NVIDIA's driver tools (as ops/install judges it): there, importing torch to
-    ask (2-3 s of every start-up) would only say no."""
-    return shutil.which("nvidia-smi") is not None
 
 
 def _has_mps_daemon() -> bool:
