@@ -88,7 +88,7 @@ url=http://127.0.0.1:8000
 log "starting the stack"
 logs=run/8000/logs
 mkdir -p $logs && rm -f $logs/*.log  # this run's logs only
-$py -m common.deploy run/8000/supervisord.conf  # the run directory of benchmarks/gpu.toml (port 8000)
+$py -m ops.deploy run/8000/supervisord.conf  # the run directory of benchmarks/gpu.toml (port 8000)
 $py -m supervisor.supervisord -c run/8000/supervisord.conf > "$out/supervisord.out" 2>&1 &
 supervisor=$!
 trap 'cp $logs/*.log "$out/" 2>/dev/null' EXIT  # the logs come back however the run ends (a timeout too)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from common.config import Config, decoder_name, load_config
 from common.topology import encoder_count, has_gpu, vision_replicas
+from workers.models.synth import prepared_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,16 +151,20 @@ def main(argv: list[str]) -> None:
     if len(argv) != 1:
         sys.exit("usage: python -m ops.deploy OUT_CONF")
     try:
-        cfg = load_config()
-        preflight(cfg)
-        wanted, why = mps_wanted(cfg, has_gpu, _has_mps_daemon())
-        if wanted and cfg.encoder.sm_split:
-            from workers.models.runtime import check_sm_split  # (torch: already imported to ask for a GPU)
-
-            check_sm_split(cfg)
+        write_supervisord_conf(load_config(), Path(argv[0]))
     except (OSError, ValueError) as exc:  # (stopped here, before supervisord restarts failing workers for ever)
         sys.exit(f"vlm-serve: {exc}")
-    out = Path(argv[0])
+
+
+def write_supervisord_conf(cfg: Config, out: Path) -> None:
+    """Check what the workers would fail on (`preflight`, which makes the demo checkpoint if it is the model), and
+    write the deployment's supervisord configuration to ``out``. Raises OSError or ValueError."""
+    preflight(cfg)
+    wanted, why = mps_wanted(cfg, has_gpu, _has_mps_daemon())
+    if wanted and cfg.encoder.sm_split:
+        from workers.models.runtime import check_sm_split  # (torch: already imported to ask for a GPU)
+
+        check_sm_split(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     template = (REPO / "ops/vlm.conf").read_text()
     print(f"CUDA MPS: {'on' if wanted else 'off'} ({why})", file=sys.stderr)
@@ -171,10 +176,11 @@ def main(argv: list[str]) -> None:
 
 def preflight(cfg: Config) -> None:
     """What would otherwise fail only inside the workers, after supervisord has started them (and would restart
-    them for ever): a model directory that is not a Qwen2-VL checkpoint, and a port another program holds."""
+    them for ever): a model directory that is not a Qwen2-VL checkpoint, and a port another program holds. The demo
+    checkpoint, if it is the model, is made here: once, before the processes start (they would race to make it)."""
     from workers.models.spec import ModelSpec
 
-    ModelSpec.from_dir(cfg.model_path())
+    ModelSpec.from_dir(prepared_model(cfg))
     host, port = cfg.server.host, cfg.server.port
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
         # SO_REUSEADDR as aiohttp binds: a port in TIME_WAIT after the last stop is free to it
@@ -190,10 +196,8 @@ def preflight(cfg: Config) -> None:
 def mps_wanted(cfg: Config, has_gpu: Callable[[], bool], has_daemon: bool) -> tuple[bool, str]:
     """Whether the deployment runs the MPS daemon, and why. ``mps = "auto"`` turns it on only where it was
     measured to pay: a GPU host with the daemon's binary, an encoder on the decoder's GPU, a decoder of one
-    rank and the host embedding pool.
-    There, on one H200, seed3img at 32 clients went from 8.0-8.7 to 9.9-10.3 requests/s in four pairs of
-    runs, and text streams under image load kept 41% of their throughput instead of 28%
-    (benchmarks/results/2026-11-30-h200-vision-levers-a2cb480/). MPS with tensor-parallel ranks or with the
+    rank and the host embedding pool (there it raised image throughput and kept more of the text streams'
+    throughput under image load; the figures are in the docs). MPS with tensor-parallel ranks or with the
     CUDA IPC pool has not been measured: ``mps = true`` asks for it there. ``has_gpu`` is asked only where the
     answer depends on it (it imports torch: a second or two)."""
     setting = cfg.encoder.mps
