@@ -17,7 +17,7 @@ DEMO_SEED = 0
 
 
 def cache_dir() -> Path:
-    """$VLM_CACHE_DIR, by default ~/.cache/vlm-serve: generated checkpoints and exported encoders."""
+    """$VLM_CACHE_DIR, by default ~/.cache/vlm-serve: where generated checkpoints are kept (under models/)."""
     return Path(os.environ.get("VLM_CACHE_DIR") or "~/.cache/vlm-serve").expanduser()
 
 
