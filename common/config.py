@@ -322,11 +322,13 @@ class Config:
         return not self.decoder.text_replicas or replica in self.decoder.text_replicas
 
     def model_path(self) -> Path:
+        """The checkpoint's directory: ``[model] path``, or where the demo checkpoint lives. Only named here:
+        `workers.models.synth.prepared_model` generates the demo checkpoint (the workers and the launcher call it)."""
         if self.model.path:
             return Path(self.model.path).expanduser()
-        from workers.models.synth import demo_checkpoint
+        from common.checkpoint import demo_checkpoint_path
 
-        return demo_checkpoint()
+        return demo_checkpoint_path()
 
 
 _ENV = {

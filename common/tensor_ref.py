@@ -12,40 +12,42 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from common.protocol import CudaIpcHandle, TensorRef
 
+if TYPE_CHECKING:  # torch only inside the functions that use it: importing common loads no torch
+    import torch
+
 SHM_DIR = Path("/dev/shm")
 
-_TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-}
+_DTYPE_NAMES = frozenset({"float32", "float16", "bfloat16", "int64", "int32", "uint8"})
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _TORCH_DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unsupported tensor dtype {name!r}") from None
+    import torch
+
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported tensor dtype {name!r}")
+    return getattr(torch, name)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+
     return str(dtype).removeprefix("torch.")
 
 
 def nbytes_of(dtype: str, shape: list[int]) -> int:
+    import torch
+
     return int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=torch_dtype(dtype)).element_size()
 
 
 def inline_ref(tensor: torch.Tensor) -> TensorRef:
+    import torch
+
     tensor = tensor.detach().contiguous().cpu()
     raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
     return TensorRef(kind="inline", dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), data=raw)
@@ -55,6 +57,8 @@ class ShmPool:
     """A fixed-size shared-memory region; the cache daemon creates it, others attach by name."""
 
     def __init__(self, name: str, size: int, *, create: bool) -> None:
+        import torch
+
         self.name = name
         self.path = SHM_DIR / name
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -80,6 +84,8 @@ class ShmPool:
         self.path.unlink(missing_ok=True)
 
     def close(self) -> None:
+        import torch
+
         # Tensors made by view() may still alias the map; let GC close it when they are gone.
         self.buffer = torch.empty(0)
 
@@ -95,6 +101,8 @@ class CudaPool:
 
     @classmethod
     def create(cls, name: str, size: int, device: torch.device) -> CudaPool:
+        import torch
+
         return cls(torch.zeros(size, dtype=torch.uint8, device=device), name)
 
     def handle(self) -> CudaIpcHandle:
@@ -102,6 +110,8 @@ class CudaPool:
 
     @classmethod
     def attach(cls, name: str, handle: CudaIpcHandle) -> CudaPool:
+        import torch
+
         torch.cuda._lazy_init()
         storage = torch.UntypedStorage._new_shared_cuda(
             handle.device,
@@ -123,6 +133,8 @@ class CudaPool:
         return self.buffer[ref.offset : ref.offset + nbytes].view(torch_dtype(ref.dtype)).view(ref.shape)
 
     def close(self) -> None:
+        import torch
+
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
@@ -152,6 +164,8 @@ class ShmAttachments:
 
 def read_tensor(ref: TensorRef, attachments: ShmAttachments | None = None) -> torch.Tensor:
     """Materialise a ref as a tensor: inline refs are copied, shm refs alias the pool."""
+    import torch
+
     if ref.kind == "inline":
         if ref.data is None:
             raise ValueError("inline tensor ref without data")
@@ -171,6 +185,8 @@ def gather_rows(refs: list[TensorRef], attachments: ShmAttachments) -> torch.Ten
     """The rows of several refs as one new tensor (a copy: the pools may reuse their bytes once it is
     made), on the GPU if any ref is in a GPU pool: with a spill tier, one request's embeddings can be
     partly in the GPU pool and partly in host memory."""
+    import torch
+
     parts = [read_tensor(ref, attachments) for ref in refs]
     device = next((part.device for part in parts if part.is_cuda), parts[0].device)
     return torch.cat([part.to(device) for part in parts])

@@ -5,6 +5,7 @@ import resource
 
 from aiohttp import web
 
+from common.checkpoint import wait_for_checkpoint
 from common.lifecycle import freeze_startup_heap, parse_args, start_process
 from gateway.app import Gateway
 
@@ -29,6 +30,10 @@ DRAIN_S = 30.0
 def main() -> None:
     cfg = start_process("gateway", parse_args("gateway"))
     files = raise_open_file_limit()
+    if not cfg.model.path:
+        # The demo checkpoint is made by the model layer (workers.models.synth), which the gateway does not
+        # import: the workers make it at start-up (the launcher before them), the gateway waits for it.
+        wait_for_checkpoint(cfg.model_path())
     gateway = Gateway(cfg)
     freeze_startup_heap()
     logging.getLogger("gateway").info(

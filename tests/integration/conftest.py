@@ -102,11 +102,7 @@ def serve(
     ``server_toml`` (lines of [server]); stopped with SIGTERM afterwards. Its output goes to
     ``run/serve-<name>.log``."""
     port = free_port()
-    config = tmp_path_factory.mktemp(name) / "vlm.toml"
-    config.write_text(
-        f"[server]\nport = {port}\nrequest_timeout_s = 120.0\n{server_toml}"
-        "[fetcher]\nallow_private_addresses = true\nhttp_timeout_s = 5.0\nencode_timeout_s = 30.0\n" + extra_toml
-    )
+    config = stack_config(tmp_path_factory.mktemp(name), port, extra_toml, server_toml)
     env = {**os.environ, "VLM_CONFIG": str(config)}
     (REPO / "run").mkdir(exist_ok=True)
     with open(REPO / "run" / f"serve-{name}.log", "wb") as log:
@@ -121,6 +117,17 @@ def serve(
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def stack_config(directory: Path, port: int, extra_toml: str = "", server_toml: str = "") -> Path:
+    """The test stacks' settings file in ``directory``: ``port``, loopback media allowed, short fetch timeouts, plus
+    ``extra_toml`` (whole sections) and ``server_toml`` (lines of [server])."""
+    config = directory / "vlm.toml"
+    config.write_text(
+        f"[server]\nport = {port}\nrequest_timeout_s = 120.0\n{server_toml}"
+        "[fetcher]\nallow_private_addresses = true\nhttp_timeout_s = 5.0\nencode_timeout_s = 30.0\n" + extra_toml
+    )
+    return config
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from common.config import Config
-from common.deploy import REPO, MpsPlan, encoder_count, mps_wanted, preflight, render
+from common.topology import encoder_count
+from ops.deploy import REPO, MpsPlan, mps_wanted, preflight, render
 from workers.models.runtime import encoder_gpu, resolve_device
 
 

@@ -28,14 +28,14 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from workers.fetcher.errors import MediaError
 from workers.fetcher.image import (
     ImageProcessorSpec,
-    Normalization,
     decode_image,
     image_patches,
-    normalize_patches,
+    normalization_of,
     num_image_tokens,
     preprocess_image,
     smart_resize,
 )
+from workers.models.pixels import normalize_patches
 
 # What Qwen2-VL-*-Instruct checkpoints ship in preprocessor_config.json.
 QWEN2_VL_CONFIG: dict[str, Any] = {
@@ -440,7 +440,7 @@ def test_uint8_patches_normalized_later_equal_pixel_values_bit_for_bit(name: str
         expected, grid = preprocess_image(decode_image(data, MAX_IMAGE_PIXELS), spec)
         patches, patch_grid = image_patches(decode_image(data, MAX_IMAGE_PIXELS), spec)
         assert patches.dtype == np.uint8 and patch_grid == grid and patches.shape == expected.shape
-        values = normalize_patches(torch.from_numpy(patches), Normalization.of(spec, channels=3))
+        values = normalize_patches(torch.from_numpy(patches), normalization_of(spec, channels=3))
         assert values.dtype == torch.float32
         assert np.array_equal(values.numpy(), expected), (name, flags)
 

@@ -6,6 +6,7 @@ import signal
 
 from common.config import decoder_name
 from common.lifecycle import freeze_startup_heap, on_terminate, parse_args, start_process
+from workers.models.synth import prepared_model
 
 
 def main() -> None:
@@ -21,6 +22,7 @@ def main() -> None:
             f"--replica {args.replica} --rank {args.rank}: the config has {cfg.decoder.replicas} replica(s) of "
             f"{cfg.decoder.tensor_parallel} rank(s) ([decoder] replicas, tensor_parallel)"
         )
+    prepared_model(cfg)
     if args.rank:
         from workers.decoder.tp import DecoderRank
 

@@ -210,7 +210,7 @@ def leader_rendezvous(cfg: Config, replica: int, incarnation: str, num_blocks: i
                 raise RuntimeError(
                     f"decoder ranks {missing} did not join within {cfg.decoder.tp_timeout_s}s: each runs as "
                     "`python -m workers.decoder --rank K`, which the supervisord config that ./ops/serve renders "
-                    "(python -m common.deploy) starts and the static ops/vlm.conf does not"
+                    "(python -m ops.deploy) starts and the static ops/vlm.conf does not"
                 )
             peer, msg = channel.recv()
             if isinstance(msg, TPJoin) and 1 <= msg.rank < world:
@@ -271,7 +271,7 @@ class DecoderRank:
     running rank 0's steps until told to stop."""
 
     def __init__(self, cfg: Config, replica: int, rank: int) -> None:
-        from common.deploy import vision_replicas
+        from common.topology import vision_replicas
         from workers.decoder.worker import runner_options  # (the worker imports this module)
         from workers.models.runtime import claim_device, resolve_dtype
         from workers.models.tensor_parallel import load_shard

@@ -21,7 +21,6 @@ import torch
 import zmq
 
 from common.config import Config, decoder_name
-from common.deploy import vision_replicas
 from common.lifecycle import REPORT_EVERY_S, CounterWindow
 from common.protocol import (
     Abort,
@@ -38,6 +37,7 @@ from common.protocol import (
     WorkerStatus,
 )
 from common.tensor_ref import ShmAttachments, gather_rows
+from common.topology import vision_replicas
 from common.transport import Channel, EventLoop, worker_identity
 from workers.decoder.batch import Sequence
 from workers.decoder.engine import Engine, PromptError

@@ -3,11 +3,14 @@ list is set (CPU when there is no GPU)."""
 
 from common.lifecycle import freeze_startup_heap, on_terminate, parse_args, start_process
 from workers.encoder.worker import EncoderWorker
+from workers.models.synth import prepared_model
 
 
 def main() -> None:
     args = parse_args("workers.encoder", lambda p: p.add_argument("--gpu", type=int, default=0))
-    worker = EncoderWorker(start_process(f"encoder.{args.gpu}", args), args.gpu)
+    cfg = start_process(f"encoder.{args.gpu}", args)
+    prepared_model(cfg)
+    worker = EncoderWorker(cfg, args.gpu)
     on_terminate(worker.loop.stop)
     freeze_startup_heap()
     worker.run()

@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.kernels.vision import apply_vision_rotary
 from workers.models.spec import VisionSpec
 from workers.models.vision import (
     VisionAttention,
     VisionTower,
-    apply_vision_rotary,
     cu_seqlens_from_grid,
     vision_rotary_cos_sin,
     vision_rotary_positions,

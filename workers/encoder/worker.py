@@ -26,7 +26,7 @@ from common.protocol import CacheCommit, EncodeJob, EncodeResult, Message, Ping,
 from common.tensor_ref import ShmAttachments, read_tensor
 from common.transport import Channel, EventLoop, worker_identity
 from workers.encoder.backends import VisionBackend, load_vision_backend
-from workers.fetcher.image import Normalization, normalize_patches
+from workers.models.pixels import Normalization, normalize_patches
 from workers.models.runtime import claim_device, encoder_gpu, resolve_dtype, upload
 
 log = logging.getLogger(__name__)

@@ -2,13 +2,16 @@
 
 from common.lifecycle import freeze_startup_heap, on_terminate, parse_args, start_process
 from workers.fetcher.worker import FetcherWorker
+from workers.models.synth import prepared_model
 
 INDEX_HELP = "this fetcher's number among several (its name in /metrics: fetcher.N)"
 
 
 def main() -> None:
     args = parse_args("workers.fetcher", lambda p: p.add_argument("--index", type=int, default=0, help=INDEX_HELP))
-    worker = FetcherWorker(start_process("fetcher", args), args.index)
+    cfg = start_process("fetcher", args)
+    prepared_model(cfg)
+    worker = FetcherWorker(cfg, args.index)
     on_terminate(worker.loop.stop)
     freeze_startup_heap()
     worker.run()

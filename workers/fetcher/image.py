@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from workers.fetcher.errors import MediaError
+from workers.models.pixels import Normalization
 
 # transformers' OPENAI_CLIP_MEAN / OPENAI_CLIP_STD, the processor's class defaults.
 _CLIP_MEAN: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
@@ -359,7 +359,7 @@ def preprocess_image(image: Image.Image, spec: ImageProcessorSpec) -> tuple[np.n
 
 def image_patches(image: Image.Image, spec: ImageProcessorSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
     """The same patches before rescaling and normalising: the resized uint8 values, a quarter of the bytes
-    of ``pixel_values``. ``normalize_patches(patches, Normalization.of(spec, channels))`` (numpy or torch, on
+    of ``pixel_values``. ``normalize_patches(patches, normalization_of(spec, channels))`` (numpy or torch, on
     any device) gives exactly `preprocess_image`'s float32 values: the encoder does that step on the GPU."""
     pixels = _resized(image, spec)
     if pixels.dtype != np.uint8:
@@ -379,40 +379,13 @@ def _resized(image: Image.Image, spec: ImageProcessorSpec) -> np.ndarray:
     return pixels
 
 
-@dataclass(frozen=True)
-class Normalization:
-    """transformers' ``rescale`` then ``normalize`` as parameters (None: that step is off)."""
-
-    rescale_factor: float | None
-    mean: tuple[float, ...] | None  # per channel
-    std: tuple[float, ...] | None
-
-    @classmethod
-    def of(cls, spec: ImageProcessorSpec, channels: int) -> Normalization:
-        if not spec.do_normalize:
-            return cls(spec.rescale_factor if spec.do_rescale else None, None, None)
-        mean, std = _per_channel(spec.image_mean, channels), _per_channel(spec.image_std, channels)
-        return cls(spec.rescale_factor if spec.do_rescale else None, tuple(mean), tuple(std))
-
-
-def normalize_patches(patches: torch.Tensor, norm: Normalization) -> torch.Tensor:
-    """float32 pixel values from uint8 patches [N, channels * temporal * patch * patch], on their device.
-
-    The operations and dtypes of `_rescale_and_normalize` (a float64 product rounded once to float32, then
-    float32 subtraction and division): IEEE arithmetic on CPU and CUDA alike, so the result is bit-identical
-    to the host's. A patch row's columns are laid out channel-major, so column c belongs to channel
-    ``c // (columns / channels)``.
-    """
-    values = patches
-    if norm.rescale_factor is not None:
-        values = (values.to(torch.float64) * norm.rescale_factor).to(torch.float32)
-    values = values.to(torch.float32)
-    if norm.mean is not None and norm.std is not None:
-        per_channel = values.shape[1] // len(norm.mean)
-        mean = torch.tensor(norm.mean, dtype=torch.float32).repeat_interleave(per_channel).to(values.device)
-        std = torch.tensor(norm.std, dtype=torch.float32).repeat_interleave(per_channel).to(values.device)
-        values = (values - mean) / std
-    return values
+def normalization_of(spec: ImageProcessorSpec, channels: int) -> Normalization:
+    """The rescale and normalize steps of ``spec`` for patches of ``channels`` channels, as the encoder applies
+    them (`workers.models.pixels.normalize_patches`)."""
+    if not spec.do_normalize:
+        return Normalization(spec.rescale_factor if spec.do_rescale else None, None, None)
+    mean, std = _per_channel(spec.image_mean, channels), _per_channel(spec.image_std, channels)
+    return Normalization(spec.rescale_factor if spec.do_rescale else None, tuple(mean), tuple(std))
 
 
 def num_image_tokens(grid_thw: tuple[int, int, int], merge_size: int) -> int:

@@ -13,7 +13,7 @@ from common.config import FetcherConfig
 from common.protocol import MediaInput
 from workers.fetcher.download import fetch_bytes
 from workers.fetcher.errors import MediaError
-from workers.fetcher.image import ImageProcessorSpec, Normalization, decode_image, image_patches, num_image_tokens
+from workers.fetcher.image import ImageProcessorSpec, decode_image, image_patches, normalization_of, num_image_tokens
 from workers.fetcher.video import (
     VideoProcessorSpec,
     decode_video,
@@ -22,6 +22,7 @@ from workers.fetcher.video import (
     video_hash,
     with_client_limits,
 )
+from workers.models.pixels import Normalization
 
 
 @dataclass
@@ -55,7 +56,7 @@ def load_image(item: MediaInput, spec: ImageProcessorSpec, rules: FetcherConfig,
     # uint8 patches: a quarter of the bytes to copy, serialise and move to the GPU, where the encoder
     # rescales and normalises them exactly as `preprocess_image` would (tests/unit/test_image_preprocess.py).
     patches, grid = image_patches(image, spec)
-    norm = Normalization.of(spec, channels=patches.shape[1] // (spec.temporal_patch_size * spec.patch_size**2))
+    norm = normalization_of(spec, channels=patches.shape[1] // (spec.temporal_patch_size * spec.patch_size**2))
     # Content + every parameter that changes the embedding: equal hashes mean equal ViT output.
     digest = hashlib.sha256()
     digest.update(json.dumps([model_key, image.mode, image.size, repr(spec)], default=str).encode())

@@ -20,7 +20,6 @@ import torch
 import zmq
 
 from common.config import Config
-from common.deploy import encoder_count
 from common.dispatch import Dispatcher, Job
 from common.lifecycle import REPORT_EVERY_S, CounterWindow
 from common.protocol import (
@@ -43,13 +42,13 @@ from common.protocol import (
     TensorRef,
     WorkerStatus,
 )
-from common.tensor_ref import dtype_name, inline_ref, nbytes_of
+from common.tensor_ref import inline_ref, nbytes_of
+from common.topology import encoder_count, model_device_type, model_dtype_name
 from common.transport import Channel, EventLoop, Wakeup, worker_identity
 from workers.fetcher.errors import MediaError
 from workers.fetcher.image import ImageProcessorSpec
 from workers.fetcher.media import LoadedImage, load_media
 from workers.fetcher.video import VideoProcessorSpec
-from workers.models.runtime import resolve_device, resolve_dtype
 from workers.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -105,7 +104,7 @@ class FetcherWorker:
         self.image_spec = ImageProcessorSpec.from_dir(model_path)
         self.video_spec = VideoProcessorSpec.from_dir(model_path)
         self.model_key = str(model_path.resolve())
-        self.embed_dtype = dtype_name(resolve_dtype(cfg, resolve_device(cfg)))
+        self.embed_dtype = model_dtype_name(cfg, model_device_type(cfg))
         self.max_model_len = cfg.decoder.max_model_len or self.spec.max_position_embeddings
         self.ctx = zmq.Context()
         self.gateway = Channel(self.ctx, zmq.DEALER, cfg.endpoint("fetch"), bind=False, identity=identity)

@@ -5,80 +5,23 @@
 Triton kernel in `attention_triton`; otherwise it is `paged_attention_reference`. `paged_attention_triton`
 launches the kernel on any device (Triton's interpreter on CPU tensors), for tests and benchmarks.
 
-The kernel reads per-sequence metadata as int32 tensors (`AttentionMetadata`); they are built from the
-`BatchLayout` once per forward step and reused by every layer.
+The kernel reads per-sequence metadata as int32 tensors (`AttentionMetadata`, in `workers.kernels.layout`);
+they are built from the `BatchLayout` once per forward step and reused by every layer.
+`paged_attention_reference` is the plain-torch contract the kernel is checked against.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from workers.kernels._launch import use_triton
-
-if TYPE_CHECKING:  # workers.models.paged imports this package's kernels: import it lazily here
-    from workers.models.paged import BatchLayout
+from workers.kernels.layout import AttentionMetadata, BatchLayout
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """int32 per-sequence tensors on the kernel's device, plus the host-side sizes that pick the launch.
-
-    ``block_table`` is [num_seqs, max blocks] padded with -1 (as `BatchLayout.block_table_tensor`); the
-    kernel never reads an entry past a sequence's context.
-    """
-
-    query_starts: torch.Tensor  # [num_seqs + 1], cu_seqlens of the flat queries
-    query_lens: torch.Tensor  # [num_seqs]
-    context_lens: torch.Tensor  # [num_seqs]
-    block_table: torch.Tensor  # [num_seqs, max blocks]
-    num_tokens: int
-    max_query_len: int
-    max_context_len: int
-    block_size: int
-
-    @property
-    def num_seqs(self) -> int:
-        return self.query_lens.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.query_lens.device
-
-    @functools.cached_property
-    def context_total(self) -> torch.Tensor:
-        """int32 [1]: the batch's keys in all, summed on the device once for every layer of a step (in a
-        captured graph, once per replay): balanced decode splits are cut from it."""
-        return self.context_lens.sum(dtype=torch.int32).view(1)
-
-    @classmethod
-    def from_layout(cls, layout: BatchLayout, device: torch.device | str | None = None) -> AttentionMetadata:
-        device = torch.device(device) if device is not None else layout.device
-        b = layout.num_seqs
-        width = max(len(t) for t in layout.block_tables)
-        tables = [t + [-1] * (width - len(t)) for t in layout.block_tables]
-        # One int32 tensor built on the host and moved in one copy, then viewed as its four parts: a step
-        # pays for one small host-to-device transfer instead of four.
-        flat = [*layout.query_starts, *layout.query_lens, *layout.context_lens, *(b for t in tables for b in t)]
-        packed = torch.tensor(flat, dtype=torch.int32).to(device)
-        starts, lens, ctx, table = torch.split(packed, [b + 1, b, b, b * width])
-        return cls(
-            query_starts=starts,
-            query_lens=lens,
-            context_lens=ctx,
-            block_table=table.view(b, width),
-            num_tokens=layout.num_tokens,
-            max_query_len=max(layout.query_lens),
-            max_context_len=max(layout.context_lens),
-            block_size=layout.block_size,
-        )
 
 
 class _MetadataCache:
@@ -112,12 +55,57 @@ def attention_metadata(layout: BatchLayout, device: torch.device | str | None = 
 
 
 def paged_attention_reference(
-    q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, layout: BatchLayout | AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_k: torch.Tensor,
+    kv_v: torch.Tensor,
+    layout: BatchLayout | AttentionMetadata,
+    scale: float,
 ) -> torch.Tensor:
-    """The plain-torch contract (`workers.models.paged.paged_attention_reference`)."""
-    from workers.models.paged import paged_attention_reference as reference
+    """Causal GQA attention of every sequence's new queries over its whole context, gathered from slots.
 
-    return reference(q, kv_k, kv_v, layout, scale)
+    q [T, heads, D] (flat, sequence after sequence); kv_k, kv_v [slots, kv_heads, D] already hold the new
+    tokens' k/v. Query i of sequence s sits at position ``context_len - query_len + i`` and sees
+    positions ``0 ..`` itself. Returns [T, heads, D]. An `AttentionMetadata` is read back to the host first;
+    rows of tokens that belong to no sequence (graph padding) are zeros.
+    """
+    if isinstance(layout, AttentionMetadata):
+        layout = BatchLayout.from_metadata(layout)
+    out = torch.zeros_like(q)
+    slots = layout.context_slots
+    q_starts, ctx_start = layout.query_starts, 0
+    for s, (past, ctx) in enumerate(zip(layout.past_lens, layout.context_lens, strict=True)):
+        seq_slots = slots[ctx_start : ctx_start + ctx]
+        ctx_start += ctx
+        # [kv_heads, S, D] with rows D apart, as in `KVCache`'s views: SDPA takes the same path as there.
+        k = kv_k.index_select(0, seq_slots).transpose(0, 1).contiguous()
+        v = kv_v.index_select(0, seq_slots).transpose(0, 1).contiguous()
+        begin, end = q_starts[s], q_starts[s + 1]
+        out[begin:end] = _sequence_attention(q[begin:end].transpose(0, 1), k, v, past, scale).transpose(0, 1)
+    return out
+
+
+def _sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor:
+    """`language.attention` with an explicit scale: q [Hq, t, D], k/v [Hkv, past + t, D] -> [Hq, t, D].
+
+    The same SDPA calls in the same three cases (no mask / is_causal / explicit mask) as the per-sequence
+    path, so that fp32 results agree bit for bit.
+    """
+    t, s = q.shape[1], k.shape[1]
+    mask, causal = None, False
+    if t > 1 and past == 0:
+        causal = True
+    elif t > 1:
+        mask = causal_mask(t, s, past, q.device)  # is_causal would align the triangle top-left
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+    )
+    return out.squeeze(0)
+
+
+def causal_mask(t: int, s: int, past_length: int, device: torch.device) -> torch.Tensor:
+    """bool [t, s]: query i (at position ``past_length + i``) may see keys 0 .. past_length + i."""
+    query_index = torch.arange(past_length, past_length + t, device=device)
+    return torch.arange(s, device=device)[None, :] <= query_index[:, None]
 
 
 def paged_attention(

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from workers.kernels._launch import check_launchable, interpreted, next_power_of_2
 from workers.kernels._triton_common import Launch, to_dtype
-from workers.kernels.attention import AttentionMetadata
+from workers.kernels.layout import AttentionMetadata
 
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 32

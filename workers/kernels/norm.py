@@ -1,8 +1,9 @@
 """RMSNorm, alone and fused with the residual add that precedes it in every decoder layer; and LayerNorm
 fused with the residual add before it (the vision tower's blocks).
 
-RMSNorm numerically as `workers.models.language.rms_norm`: the mean square in fp32, the normalised row cast
-back to the input dtype, then multiplied by the weight (in the promoted dtype of weight and input).
+RMSNorm numerically as the reference model's (`rms_norm_reference`, which `workers.models.language` uses): the
+mean square in fp32, the normalised row cast back to the input dtype, then multiplied by the weight (in the
+promoted dtype of weight and input).
 LayerNorm as torch's: statistics and the affine map in fp32, rounded once to the input dtype.
 """
 
@@ -12,11 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from workers.kernels._launch import use_triton
-from workers.models.language import rms_norm as _rms_norm
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms_norm(x, weight, eps)
+    """RMSNorm computed in fp32, cast back to x's dtype *before* the weight multiply (as the reference)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def fused_add_rms_norm_reference(
@@ -24,7 +27,7 @@ def fused_add_rms_norm_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), the sum rounded to the input dtype first (as the layer's)."""
     summed = x + residual
-    return _rms_norm(summed, weight, eps), summed
+    return rms_norm_reference(summed, weight, eps), summed
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

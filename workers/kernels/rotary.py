@@ -1,8 +1,9 @@
 """Multimodal rotary embedding applied to q and k in one launch.
 
 Takes the cos/sin [T, head_dim] that `workers.models.language.mrope_cos_sin` builds (in the activations'
-dtype) and matches `language.apply_rotary` on each of q [T, heads, D] and k [T, kv_heads, D], including
-its roundings: in bf16, ``x * cos`` and ``rotate_half(x) * sin`` are each rounded before their sum is.
+dtype) and matches `apply_rotary` (the reference model's rotary, which `workers.models.language` uses) on
+each of q [T, heads, D] and k [T, kv_heads, D], including its roundings: in bf16, ``x * cos`` and
+``rotate_half(x) * sin`` are each rounded before their sum is.
 """
 
 from __future__ import annotations
@@ -10,9 +11,19 @@ from __future__ import annotations
 import torch
 
 from workers.kernels._launch import use_triton
-from workers.models.language import apply_rotary
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, head_dim] in x's dtype."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
 
 
 def apply_mrope_reference(

@@ -12,14 +12,20 @@ from __future__ import annotations
 import torch
 
 from workers.kernels._launch import use_triton
+from workers.kernels.rotary import rotate_half
+
+
+def apply_vision_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [N, heads, head_dim] in fp32 (as the reference does), returning x's dtype."""
+    xf = x.float()
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 
 
 def vision_rotary_qk_reference(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [N, 3 * heads * D] -> rotated q, rotated k and v, each [N, heads, D] in qkv's dtype."""
-    from workers.models.vision import apply_vision_rotary
-
     q, k, v = qkv.view(qkv.shape[0], 3, heads, -1).unbind(1)
     return apply_vision_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin), v
 

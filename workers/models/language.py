@@ -4,7 +4,8 @@ One sequence at a time, with a contiguous per-sequence KV cache. Prefill (many t
 token) take the same path: new tokens attend causally to everything cached plus themselves.
 
 The math lives in small pure functions (`rms_norm`, `mrope_cos_sin`, `apply_rotary`, `attention`,
-`mlp`). They are the plain-torch references that faster kernels will be checked against;
+`mlp`). They are the plain-torch references that faster kernels are checked against (`rms_norm` and
+`apply_rotary` are defined beside their kernels in `workers.kernels`, the layer below);
 `attention_reference` spells attention out without SDPA for the same purpose.
 """
 
@@ -17,17 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.kernels.attention import causal_mask
+from workers.kernels.norm import rms_norm_reference as rms_norm
+from workers.kernels.rotary import apply_rotary
 from workers.models.spec import ModelSpec
 from workers.models.weights import CheckpointWeights, check_state, load_language_state
 
 # --- math -------------------------------------------------------------------------------------------
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, cast back to x's dtype *before* the weight multiply (as the reference)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
@@ -62,17 +59,6 @@ def mrope_axis(mrope_section: Sequence[int], device: torch.device | str) -> torc
     return torch.repeat_interleave(torch.arange(3), torch.tensor(list(mrope_section))).to(device)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, head_dim] in x's dtype."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_length: int) -> torch.Tensor:
     """Causal GQA attention of new queries over cached + new keys.
 
@@ -88,7 +74,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_length: in
         causal = True
     else:
         # SDPA's is_causal aligns the triangle top-left, which is wrong once keys outnumber queries.
-        mask = _causal_mask(t, s, past_length, q.device)
+        mask = causal_mask(t, s, past_length, q.device)
         causal = False
     out = F.scaled_dot_product_attention(
         q.unsqueeze(0),
@@ -109,14 +95,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_
     k = k.repeat_interleave(groups, dim=0).float()
     v = v.repeat_interleave(groups, dim=0).float()
     scores = q.float() @ k.transpose(1, 2) * q.shape[-1] ** -0.5
-    allowed = _causal_mask(q.shape[1], k.shape[1], past_length, q.device)
+    allowed = causal_mask(q.shape[1], k.shape[1], past_length, q.device)
     scores = scores.masked_fill(~allowed, float("-inf"))
     return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
-
-
-def _causal_mask(t: int, s: int, past_length: int, device: torch.device) -> torch.Tensor:
-    query_index = torch.arange(past_length, past_length + t, device=device)
-    return torch.arange(s, device=device)[None, :] <= query_index[:, None]
 
 
 def mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:

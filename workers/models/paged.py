@@ -9,25 +9,27 @@ physical block ids (its block table), token ``pos`` of a sequence lives in slot
 ``table[pos // block_size] * block_size + pos % block_size``. Blocks can be shared between sequences
 (prefix caching) as long as nobody writes to a shared block; `BatchLayout` checks that.
 
-The math comes from `workers.models.language` so that a kernel swap stays in one place;
-`paged_attention_reference` is the plain-torch attention that paged kernels will be checked against.
+The math comes from `workers.models.language` so that a kernel swap stays in one place. `BatchLayout` and
+`paged_attention_reference` (the plain-torch attention the paged kernels are checked against) live in the
+kernels' layer, which takes them (`workers.kernels.layout`, `workers.kernels.attention`); they are
+re-exported here for the model's callers.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from workers.kernels.activation import silu_and_mul
-from workers.kernels.attention import AttentionMetadata
+from workers.kernels.attention import paged_attention_reference
 from workers.kernels.cache import reshape_and_cache
+from workers.kernels.layout import AttentionMetadata, BatchLayout
 from workers.kernels.norm import fused_add_rms_norm, rms_norm
 from workers.kernels.rotary import apply_mrope
-from workers.models.language import DecoderLayer, LanguageModel, _causal_mask, apply_rotary, mrope_cos_sin
+from workers.models.language import DecoderLayer, LanguageModel, apply_rotary, mrope_cos_sin
 from workers.models.spec import ModelSpec
 from workers.models.tensor_parallel import TensorParallel
 
@@ -117,235 +119,6 @@ class PagedKVCache:
             for slots in store:
                 blocks = slots.view(self.num_blocks, self.block_size, *slots.shape[1:])
                 blocks.index_copy_(0, dst, blocks.index_select(0, src))
-
-
-# --- batch layout -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BatchLayout:
-    """Where each sequence's new tokens and context live for one forward.
-
-    Sequence ``s`` contributes ``query_lens[s]`` new tokens at positions ``context_lens[s] -
-    query_lens[s] ..`` and attends over positions ``0 .. context_lens[s] - 1``. Construction validates
-    and copies the lists (the engine goes on growing its own tables); frozen, because the index tensors
-    are built from them on first use, on ``device``, and cached.
-    """
-
-    query_lens: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-    block_size: int
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    _tensors: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "query_lens", [int(n) for n in self.query_lens])
-        object.__setattr__(self, "context_lens", [int(n) for n in self.context_lens])
-        object.__setattr__(self, "block_tables", [[int(b) for b in table] for table in self.block_tables])
-        object.__setattr__(self, "device", torch.device(self.device))
-        self._validate()
-
-    @classmethod
-    def build(
-        cls,
-        query_lens: Sequence[int],
-        context_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        block_size: int,
-        device: torch.device | str = "cpu",
-        num_blocks: int | None = None,
-    ) -> BatchLayout:
-        """Validated layout; with ``num_blocks`` block ids are also checked against the cache size."""
-        layout = cls(list(query_lens), list(context_lens), [list(t) for t in block_tables], block_size, device)
-        if num_blocks is not None:
-            layout.check_blocks(num_blocks)
-        return layout
-
-    @classmethod
-    def from_metadata(cls, metadata: AttentionMetadata) -> BatchLayout:
-        """The host form of kernel metadata (a device sync): block tables cut to each context's blocks.
-
-        Empty sequences (no new token: the padding of a CUDA-graph step) are left out; tokens past the
-        last sequence's belong to none (`paged_attention_reference` gives them zeros)."""
-        query_lens, context_lens = metadata.query_lens.tolist(), metadata.context_lens.tolist()
-        tables = metadata.block_table.tolist()
-        size = metadata.block_size
-        kept = [s for s, q in enumerate(query_lens) if q > 0]
-        cut = [tables[s][: _blocks_for(context_lens[s], size)] for s in kept]
-        return cls([query_lens[s] for s in kept], [context_lens[s] for s in kept], cut, size, metadata.device)
-
-    def to(self, device: torch.device | str) -> BatchLayout:
-        device = torch.device(device)
-        if device == self.device:
-            return self
-        # A shallow copy: the lists were validated already, only the cached tensors are per device.
-        moved = copy.copy(self)
-        object.__setattr__(moved, "device", device)
-        object.__setattr__(moved, "_tensors", {name: t.to(device) for name, t in self._tensors.items()})
-        return moved
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.query_lens)
-
-    @property
-    def past_lens(self) -> list[int]:
-        """Tokens per sequence whose k/v were computed by earlier forwards."""
-        return [c - q for q, c in zip(self.query_lens, self.context_lens, strict=True)]
-
-    @property
-    def query_starts(self) -> list[int]:
-        """Flat index of each sequence's first new token, plus T at the end ([B + 1], as cu_seqlens)."""
-        starts = [0]
-        for n in self.query_lens:
-            starts.append(starts[-1] + n)
-        return starts
-
-    @property
-    def last_token_indices(self) -> list[int]:
-        return [end - 1 for end in self.query_starts[1:]]
-
-    @property
-    def slot_mapping(self) -> torch.Tensor:
-        """int64 [T]: the slot each new token's k/v is written to."""
-        return self._cached("slot_mapping", lambda: self._slots(self.query_lens, self.past_lens))
-
-    @property
-    def context_slots(self) -> torch.Tensor:
-        """int64 [sum(context_lens)]: every context token's slot, sequence after sequence, in position order."""
-        return self._cached("context_slots", lambda: self._slots(self.context_lens, [0] * self.num_seqs))
-
-    @property
-    def block_table_tensor(self) -> torch.Tensor:
-        """int64 [B, max blocks], padded with -1: the form paged kernels take."""
-        return self._cached("block_table", self._padded_block_tables)
-
-    def check_blocks(self, num_blocks: int) -> None:
-        """Raise ValueError if a block id does not exist in a cache of ``num_blocks`` blocks."""
-        for s, table in enumerate(self.block_tables):
-            bad = [b for b in table if not 0 <= b < num_blocks]
-            if bad:
-                raise ValueError(f"sequence {s} uses block ids {bad} outside the cache's [0, {num_blocks})")
-
-    def _cached(self, name: str, build: Callable[[], torch.Tensor]) -> torch.Tensor:
-        if name not in self._tensors:
-            # Built on the CPU from the lists, then moved once: no per-step chain of tiny device kernels.
-            self._tensors[name] = build().to(self.device)
-        return self._tensors[name]
-
-    def _padded_block_tables(self) -> torch.Tensor:
-        width = max(len(t) for t in self.block_tables)
-        return torch.tensor([t + [-1] * (width - len(t)) for t in self.block_tables], dtype=torch.int64)
-
-    def _slots(self, counts: list[int], firsts: list[int]) -> torch.Tensor:
-        """Slots of positions firsts[s] .. firsts[s] + counts[s] - 1 of every sequence, concatenated."""
-        counts_t = torch.tensor(counts, dtype=torch.int64)
-        seq = torch.repeat_interleave(torch.arange(self.num_seqs), counts_t)
-        starts = torch.cumsum(counts_t, 0) - counts_t
-        pos = torch.arange(int(counts_t.sum())) - starts[seq] + torch.tensor(firsts, dtype=torch.int64)[seq]
-        tables, size = self._padded_block_tables(), self.block_size
-        return tables[seq, pos // size] * size + pos % size
-
-    def _validate(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        n = len(self.query_lens)
-        if n == 0:
-            raise ValueError("a batch needs at least one sequence")
-        if len(self.context_lens) != n or len(self.block_tables) != n:
-            raise ValueError(
-                f"query_lens, context_lens and block_tables must have one entry per sequence, got "
-                f"{n}, {len(self.context_lens)} and {len(self.block_tables)}"
-            )
-        for s, (q, c, table) in enumerate(zip(self.query_lens, self.context_lens, self.block_tables, strict=True)):
-            if q < 1:
-                raise ValueError(f"sequence {s}: query_len must be >= 1, got {q}")
-            if c < q:
-                raise ValueError(f"sequence {s}: context_len {c} is smaller than its query_len {q}")
-            needed = _blocks_for(c, self.block_size)
-            if len(table) < needed:
-                raise ValueError(
-                    f"sequence {s}: {c} tokens need {needed} blocks of {self.block_size}, block table has {len(table)}"
-                )
-            if min(table) < 0:
-                raise ValueError(f"sequence {s}: negative block id in its block table {table}")
-            if len(set(table[:needed])) != needed:
-                raise ValueError(f"sequence {s}: block table repeats a block: {table[:needed]}")
-        self._check_writes_are_private()
-
-    def _check_writes_are_private(self) -> None:
-        # A block written in this forward must belong to its writer alone: otherwise two sequences write
-        # the same slots, or one reads slots that another overwrites. Shared (prefix) blocks are read-only;
-        # the engine copies a shared partial block (copy_blocks) before appending to it.
-        users: dict[int, set[int]] = {}
-        for s, (table, c) in enumerate(zip(self.block_tables, self.context_lens, strict=True)):
-            for b in table[: _blocks_for(c, self.block_size)]:
-                users.setdefault(b, set()).add(s)
-        for s, (q, c, table) in enumerate(zip(self.query_lens, self.context_lens, self.block_tables, strict=True)):
-            for b in table[(c - q) // self.block_size : _blocks_for(c, self.block_size)]:
-                if users[b] != {s}:
-                    others = sorted(users[b] - {s})
-                    raise ValueError(f"sequence {s} writes block {b}, which sequences {others} also use")
-
-
-def _blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
-# --- attention ----------------------------------------------------------------------------------------
-
-
-def paged_attention_reference(
-    q: torch.Tensor,
-    kv_k: torch.Tensor,
-    kv_v: torch.Tensor,
-    layout: BatchLayout | AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Causal GQA attention of every sequence's new queries over its whole context, gathered from slots.
-
-    q [T, heads, D] (flat, sequence after sequence); kv_k, kv_v [slots, kv_heads, D] already hold the new
-    tokens' k/v. Query i of sequence s sits at position ``context_len - query_len + i`` and sees
-    positions ``0 ..`` itself. Returns [T, heads, D]. An `AttentionMetadata` is read back to the host first;
-    rows of tokens that belong to no sequence (graph padding) are zeros.
-    """
-    if isinstance(layout, AttentionMetadata):
-        layout = BatchLayout.from_metadata(layout)
-    out = torch.zeros_like(q)
-    slots = layout.context_slots
-    q_starts, ctx_start = layout.query_starts, 0
-    for s, (past, ctx) in enumerate(zip(layout.past_lens, layout.context_lens, strict=True)):
-        seq_slots = slots[ctx_start : ctx_start + ctx]
-        ctx_start += ctx
-        # [kv_heads, S, D] with rows D apart, as in `KVCache`'s views: SDPA takes the same path as there.
-        k = kv_k.index_select(0, seq_slots).transpose(0, 1).contiguous()
-        v = kv_v.index_select(0, seq_slots).transpose(0, 1).contiguous()
-        begin, end = q_starts[s], q_starts[s + 1]
-        out[begin:end] = _sequence_attention(q[begin:end].transpose(0, 1), k, v, past, scale).transpose(0, 1)
-    return out
-
-
-def _sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor:
-    """`language.attention` with an explicit scale: q [Hq, t, D], k/v [Hkv, past + t, D] -> [Hq, t, D].
-
-    The same SDPA calls in the same three cases (no mask / is_causal / explicit mask) as the per-sequence
-    path, so that fp32 results agree bit for bit.
-    """
-    t, s = q.shape[1], k.shape[1]
-    mask, causal = None, False
-    if t > 1 and past == 0:
-        causal = True
-    elif t > 1:
-        mask = _causal_mask(t, s, past, q.device)  # is_causal would align the triangle top-left
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
-    )
-    return out.squeeze(0)
 
 
 # --- fused projections ----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from common.config import Config
+from common.topology import encoder_count, model_dtype_name
 
 
 def encoder_gpu(cfg: Config, index: int) -> int:
@@ -72,20 +73,13 @@ def check_sm_split(cfg: Config) -> None:
 def split_gpus(cfg: Config, visible: int) -> set[int]:
     """The GPUs that ``[encoder] sm_split`` splits (of ``visible`` GPUs): an encoder's that a replica taking text
     also runs on."""
-    from common.deploy import encoder_count
-
     text = cfg.decoder_gpus(r for r in range(cfg.decoder.replicas) if cfg.takes_text(r))
     return {encoder_gpu(cfg, k) % visible for k in range(encoder_count(cfg))} & text
 
 
 def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    """Embeddings and activations dtype: float32 on CPU (exact parity), bfloat16 on GPUs."""
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if cfg.model.dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if cfg.model.dtype not in names:
-        raise ValueError(f"[model] dtype must be one of auto, {', '.join(names)}; got {cfg.model.dtype!r}")
-    return names[cfg.model.dtype]
+    """Embeddings and activations dtype: float32 on CPU (exact parity), bfloat16 on GPUs (`model_dtype_name`)."""
+    return getattr(torch, model_dtype_name(cfg, device.type))
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -18,7 +18,6 @@ import functools
 import hashlib
 import json
 import math
-import os
 import random
 import shutil
 import struct
@@ -33,14 +32,15 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
+from common.checkpoint import DEMO_SEED, DEMO_SIZE, demo_checkpoint_path
+from common.config import Config
+
 if TYPE_CHECKING:  # torch is imported where weights are made: finding the demo checkpoint made needs none of it
     import torch
 
 # Bump when the bytes written for a given (size, seed) change, so cached demo models regenerate.
 GENERATOR_VERSION = 2
 META_FILE = "synth_meta.json"
-DEMO_SIZE = "tiny"
-DEMO_SEED = 0
 
 
 class VisionSpec(TypedDict):
@@ -846,10 +846,6 @@ def generate_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0) 
     return out_dir
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("VLM_CACHE_DIR") or "~/.cache/vlm-serve").expanduser()
-
-
 def _is_current(path: Path, size: str, seed: int) -> bool:
     try:
         meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
@@ -870,8 +866,8 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 def demo_checkpoint() -> Path:
     """The built-in demo model (tiny, seed 0), generated once under $VLM_CACHE_DIR/models."""
-    models = cache_dir() / "models"
-    path = models / f"qwen2-vl-{DEMO_SIZE}-seed{DEMO_SEED}"
+    path = demo_checkpoint_path()
+    models = path.parent
     if _is_current(path, DEMO_SIZE, DEMO_SEED):
         return path
     models.mkdir(parents=True, exist_ok=True)
@@ -881,6 +877,13 @@ def demo_checkpoint() -> Path:
             _remove_leftovers(path)
             generate_checkpoint(path, DEMO_SIZE, DEMO_SEED)
     return path
+
+
+def prepared_model(cfg: Config) -> Path:
+    """The configured checkpoint's directory (`Config.model_path`), the demo checkpoint generated first when it
+    is the one configured: every process that loads the model calls this at start-up, so that each one started
+    alone with the default config still finds it (one generates, the others wait on its lock)."""
+    return cfg.model_path() if cfg.model.path else demo_checkpoint()
 
 
 def _remove_leftovers(path: Path) -> None:

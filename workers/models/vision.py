@@ -74,18 +74,6 @@ def vision_rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) 
     return emb.cos(), emb.sin()
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_vision_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [N, heads, head_dim] in fp32 (as the reference does), returning x's dtype."""
-    xf = x.float()
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
-
-
 def rows_in_order(counts: list[int], order: list[int], device: torch.device) -> torch.Tensor:
     """The row indices that gather blocks of ``counts`` rows (block i: ``counts[i]`` rows, blocks back to back)
     in ``order``."""

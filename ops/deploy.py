@@ -1,6 +1,6 @@
 """The supervisord configuration of one deployment, rendered from ``ops/vlm.conf``.
 
-``python -m common.deploy OUT`` (what ``./ops/serve`` runs) writes it for the configuration that
+``python -m ops.deploy OUT`` (what ``vlm-serve serve`` and ``./ops/serve`` run) writes it for the configuration that
 ``VLM_CONFIG`` names: paths point at this checkout and at the deployment's own run directory (so two
 deployments never share a socket, pid file or log), the encoder program runs one process per
 encoder the fetcher will dispatch to (``[encoder] count``, 0: one per visible GPU), data-parallel decoder
@@ -21,21 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import Config, decoder_name, load_config
+from common.topology import encoder_count, has_gpu, vision_replicas
+from workers.models.synth import prepared_model
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def encoder_count(cfg: Config) -> int:
-    """Encoders to run: one per listed GPU, the configured count, or one per visible GPU (one on a CPU host)."""
-    if cfg.encoder.gpus:
-        return len(cfg.encoder.gpus)
-    if cfg.encoder.count:
-        return cfg.encoder.count
-    if not _may_have_gpu():
-        return 1
-    import torch  # only when the count depends on the hardware
-
-    return max(1, torch.cuda.device_count())
 
 
 @dataclass(frozen=True)
@@ -56,14 +45,6 @@ class MpsPlan:
         return cls(
             enc.mps_encoder_sm_percent, enc.mps_decoder_sm_percent, enc.mps_encoder_low_priority, vision_replicas(cfg)
         )
-
-
-def vision_replicas(cfg: Config) -> frozenset[int]:
-    """Media-only decoder replicas that share a GPU with a replica that takes text."""
-    text_gpus = cfg.decoder_gpus(r for r in range(cfg.decoder.replicas) if cfg.takes_text(r))
-    return frozenset(
-        r for r in range(cfg.decoder.replicas) if not cfg.takes_text(r) and cfg.replica_gpu_set(r) & text_gpus
-    )
 
 
 def render(
@@ -168,18 +149,22 @@ def _derived(decoder: str, name: str, args: str, numprocs: int = 0) -> str:
 
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
-        sys.exit("usage: python -m common.deploy OUT_CONF")
+        sys.exit("usage: python -m ops.deploy OUT_CONF")
     try:
-        cfg = load_config()
-        preflight(cfg)
-        wanted, why = mps_wanted(cfg, _has_gpu, _has_mps_daemon())
-        if wanted and cfg.encoder.sm_split:
-            from workers.models.runtime import check_sm_split  # (torch: already imported to ask for a GPU)
-
-            check_sm_split(cfg)
+        write_supervisord_conf(load_config(), Path(argv[0]))
     except (OSError, ValueError) as exc:  # (stopped here, before supervisord restarts failing workers for ever)
         sys.exit(f"vlm-serve: {exc}")
-    out = Path(argv[0])
+
+
+def write_supervisord_conf(cfg: Config, out: Path) -> None:
+    """Check what the workers would fail on (`preflight`, which makes the demo checkpoint if it is the model), and
+    write the deployment's supervisord configuration to ``out``. Raises OSError or ValueError."""
+    preflight(cfg)
+    wanted, why = mps_wanted(cfg, has_gpu, _has_mps_daemon())
+    if wanted and cfg.encoder.sm_split:
+        from workers.models.runtime import check_sm_split  # (torch: already imported to ask for a GPU)
+
+        check_sm_split(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     template = (REPO / "ops/vlm.conf").read_text()
     print(f"CUDA MPS: {'on' if wanted else 'off'} ({why})", file=sys.stderr)
@@ -191,10 +176,11 @@ def main(argv: list[str]) -> None:
 
 def preflight(cfg: Config) -> None:
     """What would otherwise fail only inside the workers, after supervisord has started them (and would restart
-    them for ever): a model directory that is not a Qwen2-VL checkpoint, and a port another program holds."""
+    them for ever): a model directory that is not a Qwen2-VL checkpoint, and a port another program holds. The demo
+    checkpoint, if it is the model, is made here: once, before the processes start (they would race to make it)."""
     from workers.models.spec import ModelSpec
 
-    ModelSpec.from_dir(cfg.model_path())
+    ModelSpec.from_dir(prepared_model(cfg))
     host, port = cfg.server.host, cfg.server.port
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
         # SO_REUSEADDR as aiohttp binds: a port in TIME_WAIT after the last stop is free to it
@@ -210,10 +196,8 @@ def preflight(cfg: Config) -> None:
 def mps_wanted(cfg: Config, has_gpu: Callable[[], bool], has_daemon: bool) -> tuple[bool, str]:
     """Whether the deployment runs the MPS daemon, and why. ``mps = "auto"`` turns it on only where it was
     measured to pay: a GPU host with the daemon's binary, an encoder on the decoder's GPU, a decoder of one
-    rank and the host embedding pool.
-    There, on one H200, seed3img at 32 clients went from 8.0-8.7 to 9.9-10.3 requests/s in four pairs of
-    runs, and text streams under image load kept 41% of their throughput instead of 28%
-    (benchmarks/results/2026-11-30-h200-vision-levers-a2cb480/). MPS with tensor-parallel ranks or with the
+    rank and the host embedding pool (there it raised image throughput and kept more of the text streams'
+    throughput under image load; the figures are in the docs). MPS with tensor-parallel ranks or with the
     CUDA IPC pool has not been measured: ``mps = true`` asks for it there. ``has_gpu`` is asked only where the
     answer depends on it (it imports torch: a second or two)."""
     setting = cfg.encoder.mps
@@ -233,20 +217,6 @@ def mps_wanted(cfg: Config, has_gpu: Callable[[], bool], has_daemon: bool) -> tu
     if cfg.decoder.tensor_parallel > 1 or cfg.decoder.replicas > 1 or cfg.cache.device_pool:
         return False, "auto: not measured with tensor_parallel > 1, replicas > 1 or device_pool; set mps = true to try"
     return True, "auto: an encoder shares the decoder's GPU"
-
-
-def _has_gpu() -> bool:
-    if not _may_have_gpu():
-        return False
-    import torch  # only when MPS may be wanted
-
-    return torch.cuda.is_available()
-
-
-def _may_have_gpu() -> bool:
-    """False on a host without NVIDIA's driver tools (as ops/install judges it): there, importing torch to
-    ask (2-3 s of every start-up) would only say no."""
-    return shutil.which("nvidia-smi") is not None
 
 
 def _has_mps_daemon() -> bool:

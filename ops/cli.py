@@ -1,0 +1,101 @@
+"""``vlm-serve``: the command line of a deployment, as users of ``vllm serve`` expect it.
+
+``vlm-serve serve [MODEL] [--host H] [--port P] [--config FILE]`` is what ``./ops/serve`` runs (it installs
+first): the options become the ``VLM_*`` variables that every process of the stack reads, the demo checkpoint
+is made if it is the model, the preflight checks run, the run directory's ``supervisord.conf`` is rendered
+(`ops.deploy`) and supervisord takes over this process in the foreground. ``vlm-serve config --defaults``
+prints the settings reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from common.config import load_config
+from ops.deploy import write_supervisord_conf
+
+# Each option of `serve` and the variable the stack's processes read it from (ops/vlm.toml: VLM_* win over
+# the file).
+SERVE_ENV = {"model": "VLM_MODEL", "host": "VLM_HOST", "port": "VLM_PORT", "config": "VLM_CONFIG"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    args.command(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="vlm-serve", description="A Qwen2-VL inference server (OpenAI API).")
+    commands = top.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    serve_parser = commands.add_parser(
+        "serve",
+        help="run the whole stack under supervisord, in the foreground",
+        description="Run the whole stack (gateway, fetcher, encoders, cache daemon, decoder) under supervisord, "
+        "in the foreground; SIGTERM or Ctrl-C stops it. Options left out come from VLM_* variables, then the "
+        "config file.",
+    )
+    serve_parser.add_argument(
+        "model",
+        nargs="?",
+        help="a Qwen2-VL checkpoint directory (VLM_MODEL; default: [model] path, else the generated demo model)",
+    )
+    serve_parser.add_argument("--host", help="address the HTTP server listens on (VLM_HOST; default 127.0.0.1)")
+    serve_parser.add_argument("--port", type=int, help="HTTP port (VLM_PORT; default 8000)")
+    serve_parser.add_argument(
+        "--config", type=Path, help="the TOML settings file (VLM_CONFIG; default ops/vlm.toml of this checkout)"
+    )
+    serve_parser.set_defaults(command=serve)
+    config_parser = commands.add_parser(
+        "config", help="print the settings reference", description="Print the settings reference."
+    )
+    config_parser.add_argument(
+        "--defaults", action="store_true", help="every setting with its default value and help text, as TOML"
+    )
+    config_parser.set_defaults(command=config)
+    return top
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Render the run directory's supervisord.conf for these options and exec supervisord on it."""
+    for option, variable in SERVE_ENV.items():
+        value = getattr(args, option)
+        if value is not None:
+            os.environ[variable] = str(Path(value).resolve()) if option == "config" else str(value)
+    try:
+        cfg = load_config()
+        run = cfg.run_path
+        (run / "logs").mkdir(parents=True, exist_ok=True)
+        conf = run / "supervisord.conf"
+        write_supervisord_conf(cfg, conf)
+    except (OSError, ValueError) as exc:  # (stopped here, before supervisord restarts failing workers for ever)
+        sys.exit(f"vlm-serve: {exc}")
+    print(f"supervisord: {conf} (supervisorctl -c {conf} status); logs in {run / 'logs'}", file=sys.stderr)
+    supervisord = _supervisord()
+    os.execv(supervisord, [supervisord, "-c", str(conf)])
+
+
+def _supervisord() -> str:
+    """supervisord beside this interpreter (the virtualenv's), else the one on PATH."""
+    beside = Path(sys.executable).with_name("supervisord")
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("supervisord")
+    if found is None:
+        sys.exit("vlm-serve: supervisord is not installed (pip install supervisor)")
+    return found
+
+
+def config(args: argparse.Namespace) -> None:
+    if not args.defaults:
+        sys.exit("vlm-serve config: say --defaults (every setting with its default and help text)")
+    from common.config import main as config_main  # (the settings reference is the config module's to print)
+
+    sys.exit(config_main(["--defaults"]))
+
+
+if __name__ == "__main__":
+    main()
