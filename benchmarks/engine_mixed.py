@@ -298,8 +298,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--overlap-mixed",
         action=argparse.BooleanOptionalAction,
-        default=DecoderConfig().overlap_mixed,
-        help="[decoder] overlap_mixed (default: the server's default)",
+        default=DecoderConfig().overlap,
+        help="steps with prefill chunks staged ahead too, as [decoder] overlap does (default: the server's default)",
     )
     parser.add_argument(
         "--decoding-budget",

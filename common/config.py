@@ -7,10 +7,13 @@ the HTTP port, so two deployments on one host never collide.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
+import json
 import os
 import re
+import textwrap
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,18 +24,38 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "ops" / "vlm.toml"
 
 
+def setting(default: Any, help: str) -> Any:
+    """A setting: its default, and the help that ``python -m common.config --defaults`` prints beside it (lists
+    are written ``field(default_factory=list, metadata={"help": ...})``, as a dataclass needs)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: list[str] = field(default_factory=list)  # non-empty: every /v1 request needs one as a Bearer token
-    served_model_name: str = ""
-    request_timeout_s: float = 300.0
-    max_request_bytes: int = 64 * 1024 * 1024
-    # Completion requests handled at once (bodies, media and queues included); past it a 503 at once,
-    # before the body is read, rather than a queue (and memory) without end.
-    max_requests_in_flight: int = 512
-    max_request_bytes_in_flight: int = 1024 * 1024 * 1024  # their bodies together (one alone may be larger)
+    host: str = setting("127.0.0.1", "Address the HTTP gateway listens on (VLM_HOST); 0.0.0.0: every interface.")
+    port: int = setting(
+        8000,
+        "HTTP port of the gateway (VLM_PORT). It also names the deployment's run directory (run/<port>), so two "
+        "deployments on one host never collide.",
+    )
+    api_keys: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": 'Non-empty, e.g. ["sk-..."]: every /v1 request needs "Authorization: Bearer <key>" with one of '
+            "them (or VLM_API_KEYS, comma-separated). /health and /metrics stay open for probes."
+        },
+    )
+    served_model_name: str = setting("", "The model's id in /v1/models and in answers; empty: the checkpoint's name.")
+    request_timeout_s: float = setting(300.0, "A completion request not answered in this many seconds fails.")
+    max_request_bytes: int = setting(64 * 1024 * 1024, "Largest request body (inline images included); larger: 413.")
+    max_requests_in_flight: int = setting(
+        512,
+        "Completion requests handled at once (bodies, media and queues included). Past it a 503 with Retry-After "
+        "at once, before the body is read, rather than a queue (and memory) without end.",
+    )
+    max_request_bytes_in_flight: int = setting(
+        1024 * 1024 * 1024, "The bodies of the requests in flight together (one alone may be larger); past it, a 503."
+    )
 
     def validate(self, where: str) -> None:
         if not 1 <= self.port <= 65535:
@@ -47,12 +70,20 @@ class ServerConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = ""  # empty: the built-in demo checkpoint
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto: cuda if available, else cpu
-    # auto: what a request leaves unset comes from generation_config.json's sampling keys (as vLLM does);
-    # ignore: OpenAI's defaults
-    generation_config: str = "auto"
+    path: str = setting(
+        "",
+        "A Hugging Face-format Qwen2-VL checkpoint directory (VLM_MODEL); empty: the built-in tiny demo model, "
+        "generated once under $VLM_CACHE_DIR.",
+    )
+    dtype: str = setting(
+        "auto", '"auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16" or "float16" (VLM_DTYPE).'
+    )
+    device: str = setting("auto", '"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N" (VLM_DEVICE).')
+    generation_config: str = setting(
+        "auto",
+        '"auto": what a request leaves unset comes from the sampling keys of the checkpoint\'s '
+        'generation_config.json (as vLLM does); "ignore": OpenAI\'s defaults.',
+    )
 
     def validate(self, where: str) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -65,22 +96,32 @@ class ModelConfig:
 
 @dataclass
 class FetcherConfig:
-    http_timeout_s: float = 15.0
-    max_media_bytes: int = 32 * 1024 * 1024
-    max_image_pixels: int = 64_000_000
-    max_images_per_request: int = 16
-    max_video_bytes: int = 64 * 1024 * 1024
-    max_video_frames: int = 768  # Qwen's FPS_MAX_FRAMES; sampled frames, after the fps rule
-    # The whole video's token budget (qwen-vl-utils assumes 128000); it bounds the float32 patches
-    # a fetcher thread holds (tokens * 4 * 28 * 28 * 3 * 4 bytes: ~900 MiB at 24576).
-    max_video_tokens: int = 24576
-    max_redirects: int = 3
-    allow_private_addresses: bool = False
-    allowed_local_media_path: str = ""  # file:// URLs only below this directory; empty: refused
-    credits: int = 8
-    encode_attempts: int = 3
-    encode_timeout_s: float = 60.0
-    threads: int = 4
+    http_timeout_s: float = setting(15.0, "A whole media download, connect to last byte (not each read), in seconds.")
+    max_media_bytes: int = setting(32 * 1024 * 1024, "Largest image, downloaded or in a data URL, in bytes.")
+    max_image_pixels: int = setting(64_000_000, "Largest image (width x height) accepted, before it is resized.")
+    max_images_per_request: int = setting(16, "Images and videos together in one request.")
+    max_video_bytes: int = setting(64 * 1024 * 1024, "Largest video, downloaded or in a data URL, in bytes.")
+    max_video_frames: int = setting(
+        768, "Sampled frames per video at most, after the fps rule (Qwen's FPS_MAX_FRAMES)."
+    )
+    max_video_tokens: int = setting(
+        24576,
+        "The LLM tokens of one video at most: frames are shrunk to fit (qwen-vl-utils assumes 128000). It bounds "
+        "the float32 patches a fetcher thread holds: tokens * 4 * 28 * 28 * 3 * 4 bytes.",
+    )
+    max_redirects: int = setting(3, "HTTP redirects followed for one media URL.")
+    allow_private_addresses: bool = setting(
+        False, "Fetch media URLs on loopback and private networks too (refused by default)."
+    )
+    allowed_local_media_path: str = setting("", "file:// URLs are read only below this directory; empty: refused.")
+    credits: int = setting(8, "Requests the gateway may have at one fetcher at once.")
+    encode_attempts: int = setting(
+        3, "Encoders an encode job is given to (one lost with its encoder goes to another) before it fails."
+    )
+    encode_timeout_s: float = setting(
+        60.0, "An encode job not done in this many seconds fails, and its request with it."
+    )
+    threads: int = setting(4, "Download and preprocessing threads of each fetcher.")
 
 
 VISION_BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what runs the tower: workers/encoder/backends.py
@@ -88,35 +129,50 @@ VISION_BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what runs the tower: w
 
 @dataclass
 class EncoderConfig:
-    count: int = 0  # 0: one per visible GPU, or one on a CPU host
-    # The GPU of each encoder, e.g. [1]: one encoder, on GPU 1, so the decoder has GPU 0 to itself.
-    # Empty: encoder K on GPU K (more encoders than GPUs share them round robin).
-    gpus: list[int] = field(default_factory=list)
-    credits: int = 16  # jobs an encoder holds at once: what it can pack into one forward
-    max_batch_patches: int = 16384  # patches (before merging) per forward; a larger single image goes alone
-    backend: str = "torch"  # "torch", "onnxruntime" or "tensorrt" (workers/encoder/backends.py)
-    # CUDA MPS on GPU hosts: encoders and the decoder share each GPU's SMs concurrently instead of
-    # time-slicing; the encoders may use at most this share of the SMs (100: no cap). "auto": on where it
-    # was measured to pay (one H200: seed3img +18-24% requests/s; see `common.deploy.mps_wanted`), off elsewhere.
-    mps: bool | str = "auto"
-    mps_encoder_sm_percent: int = 100
-    # The decoder ranks' cap: decoding is bound by memory bandwidth, which fewer SMs can still saturate,
-    # so a cap here can leave SMs to the encoders without slowing decoding much (100: no cap).
-    mps_decoder_sm_percent: int = 100
-    # The encoders' MPS client priority below the decoder's, so decode steps are not queued behind ViT work.
-    # Off, image-heavy load gets its first tokens sooner and the rest later (one H200, seed3img at 32 clients:
-    # TTFT 1.56 -> 0.7 s, TPOT 9.4 -> 16 ms, same end-to-end) and text streams beside images a worse ITL p99.
-    mps_encoder_low_priority: bool = True
-    engine_dir: str = ""  # where exported ONNX files and TensorRT engines are cached; empty: <run dir>/engines
-    # On a GPU, queue the next batch's forward before the last batch's rows are handed out, so that the GPU
-    # computes while the host copies rows into slots and answers. On the H200 (seed3img, 32 clients, MPS)
-    # it took 11.7 -> 12.7 req/s and the mean TTFT 1.51 -> 0.88 s, answers identical
-    # (benchmarks/results/2026-11-30-h200-overlap-skinny-c195769).
-    overlap_batches: bool = True
-    # On a GPU that the encoders share with a decoder replica that takes text: that replica runs on the GPU's first
-    # sm_split SMs, the encoders (and media-only replicas there) on the rest, each process in a CUDA green context,
-    # so that vision work never holds the SMs a decode step needs (`workers.models.sm_partition`). 0: all share all.
-    sm_split: int = 0
+    count: int = setting(0, "Vision encoder processes; 0: one per visible GPU, or one on a CPU host.")
+    gpus: list[int] = field(
+        default_factory=list,
+        metadata={
+            "help": "The GPU of each encoder, e.g. [1]: one encoder, on GPU 1, so the decoder has GPU 0 to itself. "
+            "Empty: encoder K on GPU K (more encoders than GPUs share them round robin)."
+        },
+    )
+    credits: int = setting(16, "Jobs an encoder holds at once: what it can pack into one forward.")
+    max_batch_patches: int = setting(
+        16384, "Patches (before merging) per forward of the vision tower; a larger single image runs alone."
+    )
+    backend: str = setting(
+        "torch",
+        '"torch", "onnxruntime" (exported once, cached in engine_dir) or "tensorrt": what runs the vision tower.',
+    )
+    mps: bool | str = setting(
+        "auto",
+        "GPU hosts: the CUDA MPS daemon, so that encoders and the decoder share each GPU's SMs at once instead of "
+        'time-slicing. "auto": on where it was measured to pay (an encoder on the decoder\'s GPU, one decoder rank, '
+        "the host pool; see common.deploy.mps_wanted), off elsewhere.",
+    )
+    mps_encoder_sm_percent: int = setting(100, "With MPS: the encoders' cap on each GPU's SMs, in percent (100: none).")
+    mps_decoder_sm_percent: int = setting(
+        100,
+        "With MPS: the decoder ranks' cap on their GPU's SMs, in percent (100: none). Decoding is bound by memory "
+        "bandwidth, which fewer SMs can still saturate, so a cap can leave SMs to the encoders without slowing "
+        "it much.",
+    )
+    mps_encoder_low_priority: bool = setting(
+        True,
+        "With MPS: the encoders' client priority below the decoder's, so decode steps are not queued behind ViT work. "
+        "false: image requests get their first token sooner and every later token slower, and text streams beside "
+        "them a worse inter-token tail.",
+    )
+    engine_dir: str = setting(
+        "", "Where exported ONNX files and TensorRT engines are cached; empty: <run dir>/engines."
+    )
+    sm_split: int = setting(
+        0,
+        "On a GPU that the encoders share with a decoder replica that takes text: that replica runs on the GPU's first "
+        "sm_split SMs, the encoders (and media-only replicas there) on the rest, each in a CUDA green context, so that "
+        "vision work never holds the SMs a decode step needs (workers.models.sm_partition). 0: all share all.",
+    )
 
     def validate(self, where: str) -> None:
         for name, low in (("count", 0), ("max_batch_patches", 1), ("sm_split", 0)):  # (credits: _AT_LEAST_ONE)
@@ -141,13 +197,20 @@ class EncoderConfig:
 
 @dataclass
 class CacheConfig:
-    pool_bytes: int = 256 * 1024 * 1024
-    # GPU hosts: the pool in GPU memory (CUDA IPC), so embeddings go encoder -> decoder without the host.
-    device_pool: bool = False
-    # Behind a GPU pool: a host shared-memory tier that evicted embeddings move to instead of being lost.
-    spill_bytes: int = 0
-    lease_ttl_s: float = 120.0
-    pending_ttl_s: float = 60.0
+    pool_bytes: int = setting(256 * 1024 * 1024, "Bytes of the embedding pool that encoders fill and decoders read.")
+    device_pool: bool = setting(
+        False,
+        "GPU hosts: the pool in GPU memory (on GPU 0, the decoder's), so embeddings go encoder -> decoder by CUDA IPC "
+        "without the host.",
+    )
+    spill_bytes: int = setting(
+        0,
+        "Behind a GPU pool: a host shared-memory tier that evicted embeddings move to instead of being lost (0: none).",
+    )
+    lease_ttl_s: float = setting(
+        120.0, "A request's hold on its embeddings (kept from eviction) lapses after this many seconds unless released."
+    )
+    pending_ttl_s: float = setting(60.0, "A slot reserved for an encoder and not filled in this many seconds is freed.")
 
     def validate(self, where: str) -> None:
         if self.pool_bytes < 0 or self.spill_bytes < 0:
@@ -161,48 +224,79 @@ class CacheConfig:
 
 @dataclass
 class DecoderConfig:
-    max_running: int = 64
-    # Tokens per step (prefill chunks + decodes). Every running stream waits for the whole step, so this
-    # bounds the gap a burst of arriving prompts puts between two tokens; at graph_tokens the mixed steps
-    # also replay CUDA graphs (an 8,192-token step runs eagerly, for tens of milliseconds).
-    prefill_tokens_per_step: int = 2048
-    # The same budget while any sequence is decoding (0: prefill_tokens_per_step): a smaller one keeps the
-    # running streams' inter-token gaps short while prompts arrive, and prefills at full size otherwise.
-    tokens_per_step_while_decoding: int = 0
-    # Tokens per KV-cache block. 64 over 16 on the H200: a 64-key attention tile reads one block-table entry and
-    # one contiguous run of slots, not four; decode attention 7-15% faster, prefill attention 12%, decode steps
-    # 2% (benchmarks/results/2026-11-30-h200x2-dp-routed-0741daa). The prefix cache matches whole blocks: a
-    # shared prefix is reused to its last full 64 tokens.
-    block_size: int = 64
-    kv_cache_bytes: int = 0  # 0: gpu_memory_fraction of the GPU memory free after loading; 256 MiB on CPU
-    gpu_memory_fraction: float = 0.8
-    prefix_cache: bool = True
-    max_model_len: int = 0  # 0: the model's max_position_embeddings
-    media_wait_s: float = 90.0
-    kernels: str = "triton"  # "triton": Triton kernels and fused projections on CUDA; "torch": plain torch
-    cuda_graphs: bool = True  # steps replayed from CUDA graphs (needs kernels = "triton" on CUDA)
-    graph_tokens: int = 2048  # mixed prefill/decode steps up to this many tokens replay graphs too (0: none)
-    overlap: bool = True  # with graphs: stage decode step N+1 while the GPU runs step N
-    # Every step so, those with prefill chunks or arrivals too (one rank; with or without graphs). On the
-    # H200 it kept 74% of the text streams' tokens/s under image prompts instead of 62%, and halved the
-    # streams' ITL p99 without images (benchmarks/results/2026-11-30-h200-overlap-prefill-95b3a61).
-    overlap_mixed: bool = True
-    tensor_parallel: int = 1  # decoder ranks (one process, and one GPU, each); > 1 runs the plain-torch layers
-    tp_timeout_s: float = 120.0  # how long the ranks wait for each other at start and in a collective
-    # Data parallelism: whole copies of the decoder, each with its own GPUs (replica r: GPUs r*tp .. r*tp+tp-1),
-    # KV cache and prefix cache. The gateway sends each request to the least loaded live replica.
-    replicas: int = 1
-    # Each replica's first GPU (its ranks on the next ones), e.g. [0, 0]: two replicas share GPU 0, each with its
-    # share of the KV memory (and under MPS, a media-only one yields to the text one). Empty: r * tensor_parallel.
-    replica_gpus: list[int] = field(default_factory=list)
-    # Which replicas take text-only requests and which take requests with images or videos (empty: all).
-    # E.g. text_replicas = [0], media_replicas = [1], with [encoder] gpus = [1]: the text streams' GPU never
-    # runs vision work, neither the ViT nor an image prompt's prefill.
-    text_replicas: list[int] = field(default_factory=list)
-    media_replicas: list[int] = field(default_factory=list)
-    # While every replica of a request's kind is down (or has not started in request_timeout_s), another live
-    # replica takes it: the isolation is lost for that while, not the requests. false: they are refused, 503.
-    kind_fallback: bool = True
+    max_running: int = setting(64, "Sequences decoding at once; more wait in arrival order.")
+    prefill_tokens_per_step: int = setting(
+        2048,
+        "Tokens per step (prefill chunks + decodes). Every running stream waits for the whole step, so this bounds "
+        "the gap a burst of arriving prompts puts between two tokens; up to graph_tokens the mixed steps also replay "
+        "CUDA graphs (a larger step runs eagerly).",
+    )
+    tokens_per_step_while_decoding: int = setting(
+        0,
+        "The same budget while any sequence is decoding (0: prefill_tokens_per_step). A smaller one keeps the running "
+        "streams' inter-token gaps short while prompts arrive, at a cost in throughput: for when tail latency rules.",
+    )
+    block_size: int = setting(
+        64,
+        "Tokens per KV-cache block. 64: a 64-key attention tile reads one block-table entry and one contiguous run of "
+        "slots. The prefix cache matches whole blocks: a shared prefix is reused to its last full block.",
+    )
+    kv_cache_bytes: int = setting(
+        0, "Bytes of KV cache; 0: gpu_memory_fraction of the GPU memory free after loading (256 MiB on CPU)."
+    )
+    gpu_memory_fraction: float = setting(
+        0.8, "With kv_cache_bytes = 0: the share of free GPU memory the KV cache takes."
+    )
+    prefix_cache: bool = setting(
+        True, "Reuse the KV of shared prompt prefixes, images included (keyed by content hash)."
+    )
+    max_model_len: int = setting(0, "Longest sequence, prompt and answer; 0: the model's max_position_embeddings.")
+    media_wait_s: float = setting(90.0, "A request waiting this many seconds for its image embeddings fails.")
+    kernels: str = setting(
+        "triton", '"triton": Triton kernels and fused projections on CUDA; "torch": plain torch everywhere.'
+    )
+    cuda_graphs: bool = setting(True, 'Replay steps from CUDA graphs (needs kernels = "triton" on CUDA).')
+    graph_tokens: int = setting(
+        2048, "Mixed prefill/decode steps up to this many tokens replay CUDA graphs too (0: none)."
+    )
+    overlap: bool = setting(
+        True,
+        "Stage step N+1 on the host while the GPU runs step N, steps with prefill chunks too (with tensor_parallel "
+        "> 1: decode-graph steps only).",
+    )
+    tensor_parallel: int = setting(
+        1, "Decoder ranks of a replica, one process and one GPU each; > 1 runs the plain-torch layers."
+    )
+    tp_timeout_s: float = setting(120.0, "How long the ranks wait for each other at start and in a collective.")
+    replicas: int = setting(
+        1,
+        "Data parallelism: whole copies of the decoder, each with its own GPUs (replica r: GPUs r*tp .. r*tp+tp-1), "
+        "KV cache and prefix cache. The gateway sends each request to the least loaded live replica.",
+    )
+    replica_gpus: list[int] = field(
+        default_factory=list,
+        metadata={
+            "help": "Each replica's first GPU (its ranks on the next ones), e.g. [0, 0]: two replicas share GPU 0, "
+            "each with its share of the KV memory (and under MPS, a media-only one yields to the text one). Empty: "
+            "replica r on GPU r * tensor_parallel."
+        },
+    )
+    text_replicas: list[int] = field(
+        default_factory=list, metadata={"help": "Replicas that take text-only requests (empty: all)."}
+    )
+    media_replicas: list[int] = field(
+        default_factory=list,
+        metadata={
+            "help": "Replicas that take requests with images or videos (empty: all). E.g. text_replicas = [0], "
+            "media_replicas = [1], with [encoder] gpus = [1]: the text streams' GPU never runs vision work, neither "
+            "the ViT nor an image prompt's prefill."
+        },
+    )
+    kind_fallback: bool = setting(
+        True,
+        "While every replica of a request's kind is down (or has not started in request_timeout_s), another live "
+        "replica takes it: the isolation is lost for that while, not the requests. false: they are refused, 503.",
+    )
 
     def validate(self, where: str) -> None:
         if self.kernels not in ("triton", "torch"):
@@ -243,14 +337,20 @@ class DecoderConfig:
 
 @dataclass
 class LivenessConfig:
-    heartbeat_s: float = 0.5
-    dead_after_s: float = 3.0
-    call_timeout_s: float = 5.0
-    # A request lost with its decoder before its first token, with no live replica to take it (a lone decoder
-    # that crashed: supervisord has it back in seconds), waits this long for one before it fails (0: fails now).
-    hold_lost_requests_s: float = 30.0
-    # A process whose loop has not turned for this long exits (stacks logged) for supervisord to restart it (0: never).
-    stall_exit_s: float = 300.0
+    heartbeat_s: float = setting(0.5, "Seconds between the heartbeats every process sends.")
+    dead_after_s: float = setting(3.0, "A process not heard from for this many seconds is taken for dead.")
+    call_timeout_s: float = setting(5.0, "A call to the cache daemon not answered in this many seconds is sent again.")
+    hold_lost_requests_s: float = setting(
+        30.0,
+        "A request lost with its decoder before its first token, with no live replica to take it (a lone decoder "
+        "that crashed: supervisord has it back in seconds), waits this long for one before it fails (0: fails now). "
+        "Likewise image requests with every vision encoder down: past this, they fail at once.",
+    )
+    stall_exit_s: float = setting(
+        300.0,
+        "A process whose loop has not turned for this long (a deadlock, a stuck device call) logs every thread's "
+        "stack and exits, for supervisord to restart it (0: never).",
+    )
 
     def validate(self, where: str) -> None:
         for name in ("heartbeat_s", "dead_after_s", "call_timeout_s"):
@@ -277,9 +377,18 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)
-    run_dir: str = ""  # empty: <repo>/run/<port>
-    endpoints: dict[str, str] = field(default_factory=dict)
-    source: str = ""
+    run_dir: str = setting(
+        "", "Where the sockets, logs and supervisord files of this deployment go (VLM_RUN_DIR); empty: run/<port>."
+    )
+    endpoints: dict[str, str] = field(
+        default_factory=dict,
+        metadata={
+            "help": "ZeroMQ addresses by hub name (gateway, fetch, cache, decoder, decoder-tp, encoder.K), e.g. "
+            'cache = "tcp://127.0.0.1:5555"; encoder = "ipc:///tmp/enc-{gpu}.sock" names every encoder. Empty: '
+            "ipc:// sockets in the run directory."
+        },
+    )
+    source: str = ""  # (not a setting: the file it was read from)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -337,6 +446,14 @@ _ENV = {
     "VLM_PORT": ("server", "port", int),
     "VLM_DEVICE": ("model", "device", str),
     "VLM_DTYPE": ("model", "dtype", str),
+}
+# Every variable the processes read, for the reference; set and non-empty, each beats the file.
+ENVIRONMENT = {
+    "VLM_CONFIG": "the TOML file (default: ops/vlm.toml)",
+    **{var: f"[{section}] {key}" for var, (section, key, _) in _ENV.items()},
+    "VLM_RUN_DIR": "run_dir",
+    "VLM_API_KEYS": "[server] api_keys, comma-separated",
+    "VLM_CACHE_DIR": "where the built-in demo checkpoint is generated (default: ~/.cache/vlm-serve)",
 }
 
 
@@ -430,3 +547,76 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
             f"[decoder] replicas = {cfg.decoder.replicas} use the host pool (device_pool = false)"
         )
     return cfg
+
+
+# ------------------------------------------------------------------ the reference
+
+
+def sections(cfg: Config) -> dict[str, Any]:
+    """The TOML sections of ``cfg`` (``[server]``, ``[model]`` ...) by name."""
+    return {
+        f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(f.default_factory)
+    }
+
+
+def reference(cfg: Config | None = None) -> str:
+    """Every setting as TOML that loads as ``cfg`` (default: the defaults), each key under its help as a comment,
+    after the environment variables that override them: what ``python -m common.config --defaults`` prints."""
+    cfg = Config() if cfg is None else cfg
+    lines = [
+        "# vlm-serve settings, every one with its default: `python -m common.config --defaults` prints this.",
+        "# Every process reads one TOML file ($VLM_CONFIG, else ops/vlm.toml); a key left out keeps its default.",
+        "# Environment variables, set and non-empty, beat the file:",
+        *(f"#   {var:<14}{meaning}" for var, meaning in ENVIRONMENT.items()),
+        "",
+        *_setting_lines(cfg, "run_dir"),
+        *_setting_lines(cfg, "endpoints"),
+    ]
+    for name, section in sections(cfg).items():
+        lines += ["", f"[{name}]"]
+        for f in dataclasses.fields(section):
+            lines += _setting_lines(section, f.name)
+    return "\n".join(lines) + "\n"
+
+
+def _help(target: Any, name: str) -> str:
+    return next(f.metadata.get("help", "") for f in dataclasses.fields(target) if f.name == name)
+
+
+def _comment(text: str) -> list[str]:
+    return [f"# {line}" for line in textwrap.wrap(text, width=116, break_on_hyphens=False)]
+
+
+def _setting_lines(target: Any, name: str) -> list[str]:
+    return [*_comment(_help(target, name)), f"{name} = {_toml(getattr(target, name))}"]
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # (a JSON string is a TOML basic string)
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_toml, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(key)} = {_toml(each)}" for key, each in value.items()) + "}"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m common.config", description="vlm-serve's settings.")
+    parser.add_argument(
+        "--defaults", action="store_true", help="print every setting with its default and help, as TOML"
+    )
+    args = parser.parse_args(argv)
+    if not args.defaults:
+        parser.print_usage()
+        return 2
+    print(reference(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

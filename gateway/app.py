@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from common.config import Config
 from common.protocol import GenerateRequest, RequestError, SamplingParams, TokenDelta
 from gateway.choice import ChoiceStream, ChoiceUpdate
 from gateway.defaults import sampling_defaults, with_defaults
 from gateway.errors import ApiError, internal_error
-from gateway.metrics import GatewayMetrics, render_values
+from gateway.metrics import GatewayMetrics, Reported
 from gateway.offload import off_loop_if_large
 from gateway.pipeline import Pipeline
 from gateway.prompt import Prompt, PromptBuilder
@@ -108,7 +109,6 @@ class Gateway:
         """Prometheus text format: the gateway's latency histograms and counters, and the counters and gauges of
         the cache daemon, each vision encoder and fetcher (asked now; one that does not answer in time is left
         out) and each decoder replica (its last report). Counters are cumulative per process."""
-        lines = self.latency.render()
         pipeline = self.pipeline
         gateway = {
             **self.counters,
@@ -116,17 +116,17 @@ class Gateway:
             "requests_reissued": sum(r.reissued for r in pipeline.replicas.all),
             "requests_held": len(pipeline.held),
         }
-        lines += render_values("vlm_gateway", gateway)
+        reported = [Reported("vlm_gateway", gateway)]
         workers = await pipeline.worker_stats()
-        lines += render_values("vlm_cache", workers.get("cache", {}))
+        reported.append(Reported("vlm_cache", workers.get("cache", {})))
         for role in ("encoder", "fetcher"):
             each = {name.removeprefix(f"{role}."): v for name, v in workers.items() if name.startswith(f"{role}.")}
-            lines += render_values(f"vlm_{role}", each, label=role)
+            reported.append(Reported(f"vlm_{role}", each, label=role))
         replicas = pipeline.replicas.all
         if len(replicas) == 1:
-            lines += render_values("vlm_decoder", replicas[0].stats)
+            reported.append(Reported("vlm_decoder", replicas[0].stats))
         else:  # one series per replica, and where the gateway sent requests
-            lines += render_values("vlm_decoder", {str(r.index): r.stats for r in replicas}, label="replica")
+            reported.append(Reported("vlm_decoder", {str(r.index): r.stats for r in replicas}, label="replica"))
             routing = {
                 str(r.index): dict(
                     requests_in_flight=r.load,
@@ -136,8 +136,8 @@ class Gateway:
                 )
                 for r in replicas
             }
-            lines += render_values("vlm_gateway_replica", routing, label="replica")
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+            reported.append(Reported("vlm_gateway_replica", routing, label="replica"))
+        return web.Response(body=self.latency.scrape(reported), headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._admitted(request, self._chat_completions)

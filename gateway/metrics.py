@@ -1,43 +1,23 @@
-"""Prometheus text exposition for the gateway: request latencies as histograms, stage counters as
-counters and gauges. Small enough not to need a client library; tests parse it with one."""
+"""The gateway's /metrics through ``prometheus_client``: request latencies as histograms, and the counters and
+gauges that the processes report (the gateway's own, the cache daemon's, each encoder's, fetcher's and decoder
+replica's) through a collector that types and describes them by ``CATALOGUE``. Each gateway has its own registry,
+so that two in one process never share a series."""
 
 from __future__ import annotations
 
-import bisect
 import re
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# The series stay those this endpoint has always served: no ``*_created`` beside each histogram.
+disable_created_metrics()
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
-
-
-@dataclass
-class Histogram:
-    name: str
-    help: str
-    buckets: tuple[float, ...]
-    counts: list[int] = field(init=False)
-    total: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, n in zip([*self.buckets, float("inf")], self.counts, strict=True):
-            cumulative += n
-            label = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{self.name}_bucket{{le="{label}"}} {cumulative}')
-        lines += [f"{self.name}_sum {self.total}", f"{self.name}_count {self.count}"]
-        return lines
-
 
 _NOT_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -138,46 +118,76 @@ def family_name(prefix: str, key: str) -> str:
     return name[: -len("_s")] + "_seconds" if name.endswith("_s") else name
 
 
-def render_values(prefix: str, values: dict[str, float] | dict[str, dict[str, float]], label: str = "") -> list[str]:
-    """Plain values, typed and described by ``CATALOGUE``. With ``label``, ``values`` maps each label value to its
-    values: one series per label value."""
-    series: dict[str, dict[str, float]] = values if label else {"": values}  # type: ignore[assignment]
-    keys = sorted({key for each in series.values() for key in each})
-    lines = []
-    for key in keys:
-        family = family_name(prefix, key)
+@dataclass
+class Reported:
+    """Values one kind of process reported: ``values`` as they came, or with ``label``, one dict of them per
+    label value (a series each)."""
+
+    prefix: str
+    values: dict[str, float] | dict[str, dict[str, float]]
+    label: str = ""
+
+
+def value_families(reported: Reported) -> Iterator[Metric]:
+    """Plain values as metric families, typed and described by ``CATALOGUE``."""
+    label = reported.label
+    series: dict[str, dict[str, float]] = reported.values if label else {"": reported.values}  # type: ignore[assignment]
+    for key in sorted({key for each in series.values() for key in each}):
+        family = family_name(reported.prefix, key)
         kind, help_text = CATALOGUE.get(family, ("counter" if key.endswith("_total") else "gauge", UNDOCUMENTED))
-        name = family + "_total" if kind == "counter" else family
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        make = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        metric = make(family, help_text, labels=[label] if label else None)
         for label_value, each in series.items():
             if key in each:
-                labels = f'{{{label}="{label_value}"}}' if label else ""
-                lines.append(f"{name}{labels} {float(each[key])}")
-    return lines
+                metric.add_metric([label_value] if label else [], float(each[key]))
+        yield metric
+
+
+class ReportedValues(Collector):
+    """The processes' counters and gauges, as they were when the scrape asked for them (``GatewayMetrics.scrape``
+    sets them, then collects at once)."""
+
+    def __init__(self) -> None:
+        self.reported: list[Reported] = []
+
+    def collect(self) -> Iterator[Metric]:
+        for each in self.reported:
+            yield from value_families(each)
 
 
 class GatewayMetrics:
     def __init__(self) -> None:
-        self.ttft = Histogram(
+        self.registry = CollectorRegistry()
+
+        def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, help_text, buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram(
             "vlm_time_to_first_token_seconds", "Time from request to its first token.", LATENCY_BUCKETS
         )
-        self.itl = Histogram(
+        self.itl = histogram(
             "vlm_inter_token_latency_seconds", "Time between a choice's token batches.", TOKEN_GAP_BUCKETS
         )
-        self.e2e = Histogram("vlm_e2e_request_latency_seconds", "Time from request to its last token.", LATENCY_BUCKETS)
-        self.queue = Histogram(
+        self.e2e = histogram("vlm_e2e_request_latency_seconds", "Time from request to its last token.", LATENCY_BUCKETS)
+        self.queue = histogram(
             "vlm_request_queue_seconds", "Time a request waited in the decoder for a slot.", LATENCY_BUCKETS
         )
         # The stages of a request with images or videos, so that a slow first token can be placed.
-        self.media_prepare = Histogram(
+        self.media_prepare = histogram(
             "vlm_media_prepare_seconds",
             "Time from request to its media downloaded, preprocessed and handed to the decoder.",
             LATENCY_BUCKETS,
         )
-        self.media_wait = Histogram(
+        self.media_wait = histogram(
             "vlm_media_wait_seconds", "Time a request waited in the decoder for its embeddings.", LATENCY_BUCKETS
         )
+        self.values = ReportedValues()
+        self.registry.register(self.values)
 
-    def render(self) -> list[str]:
-        histograms = (self.ttft, self.itl, self.e2e, self.queue, self.media_prepare, self.media_wait)
-        return [line for h in histograms for line in h.render()]
+    def scrape(self, reported: list[Reported]) -> bytes:
+        """The Prometheus text exposition of the histograms and of ``reported``."""
+        self.values.reported = reported
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self.values.reported = []

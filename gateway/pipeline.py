@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
+from prometheus_client import Histogram
 
 from common.config import Config
 from common.dispatch import Dispatcher, Job
@@ -33,7 +34,6 @@ from common.protocol import (
 )
 from common.transport import AsyncChannel
 from gateway.errors import ApiError
-from gateway.metrics import Histogram
 from gateway.offload import off_loop_if_large
 from gateway.replicas import Replica, Replicas, prefix_affinity
 

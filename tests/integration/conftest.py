@@ -29,6 +29,14 @@ from common.config import load_config
 REPO = Path(__file__).resolve().parents[2]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every stack test is slow (each starts real processes): ``./ops/test --fast`` leaves them out."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            item.add_marker(pytest.mark.slow)
+
+
 @dataclass
 class Stack:
     base_url: str

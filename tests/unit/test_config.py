@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from common.config import (
     ServerConfig,
     decoder_name,
     load_config,
+    main,
+    reference,
+    sections,
 )
 
 
@@ -257,13 +261,71 @@ encoder = "ipc:///tmp/vlm-enc-{gpu}.sock"
     assert cfg.endpoint("decoder") == f"ipc://{cfg.run_path / 'decoder.sock'}"  # others keep the default
 
 
-def test_shipped_config_loads_and_is_applied() -> None:
-    cfg = load_config(DEFAULT_CONFIG, env={})
+def settings_of(cfg: Config) -> dict[str, list[dataclasses.Field]]:
+    """Every setting's field by section ("" for the top-level keys)."""
+    top = [f for f in dataclasses.fields(cfg) if f.name in ("run_dir", "endpoints")]
+    return {"": top} | {name: list(dataclasses.fields(section)) for name, section in sections(cfg).items()}
+
+
+def test_every_setting_has_help() -> None:
+    fields = settings_of(Config())
+    assert set(fields) == {"", "server", "model", "fetcher", "encoder", "cache", "decoder", "liveness"}
+    missing = [f"[{s}] {f.name}" for s, each in fields.items() for f in each if not f.metadata.get("help", "").strip()]
+    assert not missing, f"settings without help: {missing}"
+
+
+def helps_in(text: str) -> dict[tuple[str, str], str]:
+    """The comment block above each key of a reference, by (section, key)."""
+    helps, section, comment = {}, "", []
+    for line in text.splitlines():
+        if line.startswith("# "):
+            comment.append(line[2:])
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+        elif " = " in line:
+            helps[section, line.split(" = ")[0]] = " ".join(comment)
+        comment = []
+    return helps
+
+
+def test_the_reference_covers_every_setting_with_its_default(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["--defaults"]) == 0
+    text = capsys.readouterr().out
+    assert text == reference()
+    raw, helps = tomllib.loads(text), helps_in(text)
+    for section, each in settings_of(Config()).items():
+        keys = raw if not section else raw[section]
+        for f in each:
+            assert f.name in keys, f"[{section}] {f.name} is not in the reference"
+            assert helps[section, f.name] == " ".join(f.metadata["help"].split()), f"[{section}] {f.name}'s help"
+    assert load_config(write(tmp_path, text), env={}) == Config(source=str(tmp_path / "vlm.toml"))
+    for var in ("VLM_CONFIG", "VLM_MODEL", "VLM_HOST", "VLM_PORT", "VLM_CACHE_DIR", "VLM_API_KEYS", "VLM_RUN_DIR"):
+        assert f"#   {var}" in text
+
+
+def test_the_reference_shows_the_settings_it_is_given() -> None:
+    cfg = Config()
+    cfg.decoder.replica_gpus, cfg.encoder.mps, cfg.endpoints = [0, 0], True, {"cache": "tcp://127.0.0.1:5555"}
+    raw = tomllib.loads(reference(cfg))
+    assert raw["decoder"]["replica_gpus"] == [0, 0] and raw["encoder"]["mps"] is True
+    assert raw["endpoints"] == {"cache": "tcp://127.0.0.1:5555"}
+
+
+def test_main_without_a_flag_shows_its_usage(capsys: pytest.CaptureFixture) -> None:
+    assert main([]) == 2
+    assert "--defaults" in capsys.readouterr().out
+
+
+def test_the_shipped_file_holds_only_settings_that_differ_from_their_defaults() -> None:
+    cfg, defaults = load_config(DEFAULT_CONFIG, env={}), Config()
     raw = tomllib.loads(DEFAULT_CONFIG.read_text())
-    assert raw, "ops/vlm.toml is empty"
     for section, values in raw.items():
         assert isinstance(values, dict), f"top-level key {section} in the shipped file"
+        assert section in sections(defaults), f"[{section}] is not a section"
         for key, value in values.items():
+            assert key in {f.name for f in dataclasses.fields(getattr(defaults, section))}, f"[{section}] {key}"
+            assert value != getattr(getattr(defaults, section), key), f"[{section}] {key} is its default"
             assert getattr(getattr(cfg, section), key) == value, f"[{section}] {key}"
 
 

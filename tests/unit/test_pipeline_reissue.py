@@ -31,7 +31,7 @@ from common.protocol import (
     WorkerStatus,
 )
 from common.transport import AsyncChannel
-from gateway.metrics import Histogram
+from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline, Tracked
 
 WAIT_S = 5.0
@@ -59,7 +59,7 @@ class TwoRequests:
 async def two_requests_at_replica_0(cfg: Config) -> AsyncIterator[TwoRequests]:
     """The pipeline with replica 0 heard from (incarnation "first") and two requests sent there: "quiet", and
     "streaming", whose first token the client has."""
-    pipeline = Pipeline(cfg, Histogram("media_prepare", "unused", (1.0,)))
+    pipeline = Pipeline(cfg, GatewayMetrics().media_prepare)
     ctx = zmq.asyncio.Context()
     replica_0 = AsyncChannel(ctx, zmq.PULL, cfg.decoder_endpoint(0), bind=True)
     to_gateway = AsyncChannel(ctx, zmq.PUSH, cfg.endpoint("gateway"), bind=False)

@@ -115,8 +115,20 @@ def test_bad_replica_settings_are_refused_by_name(settings: dict, message: str) 
         DecoderConfig(**settings).validate("[decoder]")
 
 
+def render_values(prefix: str, values: dict, label: str = "") -> list[str]:
+    """What /metrics serves for one process kind's values (through a registry of their own)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gateway.metrics import Reported, ReportedValues
+
+    registry, collector = CollectorRegistry(), ReportedValues()
+    registry.register(collector)
+    collector.reported = [Reported(prefix, values, label)]
+    return generate_latest(registry).decode().splitlines()
+
+
 def test_metrics_of_several_replicas_are_one_series_each() -> None:
-    from gateway.metrics import CATALOGUE, UNDOCUMENTED, render_values
+    from gateway.metrics import CATALOGUE, UNDOCUMENTED
 
     stats = {"0": {"requests_finished": 3.0, "kv_usage": 0.5}, "1": {"requests_finished": 4.0}}
     lines = render_values("vlm_decoder", stats, label="replica")

@@ -102,7 +102,7 @@ def runner_options(cfg: Config, device: torch.device) -> dict[str, Any]:
         "graph_tokens": cfg.decoder.graph_tokens,
         "overlap": graphs and cfg.decoder.overlap,
         # (also without graphs: no faster on a CPU, but the same engine path, so the CPU's stack tests it)
-        "overlap_mixed": cfg.decoder.overlap and cfg.decoder.overlap_mixed,
+        "overlap_mixed": cfg.decoder.overlap,
     }
 
 

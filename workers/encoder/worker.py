@@ -5,7 +5,7 @@ the queued images of any requests into one forward (each image its own attention
 by ``max_batch_patches``, and hands every job its own rows. A batch that fails is retried image by
 image, so one bad job fails alone.
 
-On a GPU (`[encoder] overlap_batches`) a step queues the next batch's forward before it hands out the last
+On a GPU a step queues the next batch's forward before it hands out the last
 batch's rows: the GPU computes the next batch while the host waits for the last one's rows, copies them
 into their slots and answers, and the socket loop takes in new jobs.
 """
@@ -77,7 +77,7 @@ class EncoderWorker:
         self.queued: deque[tuple[bytes, EncodeJob, float]] = deque()  # (peer, job, when it arrived)
         self.max_batch_patches = cfg.encoder.max_batch_patches
         # Only where forwards run asynchronously: on the CPU a batch queued first would only delay the last one.
-        self.overlap = cfg.encoder.overlap_batches and self.device.type == "cuda"
+        self.overlap = self.device.type == "cuda"
         self.in_flight: Launched | None = None
         self.loop = EventLoop()
         self.loop.exit_if_stalled(cfg.liveness.stall_exit_s, self.name)
@@ -232,7 +232,7 @@ class EncoderWorker:
                 # A GPU pool: the rows must be there before the cache says they are. On the tower's own
                 # device the batch's `done` event (recorded after these copies, synchronized by `deliver`)
                 # says so; a device-wide sync there would also wait for the next batch's forward, queued by
-                # now with overlap_batches. From another device (or a CPU tower), sync the pool's device.
+                # now. From another device (or a CPU tower), sync the pool's device.
                 torch.cuda.synchronize(slot.device)
         except Exception as exc:
             return self.fail(job, exc)
