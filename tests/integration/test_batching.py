@@ -139,12 +139,12 @@ def test_preemption_under_a_tiny_kv_cache_keeps_every_answer(
 
 
 def test_steps_staged_ahead_keep_every_answer(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """[decoder] overlap_mixed through the whole stack: steps with prefill chunks (a budget of 32 tokens) and
+    """[decoder] overlap through the whole stack: steps with prefill chunks (a budget of 32 tokens) and
     arrivals staged before the previous step's tokens are read; 12 concurrent text and image requests give
     the answers each gives alone on the default stack."""
     prompts = mixed_prompts(12)
     reference = [greedy_ids(client_for(stack.base_url), p) for p in prompts]
-    settings = "[decoder]\noverlap_mixed = true\nprefill_tokens_per_step = 32\n"
+    settings = "[decoder]\noverlap = true\nprefill_tokens_per_step = 32\n"
     answers, metrics = answers_together(stack, tmp_path_factory.mktemp("staged"), settings, prompts)
     assert answers == reference
     assert metrics.get("vlm_decoder_overlapped_mixed_steps_total", 0) > 0, metrics

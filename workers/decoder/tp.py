@@ -32,6 +32,7 @@ from common.transport import Channel
 from workers.decoder.config import EngineConfig
 from workers.decoder.graphs import StepGraphs, StepInputs, engine_graphs
 from workers.models.language import LanguageModel
+from workers.models.runtime import upload
 from workers.models.paged import BatchLayout, FusedLayer, PagedAttention, PagedKVCache, fuse_layers, paged_forward
 from workers.models.spec import ModelSpec
 from workers.models.tensor_parallel import TensorParallel
@@ -86,7 +87,7 @@ class RankForward:
             assert self.graphs is not None  # rank 0 picks a graph mode only when it has graphs, as we do
             return self.graphs.decode(payload.step_inputs(), payload.ids.tolist(), payload.device_ids)
         device = self.model.device
-        ids = payload.ids.to(device)
+        ids = upload(payload.ids, device)  # (a plain copy would wait for the step before: overlap)
         if payload.device_ids is not None:
             ids = torch.cat([payload.device_ids.to(device), ids[payload.device_ids.shape[0] :]])
         embeds = self.tp.embed(self.model.embed_tokens.weight, ids)
