@@ -32,8 +32,8 @@ from common.transport import Channel
 from workers.decoder.config import EngineConfig
 from workers.decoder.graphs import StepGraphs, StepInputs, engine_graphs
 from workers.models.language import LanguageModel
-from workers.models.runtime import upload
 from workers.models.paged import BatchLayout, FusedLayer, PagedAttention, PagedKVCache, fuse_layers, paged_forward
+from workers.models.runtime import upload
 from workers.models.spec import ModelSpec
 from workers.models.tensor_parallel import TensorParallel
 
