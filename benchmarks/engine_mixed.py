@@ -138,7 +138,7 @@ class Feeder:
         self.spec, self.load, self.dtype = spec, load, dtype
         self.rng = np.random.default_rng(seed)
         self.count = 0
-        # One set of rows for every request: drawing them per request took ~18 ms of the engine loop's host.
+        # One set of rows for every request: drawing them per request would take the engine loop's host time.
         self.rows = torch.randn(load.images_per_request * self._media_tokens(), spec.hidden_size).to(dtype)
 
     def _ids(self, n: int) -> list[int]:
@@ -345,7 +345,7 @@ def use_prefill_tiles(sweep: Path) -> None:
 
 def launch(grew: dict[str, float]) -> dict[str, float | None]:
     """The host's milliseconds building and launching a forward, per decode-graph step and per other step
-    (`Engine.run`'s counters over a window)."""
+    (`ModelRunner.run`'s counters over a window)."""
     decode, other = grew["decode_graph_steps"], grew["steps"] - grew["decode_graph_steps"]
     return {
         "decode_graph_ms": 1e3 * grew["decode_launch_s"] / decode if decode else None,

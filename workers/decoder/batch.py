@@ -124,9 +124,8 @@ def step_embeddings(model: LanguageModel, spans: list[Span]) -> torch.Tensor:
     """Input embeddings of a step's tokens, span after span: token embeddings, media rows in the
     placeholders. All the ids go up in one copy and through one lookup, and all the media rows into their
     placeholders in one index copy: per span, those were four small device operations and their host
-    calls, and a step with 32-64 decodes spent about a millisecond of host time on them before its
-    forward could start. The ids were range-checked when the request was prepared
-    (`LanguageModel.embed`'s check reads the device)."""
+    calls, host time that a step with dozens of decodes spent before its forward could start. The ids were
+    range-checked when the request was prepared (`LanguageModel.embed`'s check reads the device)."""
     ids: list[int] = []
     at: list[torch.Tensor] = []
     media: list[torch.Tensor] = []
@@ -135,7 +134,7 @@ def step_embeddings(model: LanguageModel, spans: list[Span]) -> torch.Tensor:
             at.append(found[0].nonzero().squeeze(1) + len(ids))
             media.append(found[1])
         ids.extend(seq.token_ids(start, end))
-    if not ids:  # every row of the step came from the device (`Engine.run`'s ahead ids): nothing to pin
+    if not ids:  # every row of the step came from the device (`ModelRunner.run`'s ahead ids): nothing to pin
         return model.embed_tokens.weight.new_empty((0, model.embed_tokens.weight.shape[1]))
     embeds = model.embed_tokens(upload(torch.tensor(ids, dtype=torch.int64), model.device))
     if not media:

@@ -1,8 +1,8 @@
 """Engine steps replayed from CUDA graphs.
 
 Launched eagerly from Python, one forward costs far more host time than GPU time: a decode step is a few
-hundred small kernels, and even an 800-token prefill is launch bound (Triton's launcher alone takes tens
-of microseconds per kernel). `StepGraphs` records the forward once per shape and afterwards only refreshes
+hundred small kernels, and even a prefill of hundreds of tokens is launch bound (Triton's launcher is slow
+per kernel). `StepGraphs` records the forward once per shape and afterwards only refreshes
 its static input buffers and replays. Two ladders of shapes:
 
 - decode graphs, one per batch size (1, 2, 4, 8, 16, 24, ...): one new token per sequence, the token ids
