@@ -32,6 +32,7 @@ import torch
 
 from common.config import DecoderConfig
 from common.protocol import PreparedRequest, SamplingParams
+from workers.decoder.config import EngineConfig
 from workers.decoder.engine import Engine
 from workers.decoder.graphs import StepGraphs, StepInputs
 from workers.kernels import attention_triton, paged_attention
@@ -189,9 +190,7 @@ def bench_engine(
 ) -> dict[str, Any]:
     block_size = 16
     blocks = batch * (-(-(prompt + new) // block_size) + 1) + 1
-    engine = Engine(
-        model,
-        spec,
+    config = EngineConfig(
         max_model_len=prompt + new + 1,
         max_running=max(batch, 1),
         prefill_budget=8192,
@@ -204,6 +203,7 @@ def bench_engine(
         graph_tokens=2048,
         overlap=overlap,
     )
+    engine = Engine(model, spec, config)
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         ids = [(7 * j + i) % 5000 + 10 for j in range(prompt)]

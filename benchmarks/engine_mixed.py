@@ -2,8 +2,8 @@
 no vision tower shares the GPU (no HTTP, no ViT, no sockets: their embeddings are ready-made rows).
 
     python -m benchmarks.engine_mixed --model DIR --out engine_mixed.json [--seconds 10] [--rate 6]
-        [--media cpu|pinned|cuda] [--[no-]overlap-mixed] [--decoding-budget N] [--prefill-tiles SWEEP.json]
-        [--profile]
+        [--media cpu|pinned|cuda] [--[no-]overlap] [--decoding-budget N] [--prefill-tiles SWEEP.json]
+        [--step-s S] [--profile]
 
 32 closed-loop text streams (1,000 prompt tokens, 256 out, each replaced when it ends) run for
 ``--seconds``, first alone (the control), then while 3-image requests (3 x 972 media tokens, 120 out)
@@ -12,7 +12,9 @@ Reported: text tokens/s and their gaps (p50/p99, the streams' ITL), step times, 
 and their TTFT, and the device time of the forwards split by kind (decode-only, or with prompt tokens,
 with the cost of one more prompt token). ``--profile`` adds torch.profiler's GPU kernel table and
 host-op table over one second of the mixed run. Needs a CUDA GPU; ``--device cpu`` runs a tiny version
-(a smoke check of the harness, not a measurement).
+(a smoke check of the harness, not a measurement). ``--step-s S`` replaces the wall clock by one that moves
+S seconds per engine step, so that a window is a fixed number of steps whatever the machine's speed (how
+the CPU check counts without depending on the machine's load).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import torch
 from benchmarks.engine import add_decode_kernel_options, use_decode_kernel_options
 from common.config import DecoderConfig
 from common.protocol import PreparedMedia, PreparedRequest, SamplingParams
-from workers.decoder import engine as engine_module
+from workers.decoder import runner as runner_module
 from workers.decoder.batch import Scheduled, Span, media_rows, positions, slots
+from workers.decoder.config import EngineConfig
 from workers.decoder.engine import Engine
 from workers.decoder.graphs import StepInputs
 from workers.kernels import attention_triton
@@ -97,24 +100,22 @@ def per_span_step_inputs(batch: list[Scheduled], rows: list[int], block_size: in
 
 
 def use_per_span_inputs() -> None:
-    engine_module.step_embeddings = per_span_embeddings
-    engine_module.step_inputs = per_span_step_inputs
+    runner_module.step_embeddings = per_span_embeddings
+    runner_module.step_inputs = per_span_step_inputs
 
 
 def make_engine(
     model: LanguageModel,
     spec: ModelSpec,
     device: str,
-    overlap_mixed: bool,
+    overlap: bool,
     decoding_budget: int | None = None,
     block_size: int | None = None,
 ) -> Engine:
     cfg = DecoderConfig()
     cuda = device == "cuda"
     block_size = block_size or cfg.block_size
-    return Engine(
-        model,
-        spec,
+    config = EngineConfig(
         max_model_len=8192,
         max_running=cfg.max_running,
         prefill_budget=cfg.prefill_tokens_per_step,
@@ -125,9 +126,9 @@ def make_engine(
         fuse=cuda,
         graphs="cuda" if cuda else "off",
         graph_tokens=cfg.graph_tokens if cuda else 0,
-        overlap=cfg.overlap and cuda,
-        overlap_mixed=overlap_mixed,
+        overlap=overlap,
     )
+    return Engine(model, spec, config)
 
 
 class Feeder:
@@ -137,7 +138,7 @@ class Feeder:
         self.spec, self.load, self.dtype = spec, load, dtype
         self.rng = np.random.default_rng(seed)
         self.count = 0
-        # One set of rows for every request: drawing them per request took ~18 ms of the engine loop's host.
+        # One set of rows for every request: drawing them per request would take the engine loop's host time.
         self.rows = torch.randn(load.images_per_request * self._media_tokens(), spec.hidden_size).to(dtype)
 
     def _ids(self, n: int) -> list[int]:
@@ -167,13 +168,13 @@ class Feeder:
 
 class StepTimer:
     """The device time of every forward the engine runs, with its shape: how many sequences, how many of its
-    tokens are prompt (prefill chunks). CUDA events around `Engine.run` (sampling is not included); on the
+    tokens are prompt (prefill chunks). CUDA events around `ModelRunner.run` (sampling is not included); on the
     CPU the forward is synchronous and the wall clock is its time."""
 
     def __init__(self, engine: Engine) -> None:
-        self.cuda = engine.model.device.type == "cuda"
+        self.cuda = engine.runner.model.device.type == "cuda"
         self.records: list[tuple[int, int, Any, Any]] = []
-        run = engine.run
+        run = engine.runner.run
 
         def timed(batch: list[Any], ahead_ids: torch.Tensor | None = None) -> Any:
             prompt = sum(item.num_new for item in batch if item.seq.num_computed < len(item.seq.prompt_ids))
@@ -187,7 +188,7 @@ class StepTimer:
             self.records.append((len(batch), prompt, start, end))
             return out
 
-        engine.run = timed  # type: ignore[method-assign]
+        engine.runner.run = timed  # type: ignore[method-assign]
 
     def take(self) -> list[tuple[int, int, float]]:
         """(sequences, prompt tokens, ms) of the forwards since the last call."""
@@ -220,15 +221,33 @@ def forward_split(forwards: list[tuple[int, int, float]], seconds: float) -> dic
     return out
 
 
-def run_window(engine: Engine, feeder: Feeder, seconds: float, rate: float, media_device: str) -> Window:
-    """Closed-loop text streams plus open-loop vision arrivals for ``seconds`` of wall time."""
+class Clock:
+    """The wall clock, or with ``step_s`` one that moves ``step_s`` seconds per engine step."""
+
+    def __init__(self, step_s: float | None = None) -> None:
+        self.step_s, self.steps = step_s, 0
+
+    def now(self) -> float:
+        return time.perf_counter() if self.step_s is None else self.steps * self.step_s
+
+    def stepped(self) -> float:
+        """The time once an engine step has returned."""
+        self.steps += 1
+        return self.now()
+
+
+def run_window(
+    engine: Engine, feeder: Feeder, seconds: float, rate: float, media_device: str, clock: Clock | None = None
+) -> Window:
+    """Closed-loop text streams plus open-loop vision arrivals for ``seconds`` of ``clock`` time (the wall's)."""
+    clock = clock or Clock()
     seen = Window()
     sent_at: dict[str, float] = {}
     for _ in range(feeder.load.text_streams):
         engine.add(engine.prepare(feeder.text()))
-    start = time.perf_counter()
+    start = clock.now()
     next_vision = start
-    while (now := time.perf_counter()) - start < seconds:
+    while (now := clock.now()) - start < seconds:
         while rate > 0 and now >= next_vision:
             request, rows = feeder.vision()
             seq = engine.prepare(request)
@@ -239,7 +258,7 @@ def run_window(engine: Engine, feeder: Feeder, seconds: float, rate: float, medi
             seen.vision_sent += 1
             next_vision += 1.0 / rate
         deltas = engine.step()
-        done = time.perf_counter()
+        done = clock.stepped()
         seen.step_s.append(done - now)
         for delta in deltas:
             rid = delta.request_id
@@ -252,8 +271,8 @@ def run_window(engine: Engine, feeder: Feeder, seconds: float, rate: float, medi
                     engine.add(engine.prepare(feeder.text()))
                 else:
                     seen.vision_done += 1
-    seen.wall_s = time.perf_counter() - start
-    for rid in list(engine.running) + [s.request_id for s in engine.waiting]:
+    seen.wall_s = clock.now() - start
+    for rid in list(engine.scheduler.running) + [s.request_id for s in engine.scheduler.waiting]:
         engine.abort(rid)
     while engine.has_work():  # a pending step of aborted sequences: drain it
         engine.step()
@@ -296,10 +315,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--media", default="cpu", choices=["cpu", "pinned", "cuda"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument(
-        "--overlap-mixed",
+        "--overlap",
         action=argparse.BooleanOptionalAction,
         default=DecoderConfig().overlap,
-        help="steps with prefill chunks staged ahead too, as [decoder] overlap does (default: the server's default)",
+        help="[decoder] overlap (default: the server's default)",
     )
     parser.add_argument(
         "--decoding-budget",
@@ -313,6 +332,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--prefill-tiles", type=Path, help="the attention's prefill tiles: a bench_prefill JSON's best")
     add_decode_kernel_options(parser)
+    parser.add_argument("--step-s", type=float, default=None, help="a clock of S seconds per engine step")
     parser.add_argument("--profile", action="store_true")
     return parser.parse_args(argv)
 
@@ -325,7 +345,7 @@ def use_prefill_tiles(sweep: Path) -> None:
 
 def launch(grew: dict[str, float]) -> dict[str, float | None]:
     """The host's milliseconds building and launching a forward, per decode-graph step and per other step
-    (`Engine.run`'s counters over a window)."""
+    (`ModelRunner.run`'s counters over a window)."""
     decode, other = grew["decode_graph_steps"], grew["steps"] - grew["decode_graph_steps"]
     return {
         "decode_graph_ms": 1e3 * grew["decode_launch_s"] / decode if decode else None,
@@ -333,14 +353,14 @@ def launch(grew: dict[str, float]) -> dict[str, float | None]:
     }
 
 
-def measure(engine: Engine, feeder: Feeder, seconds: float) -> dict[str, Any]:
+def measure(engine: Engine, feeder: Feeder, seconds: float, step_s: float | None = None) -> dict[str, Any]:
     """The control window, then the mixed one, with the forwards of each split by kind."""
     timer = StepTimer(engine)
     results: dict[str, Any] = {}
     for name, rate in (("control", 0.0), ("mixed", feeder.load.rate)):
         timer.take()
         before = dict(engine.counters)
-        seen = run_window(engine, feeder, seconds, rate, feeder.load.media_device)
+        seen = run_window(engine, feeder, seconds, rate, feeder.load.media_device, Clock(step_s))
         forwards = timer.take()  # (the abort drain's forwards are in it too: at most one step)
         grew = {key: engine.counters[key] - before.get(key, 0.0) for key in engine.counters}
         results[name] = summarise(seen) | {"forwards": forward_split(forwards, seen.wall_s), "launch": launch(grew)}
@@ -368,18 +388,19 @@ def main(argv: list[str] | None = None) -> None:
     load = Load(rate=args.rate, media_device=args.media)
     if args.device == "cpu":
         load = Load(text_streams=2, text_prompt=20, text_out=4, vision_out=2, rate=args.rate, media_device="cpu")
-    engine = make_engine(model, spec, args.device, args.overlap_mixed, args.decoding_budget, args.block_size)
+    engine = make_engine(model, spec, args.device, args.overlap, args.decoding_budget, args.block_size)
     feeder = Feeder(spec, load, dtype, seed=0)
-    run_window(engine, feeder, min(2.0, args.seconds), load.rate, load.media_device)  # warm-up: graphs, allocators
+    warm_up = min(2.0, args.seconds)  # graphs, allocators
+    run_window(engine, feeder, warm_up, load.rate, load.media_device, Clock(args.step_s))
     settings = {
-        "overlap_mixed": args.overlap_mixed,
+        "overlap": args.overlap,
         "decoding_budget": args.decoding_budget,
-        "block_size": engine.blocks.block_size,
+        "block_size": engine.config.block_size,
         "per_span_inputs": args.per_span_inputs,
         "decode_tiles": str(args.decode_tiles),
     }
     results = {"model": str(args.model), "load": load.__dict__, "seconds": args.seconds, **settings}
-    results |= {"prefill_tiles": str(args.prefill_tiles)} | measure(engine, feeder, args.seconds)
+    results |= {"prefill_tiles": str(args.prefill_tiles)} | measure(engine, feeder, args.seconds, args.step_s)
     args.out.write_text(json.dumps(results, indent=1))
     if args.profile and args.device == "cuda":
         profile_window(engine, feeder, load)

@@ -6,9 +6,9 @@
 A step is ``+``-joined groups: ``COUNTxCONTEXT`` sequences decoding one token each with CONTEXT keys before
 it, and ``NEW:CONTEXT`` a prompt chunk of NEW tokens whose sequence has CONTEXT keys once it is written
 (``1352:3400``: an image prompt's last chunk after a 2,048-token first one). A step of decodes alone runs
-the decode graph; any other the mixed graph of its token count, as `workers.decoder.engine` picks them.
-Under mixed's load the engine's steps with prompt tokens cost about 2 ms more than a decode step plus
-3.4 us per prompt token (`benchmarks.engine_mixed`'s fit); this says which kernels that is.
+the decode graph; any other the mixed graph of its token count, as `workers.decoder.runner` picks them.
+`benchmarks.engine_mixed` fits what a step's prompt tokens cost under mixed's load; this says which kernels
+that is.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ checkpoint's logits through them against transformers. Needs a CUDA GPU and trit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from common.protocol import PreparedRequest, SamplingParams
 from tests.gpu.test_kernels_gpu import _SKIP_REASON
+from workers.decoder.config import EngineConfig
 from workers.decoder.engine import Engine
 from workers.kernels import paged_attention
 from workers.models.language import LanguageModel
@@ -43,20 +45,25 @@ def requests() -> list[PreparedRequest]:
 
 
 def generate(
-    path: Path, dtype: torch.dtype, engine_class: type[Engine] = Engine, block_size: int = 16, **runner: object
+    path: Path,
+    dtype: torch.dtype,
+    watch: Callable[[Engine], None] | None = None,
+    block_size: int = 16,
+    **runner: object,
 ) -> tuple[dict[str, list[int]], Engine]:
     model = LanguageModel.from_checkpoint(path, device=CUDA, dtype=dtype)
     spec = ModelSpec.from_dir(path)
-    engine = engine_class(
-        model,
-        spec,
+    config = EngineConfig(
         max_model_len=2048,
         max_running=8,
         prefill_budget=96,
         num_blocks=4096 // block_size,
         block_size=block_size,
-        **runner,
-    )  # type: ignore[arg-type]
+        **runner,  # type: ignore[arg-type]
+    )
+    engine = Engine(model, spec, config)
+    if watch is not None:
+        watch(engine)
     for req in requests():
         engine.add(engine.prepare(req))
     tokens: dict[str, list[int]] = {}
@@ -71,9 +78,10 @@ def test_graph_replay_equals_the_static_path_bit_for_bit(tiny_checkpoint: Path) 
     fast = {"attention": paged_attention, "fuse": True}
     replayed, engine = generate(tiny_checkpoint, torch.bfloat16, graphs="cuda", graph_tokens=128, **fast)
     static, _ = generate(tiny_checkpoint, torch.bfloat16, graphs="static", graph_tokens=128, **fast)
-    assert engine.graphs is not None and set(engine.graphs.graphs) == set(engine.graphs.keys())
+    graphs = engine.runner.graphs
+    assert graphs is not None and set(graphs.graphs) == set(graphs.keys())
     assert engine.counters["graph_steps"] >= 20  # 7 requests of 24 tokens, mostly decoding together
-    assert engine.graphs.mixed_runs  # prefill chunks (budget 96) beside decodes replayed mixed graphs
+    assert graphs.mixed_runs  # prefill chunks (budget 96) beside decodes replayed mixed graphs
     assert replayed == static
 
 
@@ -87,28 +95,31 @@ def test_overlapped_graph_steps_keep_the_outputs(tiny_checkpoint: Path) -> None:
     assert overlapped == synchronous
 
 
-class NeverWaitingEngine(Engine):
-    """Raises if building and launching a step staged ahead synchronizes with the GPU (torch's sync debug
-    mode: blocking copies, .item(), nonzero...), which would make it wait for the step before it."""
+def never_waiting(engine: Engine) -> None:
+    """Makes building and launching a step staged ahead raise if it synchronizes with the GPU (torch's sync
+    debug mode: blocking copies, .item(), nonzero...), which would make it wait for the step before it."""
+    run = engine.runner.run
 
-    def run(self, batch, ahead_ids=None):  # type: ignore[no-untyped-def]
+    def checked(batch, ahead_ids=None):  # type: ignore[no-untyped-def]
         if ahead_ids is None:
-            return super().run(batch, ahead_ids)
+            return run(batch, ahead_ids)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return super().run(batch, ahead_ids)
+            return run(batch, ahead_ids)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
+    engine.runner.run = checked  # type: ignore[method-assign]
+
 
 def test_steps_staged_ahead_of_prefills_keep_the_outputs_and_never_wait(tiny_checkpoint: Path) -> None:
-    """``overlap_mixed``: steps with prefill chunks are staged while the previous step runs too. Greedy outputs
+    """``overlap``: steps with prefill chunks are staged while the previous step runs too. Greedy outputs
     equal the synchronous engine's, and staging such a step never synchronizes the GPU. In fp32: the staged
     engine's batches differ from the synchronous one's (a finished sequence's row goes a step late), and in
     bf16 other batch heights may round a near-tie the other way."""
-    fast = {"attention": paged_attention, "fuse": True, "graphs": "cuda", "graph_tokens": 128, "overlap": True}
-    staged, engine = generate(tiny_checkpoint, torch.float32, NeverWaitingEngine, overlap_mixed=True, **fast)
-    synchronous, _ = generate(tiny_checkpoint, torch.float32, **fast)
+    fast = {"attention": paged_attention, "fuse": True, "graphs": "cuda", "graph_tokens": 128}
+    staged, engine = generate(tiny_checkpoint, torch.float32, never_waiting, overlap=True, **fast)
+    synchronous, _ = generate(tiny_checkpoint, torch.float32, overlap=False, **fast)
     assert engine.counters["overlapped_mixed_steps"] >= 3  # prefill chunks (budget 96) staged beside decodes
     assert staged == synchronous
 

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 from tests.gpu.test_kernels_gpu import _SKIP_REASON
 from tests.unit.test_tensor_parallel import ENGINE, GRAPH_TOKENS, follower, generate
+from workers.decoder.config import EngineConfig
 from workers.decoder.engine import Engine
 from workers.decoder.tp import StepBroadcast, leave_group
 from workers.kernels import paged_attention
@@ -45,11 +46,12 @@ def gpu_rank(rank: int, world: int, path: str, store: str, out: str) -> None:
     steps = StepBroadcast(tp, spec.hidden_size, model.dtype, device)
     if rank == 0:
         options = {"fuse": True, "graphs": "cuda", "graph_tokens": GRAPH_TOKENS, "overlap": True}
-        engine = Engine(model, spec, **ENGINE, **options, attention=paged_attention, tp_steps=steps)  # type: ignore[arg-type]
+        config = EngineConfig(**ENGINE, **options, attention=paged_attention)  # type: ignore[arg-type]
+        engine = Engine(model, spec, config, steps)
         tokens = generate(engine)
         steps.send_stop()
         Path(out).write_text(json.dumps({"tokens": tokens, "counters": engine.counters}))
-        leave_group(engine.graphs)  # as the decoder leaves: graphs first, then the communicator
+        leave_group(engine.runner.graphs)  # as the decoder leaves: graphs first, then the communicator
     else:
         forward = follower(model, tp, paged_attention, capture=True)
         while (payload := steps.receive()) is not None:
@@ -67,5 +69,6 @@ def test_two_gpus_with_captured_graphs_and_overlap_generate_what_one_gpu_does(tm
     model = LanguageModel.from_checkpoint(path, device=torch.device("cuda", 0), dtype=torch.float32)
     spec = ModelSpec.from_dir(path)
     options = {"fuse": True, "graphs": "cuda", "graph_tokens": GRAPH_TOKENS, "overlap": True}
-    alone = generate(Engine(model, spec, **ENGINE, **options, attention=paged_attention))  # type: ignore[arg-type]
+    config = EngineConfig(**ENGINE, **options, attention=paged_attention)  # type: ignore[arg-type]
+    alone = generate(Engine(model, spec, config))
     assert result["tokens"] == alone

@@ -12,8 +12,10 @@ import torch
 from benchmarks.engine_mixed import per_span_embeddings, per_span_step_inputs
 from common.protocol import PreparedMedia, PreparedRequest, SamplingParams
 from workers.decoder.batch import Scheduled, media_rows, step_embeddings, step_inputs, tp_payload
-from workers.decoder.engine import Engine, PromptError
+from workers.decoder.config import EngineConfig
+from workers.decoder.engine import Engine
 from workers.decoder.graphs import graph_batch_sizes, graph_token_sizes
+from workers.decoder.scheduler import PromptError
 from workers.decoder.tp import EAGER
 from workers.models.language import LanguageModel
 from workers.models.spec import ModelSpec
@@ -30,7 +32,7 @@ def make_engine(parts: tuple[LanguageModel, ModelSpec], **overrides: object) -> 
     model, spec = parts
     options = {"max_model_len": 4096, "max_running": 16, "prefill_budget": 4096, "num_blocks": 512, "block_size": 4}
     options.update(overrides)
-    return Engine(model, spec, **options)  # type: ignore[arg-type]
+    return Engine(model, spec, EngineConfig(**options))  # type: ignore[arg-type]
 
 
 def request(rid: str, length: int, max_tokens: int = 6, **sampling: object) -> PreparedRequest:
@@ -60,7 +62,7 @@ def run_to_end(engine: Engine) -> tuple[dict[str, list[int]], list[set[str]]]:
         steps.append({d.request_id for d in deltas})
         for d in deltas:
             tokens.setdefault(d.request_id, []).extend(d.token_ids)
-        engine.blocks.check_integrity()
+        engine.scheduler.blocks.check_integrity()
     return tokens, steps
 
 
@@ -81,7 +83,7 @@ def test_slots_and_prefill_budget(parts: tuple[LanguageModel, ModelSpec]) -> Non
     assert steps[1] == {"a", "b"}
     assert "c" not in set().union(*steps[:5])  # no slot while a and b run
     assert all(len(t) == 6 for t in tokens.values())
-    assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
+    assert engine.scheduler.blocks.num_free_blocks() == engine.scheduler.blocks.num_blocks
 
 
 def test_batched_and_chunked_tokens_equal_solo_tokens(parts: tuple[LanguageModel, ModelSpec]) -> None:
@@ -115,12 +117,12 @@ def test_prefix_cache_reuses_a_shared_image_prefix(parts: tuple[LanguageModel, M
     outputs = {}
     hits = []
     for req, rows in ((first, image_rows(spec, 1)), (second, image_rows(spec, 1)), (other, image_rows(spec, 2))):
-        before = engine.blocks.counters["prefix_hit_tokens"]
+        before = engine.scheduler.blocks.counters["prefix_hit_tokens"]
         seq = engine.prepare(req)
         seq.media_embeds = rows
         engine.add(seq)
         outputs[req.request_id] = run_to_end(engine)[0][req.request_id]
-        hits.append(engine.blocks.counters["prefix_hit_tokens"] - before)
+        hits.append(engine.scheduler.blocks.counters["prefix_hit_tokens"] - before)
         assert outputs[req.request_id] == solo(parts, req, rows)
     prompt = len(engine.prepare(second).prompt_ids)
     assert hits[0] == 0
@@ -145,8 +147,8 @@ def test_abort_frees_blocks(parts: tuple[LanguageModel, ModelSpec]) -> None:
     engine.step()
     assert engine.abort("x") and engine.abort("y")
     assert not engine.has_work() and not engine.abort("x")
-    engine.blocks.check_integrity()
-    assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
+    engine.scheduler.blocks.check_integrity()
+    assert engine.scheduler.blocks.num_free_blocks() == engine.scheduler.blocks.num_blocks
 
 
 def test_prompt_errors(parts: tuple[LanguageModel, ModelSpec]) -> None:
@@ -174,7 +176,7 @@ def test_choices_of_one_prompt_share_its_kv(parts: tuple[LanguageModel, ModelSpe
         engine.add(engine.prepare(dataclasses.replace(prompt, request_id=f"twin-{i}")))
     tokens, _ = run_to_end(engine)
     assert len({tuple(t) for t in tokens.values()}) == 1
-    assert engine.blocks.counters["prefix_hit_tokens"] == 2 * (39 // 4 * 4)  # all but the last block, twice
+    assert engine.scheduler.blocks.counters["prefix_hit_tokens"] == 2 * (39 // 4 * 4)  # all but the last block, twice
 
 
 @pytest.fixture(scope="module")
@@ -210,20 +212,22 @@ def test_static_graph_paths_and_fused_layers_keep_outputs(
     same greedy tokens as the plain engine, for text and image prompts, as sequences join and leave (decode
     batches 1..5 pad to 1, 2, 4, 6). With ``graph_tokens`` every other step (prefill chunks of up to 40
     tokens beside decodes) takes a mixed graph, padded to 32 or 46 tokens (the budget of 40 plus one token
-    for each of 6 sequences); with ``overlap`` decode steps run one ahead of the host."""
+    for each of 6 sequences); with ``overlap`` steps run one ahead of the host."""
     model, spec = fused_parts
     engine = Engine(
         model,
         spec,
-        max_model_len=4096,
-        max_running=6,
-        prefill_budget=40,
-        num_blocks=512,
-        block_size=4,
-        fuse=True,
-        graphs="static",
-        graph_tokens=graph_tokens,
-        overlap=overlap,
+        EngineConfig(
+            max_model_len=4096,
+            max_running=6,
+            prefill_budget=40,
+            num_blocks=512,
+            block_size=4,
+            fuse=True,
+            graphs="static",
+            graph_tokens=graph_tokens,
+            overlap=overlap,
+        ),
     )
     requests = [request(f"g{i}", 5 + 7 * i, max_tokens=4 + 3 * i) for i in range(5)]
     system = [(11 * i) % 900 + 20 for i in range(9)]
@@ -234,20 +238,20 @@ def test_static_graph_paths_and_fused_layers_keep_outputs(
         seq.media_embeds = rows.get(req.request_id)
         engine.add(seq)
     tokens, _ = run_to_end(engine)
-    assert engine.graphs is not None
-    runs, mixed = engine.graphs.runs, engine.graphs.mixed_runs
+    assert engine.runner.graphs is not None
+    runs, mixed = engine.runner.graphs.runs, engine.runner.graphs.mixed_runs
     assert engine.counters["graph_steps"] == sum(runs.values()) + sum(mixed.values())
     assert engine.counters["decode_graph_steps"] == sum(runs.values())  # (the host's launch time, by kind)
     assert engine.counters["decode_launch_s"] > 0 and engine.counters["other_launch_s"] > 0
     assert any(n < size for n, size in runs), runs  # some steps ran padded rows in the scratch block
     if graph_tokens:
-        assert engine.graphs.token_sizes == [32, 46]
+        assert engine.runner.graphs.token_sizes == [32, 46]
         assert any(t < size for t, size in mixed) and any(t > 32 for t, _ in mixed), mixed
         assert engine.counters["graph_steps"] == engine.counters["steps"]
     else:
         assert not mixed and engine.counters["graph_steps"] < engine.counters["steps"]
     assert (engine.counters["overlapped_steps"] > 5) == overlap
-    assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
+    assert engine.scheduler.blocks.num_free_blocks() == engine.scheduler.blocks.num_blocks
     for req in requests:
         assert tokens[req.request_id] == solo(parts, req)
     for req in pictures:
@@ -266,14 +270,16 @@ def test_overlapped_steps_emit_exactly_what_synchronous_steps_do(
         engine = Engine(
             model,
             spec,
-            max_model_len=64,
-            max_running=4,
-            prefill_budget=64,
-            num_blocks=128,
-            block_size=4,
-            fuse=True,
-            graphs="static",
-            overlap=overlap,
+            EngineConfig(
+                max_model_len=64,
+                max_running=4,
+                prefill_budget=64,
+                num_blocks=128,
+                block_size=4,
+                fuse=True,
+                graphs="static",
+                overlap=overlap,
+            ),
         )
         sampled = {"temperature": 0.8, "top_p": 0.9, "seed": 7, "ignore_eos": False}
         stops = {"temperature": 1.0, "seed": 3, "stop_token_ids": list(range(10, 400))}
@@ -293,8 +299,8 @@ def test_overlapped_steps_emit_exactly_what_synchronous_steps_do(
                 out.setdefault(d.request_id, []).append((d.token_ids, d.finish_reason, d.logprobs, d.top_logprobs))
             if len(out.get("aborted", [])) == 4 and engine.holds("aborted"):
                 assert engine.abort("aborted")
-            engine.blocks.check_integrity()
-        assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
+            engine.scheduler.blocks.check_integrity()
+        assert engine.scheduler.blocks.num_free_blocks() == engine.scheduler.blocks.num_blocks
         if overlap:
             assert engine.counters["overlapped_steps"] > 10
         return out
@@ -328,18 +334,25 @@ def test_a_smaller_budget_while_sequences_decode(parts: tuple[LanguageModel, Mod
     decoding budget (its decode included), so a late long prompt cannot stretch the decoder's gaps."""
     engine = make_engine(parts, prefill_budget=64, decoding_budget=16)
     engine.add(engine.prepare(request("first", 60, max_tokens=30)))
-    assert [(s.seq.request_id, s.num_new) for s in engine.schedule()] == [("first", 60)]  # nothing decodes yet
+    scheduled = engine.scheduler.schedule()
+    assert [(s.seq.request_id, s.num_new) for s in scheduled] == [("first", 60)]  # nothing decodes yet
     engine = make_engine(parts, prefill_budget=64, decoding_budget=16)
     first, late = request("first", 8, max_tokens=30), request("late", 60)
     engine.add(engine.prepare(first))
     tokens: dict[str, list[int]] = {}
     widths = []
+    schedule = engine.scheduler.schedule
+
+    def measured_schedule(reserved: int = 0, preempt: bool = True) -> list[Scheduled]:
+        batch = schedule(reserved, preempt)
+        widths.append(sum(s.num_new for s in batch))
+        return batch
+
+    engine.scheduler.schedule = measured_schedule  # type: ignore[method-assign]
     while engine.has_work():
         if len(tokens.get("first", [])) == 2 and "late" not in tokens and not engine.holds("late"):
             engine.add(engine.prepare(late))  # arrives while "first" decodes
-        batch = engine.schedule()
-        widths.append(sum(s.num_new for s in batch))
-        for d in engine.postprocess(batch, engine.run(batch)[0]):
+        for d in engine.step():
             tokens.setdefault(d.request_id, []).extend(d.token_ids)
     assert widths[0] == 8 and max(widths[1:]) == 16  # 60 prompt tokens in chunks of 15 beside the decode
     assert sum(w == 16 for w in widths) == 4
@@ -350,7 +363,7 @@ def test_a_smaller_budget_while_sequences_decode(parts: tuple[LanguageModel, Mod
 def test_steps_staged_ahead_of_prefills_and_arrivals_emit_what_synchronous_steps_do(
     fused_parts: tuple[LanguageModel, ModelSpec], graphs: str, graph_tokens: int
 ) -> None:
-    """``overlap_mixed``: every step is launched before the previous one's tokens are read, also those that
+    """``overlap``: every step is launched before the previous one's tokens are read, also those that
     carry prefill chunks (of text and image prompts) or admit arrivals, with the decoding rows' input ids
     taken from the device. Against the synchronous engine: the same tokens and finishes for greedy and
     seeded sampling with penalties, stop tokens learnt a step late, min_tokens, length limits, an abort
@@ -358,7 +371,7 @@ def test_steps_staged_ahead_of_prefills_and_arrivals_emit_what_synchronous_steps
     spec = fused_parts[1]
     system = [(13 * i) % 700 + 30 for i in range(12)]
 
-    def deltas(overlap_mixed: bool) -> tuple[dict[str, list[tuple[object, ...]]], Engine]:
+    def deltas(overlap: bool) -> tuple[dict[str, list[tuple[object, ...]]], Engine]:
         engine = make_engine(
             fused_parts,
             max_model_len=96,
@@ -368,8 +381,7 @@ def test_steps_staged_ahead_of_prefills_and_arrivals_emit_what_synchronous_steps
             fuse=True,
             graphs=graphs,
             graph_tokens=graph_tokens,
-            overlap=graphs != "off",
-            overlap_mixed=overlap_mixed,
+            overlap=overlap,
         )
         stops = {"temperature": 1.0, "seed": 3, "stop_token_ids": list(range(10, 400))}
         arrivals = [
@@ -397,9 +409,9 @@ def test_steps_staged_ahead_of_prefills_and_arrivals_emit_what_synchronous_steps
                 out.setdefault(d.request_id, []).append((d.token_ids, d.finish_reason, d.logprobs, d.top_logprobs))
             if len(out.get("aborted", [])) == 3 and engine.holds("aborted"):
                 assert engine.abort("aborted")
-            engine.blocks.check_integrity()
+            engine.scheduler.blocks.check_integrity()
             step += 1
-        assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
+        assert engine.scheduler.blocks.num_free_blocks() == engine.scheduler.blocks.num_blocks
         return out, engine
 
     synchronous, _ = deltas(False)
@@ -429,16 +441,16 @@ def test_step_embeddings_and_inputs_equal_those_built_span_by_span(parts: tuple[
         seq = engine.prepare(req)
         seq.media_embeds = image_rows(spec, 7) if req.media else None
         engine.add(seq)
-    run, checked = engine.run, []
+    run, checked = engine.runner.run, []
 
-    def checking_run(batch: list[Scheduled], ahead_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+    def checking_run(batch: list[Scheduled], ahead_ids: torch.Tensor | None = None) -> torch.Tensor:
         spans = [(b.seq, b.seq.num_computed, b.seq.num_computed + b.num_new) for b in batch]
         assert torch.equal(step_embeddings(model, spans), per_span_embeddings(model, spans))
-        staged = step_inputs(batch, [], engine.blocks.block_size)
-        expected = per_span_step_inputs(batch, [], engine.blocks.block_size)
+        staged = step_inputs(batch, [], engine.scheduler.blocks.block_size)
+        expected = per_span_step_inputs(batch, [], engine.scheduler.blocks.block_size)
         assert np.array_equal(staged.positions, expected.positions)
         assert np.array_equal(staged.slots, expected.slots)
-        payload = tp_payload(batch, [], EAGER, engine.blocks.block_size, torch.float32, spec.hidden_size)
+        payload = tp_payload(batch, [], EAGER, engine.scheduler.blocks.block_size, torch.float32, spec.hidden_size)
         media = [media_rows(*span) for span in spans]
         assert payload.ids.tolist() == [i for seq, a, b in spans for i in seq.token_ids(a, b)]
         masks = [
@@ -453,7 +465,7 @@ def test_step_embeddings_and_inputs_equal_those_built_span_by_span(parts: tuple[
         checked.append(sum(b.num_new > 1 for b in batch) and sum(b.num_new == 1 for b in batch))
         return run(batch, ahead_ids)
 
-    engine.run = checking_run  # type: ignore[method-assign]
+    engine.runner.run = checking_run  # type: ignore[method-assign]
     run_to_end(engine)
     assert len(checked) > 5 and any(checked)  # some steps held prompt chunks and decodes together
     assert step_embeddings(model, []).shape == (0, spec.hidden_size)  # a step whose rows all came ahead

@@ -27,15 +27,16 @@ def test_forward_split_separates_decode_and_prompt_forwards() -> None:
 
 def test_cpu_run_counts_text_tokens_and_vision_requests(tmp_path: Path) -> None:
     out = tmp_path / "engine_mixed.json"
-    # 3 s a window: at 1.5 s, a CPU busy with other work (a parallel test run) once finished no vision request.
+    # A clock of 0.25 s per engine step: each window is 12 steps, whatever else the machine runs.
     argv = ["--model", str(demo_checkpoint()), "--out", str(out), "--device", "cpu", "--seconds", "3"]
-    engine_mixed.main([*argv, "--rate", "4", "--block-size", "32"])  # (not the server's 16: the option works)
+    # (a block size other than the server's: the option works)
+    engine_mixed.main([*argv, "--step-s", "0.25", "--rate", "4", "--block-size", "32"])
     result = json.loads(out.read_text())
     assert result["block_size"] == 32
     control, mixed = result["control"], result["mixed"]
     assert control["vision_sent"] == 0 and control["text_tokens_per_s"] > 0
     assert control["forwards"]["prompt_forwards"] > 0  # the text streams' own prompts
-    assert mixed["vision_sent"] >= 10  # 4/s over 3 s, the first at once
+    assert mixed["vision_sent"] == 12  # 4/s over 3 s, the first at once
     assert 0 < mixed["vision_done"] <= mixed["vision_sent"]
     assert mixed["vision_ttft_mean_ms"] > 0
     # Each vision prompt holds 3 x 972 media tokens: the mixed window's forwards carry them.

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.protocol import PreparedRequest, SamplingParams
+from workers.decoder.config import EngineConfig
 from workers.decoder.engine import Engine
 from workers.decoder.graphs import engine_graphs
 from workers.decoder.tp import EAGER, RankForward, StepBroadcast, StepPayload, leave_group
@@ -149,19 +150,9 @@ def follower(model: LanguageModel, tp: TensorParallel, attention: PagedAttention
     """A rank K >= 1 shaped like rank 0's `ENGINE` (cache, fused layers, graphs), as `DecoderRank` builds it."""
     kv = PagedKVCache.for_model(model, ENGINE["num_blocks"] + 1, ENGINE["block_size"])
     fused = fuse_layers(model)
-    graphs = engine_graphs(
-        model,
-        kv,
-        max_running=ENGINE["max_running"],
-        prefill_budget=ENGINE["prefill_budget"],
-        graph_tokens=GRAPH_TOKENS,
-        max_model_len=ENGINE["max_model_len"],
-        num_blocks=ENGINE["num_blocks"],
-        attention=attention,
-        fused=fused,
-        capture=capture,
-        tp=tp,
-    )
+    mode = "cuda" if capture else "static"
+    config = EngineConfig(**ENGINE, attention=attention, fuse=True, graphs=mode, graph_tokens=GRAPH_TOKENS)
+    graphs = engine_graphs(model, kv, config, fused, tp)
     return RankForward(model, kv, attention, tp, fused, graphs)
 
 
@@ -175,10 +166,11 @@ def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlap:
     steps = StepBroadcast(tp, spec.hidden_size, model.dtype, torch.device("cpu"))
     if rank == 0:
         options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS, "overlap": overlap}
-        engine = Engine(model, spec, **ENGINE, **options, tp_steps=steps)  # type: ignore[arg-type]
+        engine = Engine(model, spec, EngineConfig(**ENGINE, **options), steps)  # type: ignore[arg-type]
         tokens = generate(engine)
         steps.send_stop()
         assert (engine.counters["overlapped_steps"] > 0) == overlap
+        assert (engine.counters["overlapped_mixed_steps"] > 0) == overlap  # prefill chunks beside decodes
         assert engine.counters["graph_steps"] > 0
         Path(out).write_text(json.dumps(tokens))
     else:
@@ -198,14 +190,15 @@ def test_an_engine_over_ranks_with_graph_steps_generates_what_one_rank_does(
     tmp_path: Path, world: int, overlap: bool
 ) -> None:
     """Decode and mixed graph steps (static mode), fused layers, broadcast to the other ranks — with
-    overlap, decode steps whose input ids follow as a tensor: the same greedy tokens as one rank."""
+    overlap, steps whose decodes' input ids follow as a tensor (decode graphs, and mixed steps with prefill
+    chunks beside them): the same greedy tokens as one rank."""
     path = generate_checkpoint(tmp_path / SHAPES[world], SHAPES[world], seed=4)
     out = tmp_path / "tokens.json"
     args = (world, str(path), str(tmp_path / "store"), str(out), overlap)
     mp.start_processes(engine_rank, args=args, nprocs=world, start_method="spawn")
     model, spec = LanguageModel.from_checkpoint(path, dtype=torch.float32), ModelSpec.from_dir(path)
     options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS}
-    alone = generate(Engine(model, spec, **ENGINE, **options))  # type: ignore[arg-type]
+    alone = generate(Engine(model, spec, EngineConfig(**ENGINE, **options)))  # type: ignore[arg-type]
     assert json.loads(out.read_text()) == alone
 
 

@@ -8,6 +8,7 @@ written once.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 from common.protocol import PreparedRequest
 from workers.decoder.blocks import BlockTable
 from workers.decoder.graphs import StepInputs
+from workers.decoder.sampling import SamplingRow, sampling_row, stop_ids
 from workers.decoder.tp import StepPayload
 from workers.models.language import LanguageModel
 from workers.models.runtime import upload
@@ -56,6 +58,12 @@ class Sequence:
     def add_output(self, token: int) -> None:
         self.output_ids.append(token)
         self.all_keys.append(token)
+
+    def sampling_row(self, eos_token_ids: Iterable[int]) -> SamplingRow:
+        """Its options and history for the token it samples next (stops banned below ``min_tokens``)."""
+        params = self.request.sampling
+        banned = sorted(stop_ids(params, eos_token_ids)) if len(self.output_ids) < params.min_tokens else []
+        return sampling_row(params, self.prompt_ids, self.output_ids, banned)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         prompt = len(self.prompt_ids)
@@ -116,9 +124,8 @@ def step_embeddings(model: LanguageModel, spans: list[Span]) -> torch.Tensor:
     """Input embeddings of a step's tokens, span after span: token embeddings, media rows in the
     placeholders. All the ids go up in one copy and through one lookup, and all the media rows into their
     placeholders in one index copy: per span, those were four small device operations and their host
-    calls, and a step with 32-64 decodes spent about a millisecond of host time on them before its
-    forward could start. The ids were range-checked when the request was prepared
-    (`LanguageModel.embed`'s check reads the device)."""
+    calls, host time that a step with dozens of decodes spent before its forward could start. The ids were
+    range-checked when the request was prepared (`LanguageModel.embed`'s check reads the device)."""
     ids: list[int] = []
     at: list[torch.Tensor] = []
     media: list[torch.Tensor] = []
@@ -127,7 +134,7 @@ def step_embeddings(model: LanguageModel, spans: list[Span]) -> torch.Tensor:
             at.append(found[0].nonzero().squeeze(1) + len(ids))
             media.append(found[1])
         ids.extend(seq.token_ids(start, end))
-    if not ids:  # every row of the step came from the device (`Engine.run`'s ahead ids): nothing to pin
+    if not ids:  # every row of the step came from the device (`ModelRunner.run`'s ahead ids): nothing to pin
         return model.embed_tokens.weight.new_empty((0, model.embed_tokens.weight.shape[1]))
     embeds = model.embed_tokens(upload(torch.tensor(ids, dtype=torch.int64), model.device))
     if not media:
@@ -199,7 +206,8 @@ def tp_payload(
     device_ids: torch.Tensor | None = None,
 ) -> StepPayload:
     """A step as every tensor-parallel rank needs it (each embeds the ids of its vocabulary shard).
-    With ``device_ids`` (an overlapped decode step) the ids are not on the host yet: zeros stand in.
+    ``device_ids``: the input ids of the rows marked `ahead` (the first ones), not on the host yet: zeros
+    stand in for them in ``ids``.
     Positions and slots as `step_inputs` builds them; the media mask is set only where a span holds media."""
     staged = step_inputs(batch, rows, block_size)
     ids: list[int] = []
@@ -210,7 +218,7 @@ def tp_payload(
         if (found := media_rows(seq, start, end)) is not None:
             mask[len(ids) : len(ids) + item.num_new] = found[0]
             media.append(found[1])
-        ids.extend(seq.token_ids(start, end) if device_ids is None else [0] * item.num_new)
+        ids.extend([0] * item.num_new if item.ahead else seq.token_ids(start, end))
     return StepPayload(
         mode=mode,
         slots=torch.from_numpy(staged.slots),

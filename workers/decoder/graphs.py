@@ -1,8 +1,8 @@
 """Engine steps replayed from CUDA graphs.
 
 Launched eagerly from Python, one forward costs far more host time than GPU time: a decode step is a few
-hundred small kernels, and even an 800-token prefill is launch bound (Triton's launcher alone takes tens
-of microseconds per kernel). `StepGraphs` records the forward once per shape and afterwards only refreshes
+hundred small kernels, and even a prefill of hundreds of tokens is launch bound (Triton's launcher is slow
+per kernel). `StepGraphs` records the forward once per shape and afterwards only refreshes
 its static input buffers and replays. Two ladders of shapes:
 
 - decode graphs, one per batch size (1, 2, 4, 8, 16, 24, ...): one new token per sequence, the token ids
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from workers.decoder.config import EngineConfig
 from workers.kernels.attention import AttentionMetadata
 from workers.models.language import LanguageModel, mrope_axis, mrope_cos_sin
 from workers.models.paged import FusedLayer, PagedAttention, PagedKVCache, StepContext, forward_logits
@@ -57,30 +58,24 @@ def graph_token_sizes(max_tokens: int) -> list[int]:
 def engine_graphs(
     model: LanguageModel,
     kv: PagedKVCache,
-    *,
-    max_running: int,
-    prefill_budget: int,
-    graph_tokens: int,
-    max_model_len: int,
-    num_blocks: int,
-    attention: PagedAttention,
+    config: EngineConfig,
     fused: Sequence[FusedLayer] | None,
-    capture: bool,
     tp: TensorParallel | None = None,
 ) -> StepGraphs:
-    """The graphs an engine with these settings replays. Rank 0 (`Engine`) and every other rank of a
-    tensor-parallel group build theirs here, so that their captures and replays pair up. ``kv`` has one
-    block more than the manager's ``num_blocks``: the padding tokens' scratch block."""
+    """The graphs an engine with ``config`` replays (captured for ``graphs = "cuda"``). Rank 0 (`ModelRunner`)
+    and every other rank of a tensor-parallel group build theirs here, so that their captures and replays
+    pair up. ``kv`` has one block more than the manager's ``num_blocks``: the padding tokens' scratch block."""
     return StepGraphs(
         model,
         kv,
-        max_seqs=max_running,
-        max_tokens=min(graph_tokens, prefill_budget + max_running),  # a step's decodes pass the budget
-        max_context=max_model_len,
-        scratch_block=num_blocks,
-        attention=attention,
+        max_seqs=config.max_running,
+        # a step's decodes pass the budget
+        max_tokens=min(config.graph_tokens, config.prefill_budget + config.max_running),
+        max_context=config.max_model_len,
+        scratch_block=config.num_blocks,
+        attention=config.attention,
         fused=fused,
-        capture=capture,
+        capture=config.graphs == "cuda",
         tp=tp,
     )
 

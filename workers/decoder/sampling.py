@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from common.protocol import SamplingParams
 from workers.models.runtime import upload
 
 GREEDY_BELOW = 1e-5
@@ -97,6 +98,36 @@ class SamplingRow:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+def sampling_row(
+    params: SamplingParams, prompt_ids: list[int], output_ids: list[int], banned: Sequence[int] = ()
+) -> SamplingRow:
+    """One sequence's options and history for this step; raises ValueError on bad options."""
+    return SamplingRow(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        seed=params.seed,
+        step=len(output_ids),
+        banned=tuple(banned),
+        logit_bias=tuple(zip(params.logit_bias_ids, params.logit_bias_values, strict=True)),
+        top_logprobs=params.top_logprobs,
+        prompt_ids=prompt_ids,
+        output_ids=output_ids,
+    )
+
+
+def stop_ids(params: SamplingParams, eos_token_ids: Iterable[int]) -> set[int]:
+    """The tokens that end a sequence: its stop ids, and the model's EOS unless ``ignore_eos``."""
+    stops = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stops.update(eos_token_ids)
+    return stops
 
 
 @dataclass

@@ -28,17 +28,20 @@ import zmq
 
 from common.config import Config, decoder_name
 from common.protocol import TPJoin, TPSetup
+from common.topology import vision_replicas
 from common.transport import Channel
+from workers.decoder.config import EngineConfig
 from workers.decoder.graphs import StepGraphs, StepInputs, engine_graphs
 from workers.models.language import LanguageModel
 from workers.models.paged import BatchLayout, FusedLayer, PagedAttention, PagedKVCache, fuse_layers, paged_forward
+from workers.models.runtime import claim_device, resolve_dtype, upload
 from workers.models.spec import ModelSpec
-from workers.models.tensor_parallel import TensorParallel
+from workers.models.tensor_parallel import TensorParallel, load_shard
 
 log = logging.getLogger(__name__)
 
 STEP, STOP = 1, 2
-HEADER = 8  # kind, mode, tokens, sequences, logits rows, media rows, block-table width, ids follow
+HEADER = 8  # kind, mode, tokens, sequences, logits rows, media rows, block-table width, device ids that follow
 
 
 EAGER, DECODE_GRAPH, MIXED_GRAPH = 0, 1, 2  # how a step runs: every rank takes the same path
@@ -58,7 +61,8 @@ class StepPayload:
     context_lens: list[int]
     block_tables: list[list[int]]
     rows: list[int]  # flat token indices whose logits are wanted (a decode graph gives every row)
-    # A decode step staged before rank 0 read its input ids (overlap): they follow as a device tensor.
+    # A step staged before rank 0 read the input ids of its first rows (decodes, one token each: overlap):
+    # those ids follow as a device tensor (zeros stand in for them in ``ids``).
     device_ids: torch.Tensor | None = None
 
     def step_inputs(self) -> StepInputs:
@@ -84,7 +88,10 @@ class RankForward:
             assert self.graphs is not None  # rank 0 picks a graph mode only when it has graphs, as we do
             return self.graphs.decode(payload.step_inputs(), payload.ids.tolist(), payload.device_ids)
         device = self.model.device
-        embeds = self.tp.embed(self.model.embed_tokens.weight, payload.ids.to(device))
+        ids = upload(payload.ids, device)  # (a plain copy would wait for the step before: overlap)
+        if payload.device_ids is not None:
+            ids = torch.cat([payload.device_ids.to(device), ids[payload.device_ids.shape[0] :]])
+        embeds = self.tp.embed(self.model.embed_tokens.weight, ids)
         if payload.media_rows.shape[0]:
             embeds[payload.media_mask.to(device)] = payload.media_rows.to(device, embeds.dtype)
         if payload.mode == MIXED_GRAPH:
@@ -109,7 +116,7 @@ class StepBroadcast:
     def send(self, payload: StepPayload) -> None:
         t, s, r, m = payload.ids.shape[0], len(payload.query_lens), len(payload.rows), payload.media_rows.shape[0]
         width = max(len(table) for table in payload.block_tables)
-        follow = payload.device_ids is not None
+        follow = 0 if payload.device_ids is None else payload.device_ids.shape[0]
         self._broadcast(torch.tensor([STEP, payload.mode, t, s, r, m, width, follow], dtype=torch.int64))
         tables = [table + [-1] * (width - len(table)) for table in payload.block_tables]
         ints = torch.cat(
@@ -143,7 +150,7 @@ class StepBroadcast:
         if m:
             media = self._broadcast(media)
         table_rows = tables.view(s, width).tolist()
-        device_ids = self._broadcast(torch.empty(t, dtype=torch.int64)) if follow else None
+        device_ids = self._broadcast(torch.empty(follow, dtype=torch.int64)) if follow else None
         return StepPayload(
             device_ids=device_ids,
             mode=mode,
@@ -271,38 +278,20 @@ class DecoderRank:
     running rank 0's steps until told to stop."""
 
     def __init__(self, cfg: Config, replica: int, rank: int) -> None:
-        from common.topology import vision_replicas
-        from workers.decoder.worker import runner_options  # (the worker imports this module)
-        from workers.models.runtime import claim_device, resolve_dtype
-        from workers.models.tensor_parallel import load_shard
-
         incarnation = f"{os.getpid()}-{time.time_ns() % 10**9}"
         device = claim_device(cfg, cfg.decoder_gpu(replica, rank), vision=replica in vision_replicas(cfg))
         spec = ModelSpec.from_dir(cfg.model_path())
         tp = TensorParallel(rank, cfg.decoder.tensor_parallel, spec.vocab_size)
         model = load_shard(cfg.model_path(), spec, tp, device, resolve_dtype(cfg, device))
         setup = follower_rendezvous(cfg, replica, rank, incarnation, device)
-        options = runner_options(cfg, device)  # rank 0's: the same kernels, graphs exactly when it has them
-        graphs = options["graphs"] == "cuda"
+        # rank 0's options: the same kernels, graphs exactly when it has them
+        max_len = cfg.decoder.max_model_len or spec.max_position_embeddings
+        config = EngineConfig.from_settings(cfg.decoder, device, setup.num_blocks, max_len)
+        graphs = config.graphs != "off"
         kv = PagedKVCache.for_model(model, setup.num_blocks + graphs, cfg.decoder.block_size)
-        fused = fuse_layers(model) if options["fuse"] else None
-        attention = options["attention"]
-        step_graphs = None
-        if graphs:
-            step_graphs = engine_graphs(
-                model,
-                kv,
-                max_running=cfg.decoder.max_running,
-                prefill_budget=cfg.decoder.prefill_tokens_per_step,
-                graph_tokens=cfg.decoder.graph_tokens,
-                max_model_len=cfg.decoder.max_model_len or spec.max_position_embeddings,
-                num_blocks=setup.num_blocks,
-                attention=attention,
-                fused=fused,
-                capture=True,
-                tp=tp,
-            )
-        self.forward = RankForward(model, kv, attention, tp, fused, step_graphs)
+        fused = fuse_layers(model) if config.fuse else None
+        step_graphs = engine_graphs(model, kv, config, fused, tp) if graphs else None
+        self.forward = RankForward(model, kv, config.attention, tp, fused, step_graphs)
         self.steps = StepBroadcast(tp, spec.hidden_size, model.dtype, device)
         log.info("decoder rank %d of %d ready on %s (rank 0: %s)", rank, setup.world, device, setup.leader)
 

@@ -15,7 +15,6 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import zmq
@@ -40,9 +39,10 @@ from common.tensor_ref import ShmAttachments, gather_rows
 from common.topology import vision_replicas
 from common.transport import Channel, EventLoop, worker_identity
 from workers.decoder.batch import Sequence
-from workers.decoder.engine import Engine, PromptError
+from workers.decoder.config import EngineConfig
+from workers.decoder.engine import Engine
+from workers.decoder.scheduler import PromptError
 from workers.decoder.tp import StepBroadcast, leader_rendezvous, leave_group
-from workers.kernels import paged_attention, paged_attention_reference
 from workers.models.language import LanguageModel
 from workers.models.paged import PagedKVCache
 from workers.models.runtime import claim_device, resolve_dtype
@@ -89,23 +89,6 @@ def shared_kv_budget(cfg: Config, gpu: int, visible: int, free: int, total: int,
     return max(0, min(int(total * fraction / sharing) - own, int(free * fraction)))
 
 
-def runner_options(cfg: Config, device: torch.device) -> dict[str, Any]:
-    """How the engine runs its forwards: Triton kernels, fused projections, CUDA graphs and overlapped
-    decode steps on a GPU unless the config turns them off; the plain-torch paths elsewhere (and always
-    with kernels = "torch")."""
-    triton = cfg.decoder.kernels == "triton" and device.type == "cuda"
-    graphs = triton and cfg.decoder.cuda_graphs  # (tensor-parallel ranks ask this too: `tp.DecoderRank`)
-    return {
-        "attention": paged_attention if triton else paged_attention_reference,
-        "fuse": triton,
-        "graphs": "cuda" if graphs else "off",
-        "graph_tokens": cfg.decoder.graph_tokens,
-        "overlap": graphs and cfg.decoder.overlap,
-        # (also without graphs: no faster on a CPU, but the same engine path, so the CPU's stack tests it)
-        "overlap_mixed": cfg.decoder.overlap,
-    }
-
-
 @dataclass
 class Waiting:
     seq: Sequence
@@ -136,19 +119,8 @@ class DecoderWorker:
             model = LanguageModel.from_checkpoint(path, device=device, dtype=dtype)
             num_blocks = kv_cache_blocks(cfg, model)
         max_len = cfg.decoder.max_model_len or self.spec.max_position_embeddings
-        self.engine = Engine(
-            model,
-            self.spec,
-            max_model_len=max_len,
-            max_running=cfg.decoder.max_running,
-            prefill_budget=cfg.decoder.prefill_tokens_per_step,
-            decoding_budget=cfg.decoder.tokens_per_step_while_decoding,
-            num_blocks=num_blocks,
-            block_size=cfg.decoder.block_size,
-            prefix_cache=cfg.decoder.prefix_cache,
-            tp_steps=tp_steps,
-            **runner_options(cfg, device),
-        )
+        config = EngineConfig.from_settings(cfg.decoder, device, num_blocks, max_len)
+        self.engine = Engine(model, self.spec, config, tp_steps)
         self.ctx = zmq.Context()
         self.inbox = Channel(self.ctx, zmq.PULL, cfg.decoder_endpoint(replica), bind=True)
         self.results = Channel(self.ctx, zmq.PUSH, cfg.endpoint("gateway"), bind=False)
@@ -170,18 +142,18 @@ class DecoderWorker:
         self.loop.on_message(self.cache, self.timed(self.on_cache, "cache_s"))
         self.loop.every(cfg.liveness.heartbeat_s, self.heartbeat)
         self.heartbeat()
-        graphs = self.engine.graphs
+        graphs = self.engine.runner.graphs
         log.info(
             "%s ready on %s in %.1fs: context %d, kernels %s, CUDA graphs %s, overlap %s, at %s",
             self.name,
             device,
             time.monotonic() - started,
             max_len,
-            "triton + fused layers" if self.engine.fused is not None else "torch",
+            "triton + fused layers" if config.fuse else "torch",
             f"for decode batches {graphs.decode_sizes} and mixed steps of {graphs.token_sizes} tokens"
             if graphs is not None and graphs.graphs
             else "off",
-            self.engine.overlap,
+            config.overlap,
             self.inbox.address,
         )
 
@@ -191,10 +163,11 @@ class DecoderWorker:
         finally:
             for channel in (self.inbox, self.results, self.cache):
                 channel.close()
-            if self.engine.tp_steps is not None:
+            tp_steps = self.engine.runner.tp_steps
+            if tp_steps is not None:
                 with contextlib.suppress(Exception):  # the group may be broken already
-                    self.engine.tp_steps.send_stop()
-                    leave_group(self.engine.graphs)
+                    tp_steps.send_stop()
+                    leave_group(self.engine.runner.graphs)
 
     def step(self) -> bool:
         if not self.engine.has_work():
@@ -204,10 +177,11 @@ class DecoderWorker:
             deltas = self.engine.step()
         except Exception as exc:  # a model failure must answer every request it touched
             log.exception("engine step failed")
-            for request_id in [*self.engine.running, *(s.request_id for s in self.engine.waiting)]:
+            scheduler = self.engine.scheduler
+            for request_id in [*scheduler.running, *(s.request_id for s in scheduler.waiting)]:
                 self.engine.abort(request_id)
                 self.fail(request_id, 500, "internal_error", f"decoder failed: {exc}")
-            if self.engine.tp_steps is not None:
+            if self.engine.runner.tp_steps is not None:
                 raise  # the ranks' group is in an unknown state: restart (supervisord) and form a new one
             return False
         if deltas:
@@ -252,8 +226,8 @@ class DecoderWorker:
                 per_step_ms(engine, "other_launch_s", engine.get("steps", 0) - engine.get("decode_graph_steps", 0)),
                 engine.get("prompt_tokens", 0),
                 engine.get("generated_tokens", 0),
-                len(self.engine.running),
-                len(self.engine.waiting),
+                len(self.engine.scheduler.running),
+                len(self.engine.scheduler.waiting),
                 len(self.waiting),
             )
 
@@ -340,8 +314,8 @@ class DecoderWorker:
     def stats(self) -> dict[str, float]:
         gauges = {
             "requests_waiting_for_media": float(len(self.waiting)),
-            "requests_queued": float(len(self.engine.waiting)),
-            "requests_running": float(len(self.engine.running)),
+            "requests_queued": float(len(self.engine.scheduler.waiting)),
+            "requests_running": float(len(self.engine.scheduler.running)),
         }
         return {**self.engine.stats(), **gauges}
 
