@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import shlex
@@ -126,10 +127,15 @@ def table_row(data: Any) -> dict[str, Any]:
 # --- the machine: wheels, the venv wrapper, the checkpoint ---------------------------------------------------
 
 
+def _has_stack_packages() -> bool:
+    """This Python already has what the wheels bring (a development machine whose .whl/ is for the GPU's)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("zmq", "pydantic", "supervisor"))
+
+
 def install_wheels() -> None:
     """The wheels carried in .whl/ (../shared/tools/device-wheels.sh fills it) into /tmp/site, once per machine."""
     wheels = sorted((HERE / ".whl").glob("*.whl"))
-    if not wheels or (Path("/tmp/site") / ".installed").exists():
+    if not wheels or (Path("/tmp/site") / ".installed").exists() or _has_stack_packages():
         return
     subprocess.run(
         [
@@ -296,7 +302,8 @@ def part_tests(run: Run) -> None:
         *GPU_TESTS,
         timeout=run.args.timeout,
     )
-    verdict = (run.raw / "pytest-gpu.log").read_text().strip().splitlines()[-1:]
+    lines = (run.raw / "pytest-gpu.log").read_text().strip().splitlines()
+    verdict = [line for line in lines if " passed" in line or " failed" in line or " error" in line][-1:]
     run.rows.append({"name": "pytest-gpu", "exit": code, "verdict": " ".join(verdict)})
 
 
