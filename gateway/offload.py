@@ -1,6 +1,6 @@
 """Work proportional to a request's size, kept off the gateway's event loop when the request is large: on
-the loop, every stream's next token waits for it (20 MB of JSON took 56 ms to parse, of msgpack 15-60 ms
-to encode)."""
+the loop, every stream's next token waits for it (parsing a body of many megabytes, or encoding one, takes
+tens of milliseconds: docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TypeVar
 A = TypeVar("A")
 R = TypeVar("R")
 
-OFF_LOOP_BYTES = 1 << 20  # below this, on the loop: about 2 ms at most, less than a hop to a thread costs
+OFF_LOOP_BYTES = 1 << 20  # below this, on the loop: cheaper than the hop to a thread
 
 
 async def off_loop_if_large(size: int, fn: Callable[[A], R], arg: A) -> R:

@@ -42,7 +42,7 @@ class CacheDaemon:
             if not torch.cuda.is_available():
                 raise ValueError("[cache] device_pool = true needs a CUDA GPU; set it to false on this host")
             # On the decoder's GPU (0), where the embeddings are read: encoders on other GPUs write to it
-            # over NVLink/PCIe peer access (checked on two H200s). One pool, not one per GPU: no other
+            # over NVLink/PCIe peer access. One pool, not one per GPU: no other
             # GPU has a reader (tensor-parallel ranks get the embedded rows from rank 0).
             self.pool = CudaPool.create(name, cfg.cache.pool_bytes, torch.device("cuda", 0))
             self.cuda_handle = self.pool.handle()

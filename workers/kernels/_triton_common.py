@@ -28,7 +28,7 @@ def to_dtype(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 def round_to(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     """fp32 ``x`` rounded to ``dtype`` and back: an intermediate rounding that a torch reference makes.
 
-    bf16 is rounded on the bits in compiled code too: on the H200 a plain cast pair let the compiler keep a
+    bf16 is rounded on the bits in compiled code too: on sm_90 a plain cast pair let the compiler keep a
     product unrounded (fused into the following add), so q*cos + rot*sin missed the reference's exact zeros.
     """
     if dtype == tl.bfloat16:

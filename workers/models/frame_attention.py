@@ -5,9 +5,9 @@ call per run of consecutive frames of one length (`frame_runs`: a video's frames
 by side), the frames its batch:
 - `SegmentFrames`: the frames as they are (FlashAttention-2, or what `VisionTower.tune_attention` picked),
   the CPU's path too;
-- `PaddedFrames`: for cuDNN's attention, which compiles a kernel plan per shape: 41-74 ms per new frame
-  length on the H200 against 0.34-0.6 ms per call once built (`benchmarks.vit_profile`, session 7), and
-  runs a 768x1024 frame in 0.23 ms against FlashAttention-2's 0.34. Images come in every size, so each
+- `PaddedFrames`: for cuDNN's attention, which compiles a kernel plan per shape (a new frame length costs
+  a hundred calls' worth; `benchmarks.vit_profile`) and is faster than FlashAttention-2 on large frames once
+  built. Images come in every size, so each
   frame is padded to one of a few lengths (`frame_bucket`), and the padding is masked.
 """
 
@@ -27,9 +27,7 @@ from workers.models.runtime import upload
 
 BUCKET_FLOOR = 256
 # Below this many (padded) patches a frame runs FlashAttention-2 on the padded layout instead: cuDNN's
-# kernel is faster, but each call costs more host time (about 0.2 ms more on the H200, from one 4,096-patch
-# frame's 0.49-0.66 ms of wall clock against 0.26 ms of GPU time), which a small frame's matmuls are too
-# short to hide.
+# kernel is faster, but each call costs more host time, which a small frame's matmuls are too short to hide.
 CUDNN_MIN_FRAME = 2048
 SMALL_FRAME_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # A padded key's extra coordinate: q's is 1, so its score is -MASK_SCORE * scale (-1,831 at head_dim 80),
@@ -160,9 +158,8 @@ class PaddedFrames:
                 row += frames * run.length
                 padded_row += frames * padded
         # A multiple of 16 (80 -> 96, not 88): Triton assumes alignment only of integer arguments divisible by
-        # 16, so at 88 the rotary kernel's scattered stores cannot be wide. At 88 it took 2.8 ms per forward
-        # against 1.1 ms unpadded (call c5). 96 is not measured yet; cuDNN's attention is as fast at 96 as at
-        # 80 (0.694 against 0.690 ms for three 768x1024 frames).
+        # 16, so at 88 the rotary kernel's scattered stores cannot be wide (slower than not padding at all);
+        # cuDNN's attention runs as fast at 96 as at 80.
         padded_dim = -(-(head_dim + 1) // 16) * 16
         qkv = torch.zeros(3, padded_row, heads, padded_dim, device=like.device, dtype=like.dtype)
         rows = upload(torch.cat(dest), like.device)

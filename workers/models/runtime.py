@@ -66,7 +66,7 @@ def check_sm_split(cfg: Config) -> None:
         if not 0 < cfg.encoder.sm_split < total:
             raise ValueError(
                 f"[encoder] sm_split = {cfg.encoder.sm_split} leaves no SMs for the vision side of GPU {gpu}, "
-                f"which has {total}; choose fewer (on the H200, 64-72 of 132)"
+                f"which has {total}; choose fewer (docs/isolation.md)"
             )
 
 

@@ -2,8 +2,8 @@
 
 Under MPS the encoders and the decoder run at once on one GPU, but MPS's active-thread percentage caps how many
 SMs a client's work may take, not which: capped clients still meet on the same SMs, and a decode step's kernels
-wait there for the ViT's blocks to drain (measured: 2.7 ms decode steps took 3.5-5.4 ms beside the ViT, whatever
-its cap or priority). The driver splits a GPU's SMs the same way in every process, so a process that takes the
+wait there for the ViT's blocks to drain, whatever its cap or priority (docs/isolation.md). The driver splits a GPU's
+SMs the same way in every process, so a process that takes the
 first ``count`` SMs of a split and one that takes the rest of the same split run on disjoint SMs.
 
 This GPU's driver has no MPS static partitions (`nvidia-cuda-mps-control -S` needs CUDA 13.1's MPS), the other

@@ -101,8 +101,8 @@ class PatchEmbed(nn.Module):
         # Each row is one (C, T, P, P) patch, so this Conv3d is mathematically a linear layer over the
         # flattened row. On the CPU the conv is kept because it is the reference's exact op: a matmul
         # differs by ~1e-6 relative, which on random test models is enough to flip near-tied greedy tokens.
-        # On CUDA the conv's implicit-GEMM kernel took 1.5 ms of a 63-ms forward of three 768x1024 images
-        # on the H200; the matmul takes a few hundredths of that, and its rounding is within bf16's own.
+        # On CUDA the conv's implicit-GEMM kernel is a visible share of the forward; the matmul is a small
+        # fraction of it, and its rounding is within bf16's own.
         rows = pixel_values.to(self.proj.weight.dtype)
         return self.as_linear(rows) if rows.is_cuda else self.as_conv(rows)
 
@@ -232,8 +232,7 @@ class VisionTower(nn.Module):
         returns each candidate's milliseconds per forward (inf: it cannot run); a no-op elsewhere.
 
         The forward is timed, not attention alone: cuDNN's faster kernel comes with more host work per call,
-        which a forward hides behind its matmuls and a lone attention call does not (alone, one 4,096-patch
-        frame took 0.49-0.66 ms of wall clock against 0.26 ms of GPU time on the H200). The timed frames are
+        which a forward hides behind its matmuls and a lone attention call does not. The timed frames are
         new sizes that share their `frame_bucket` with a warm-up's, as cuDNN's plans are per bucket."""
         if self.device.type != "cuda":
             return {}
@@ -268,8 +267,8 @@ class VisionTower(nn.Module):
 
     def warm_up(self) -> None:
         """On CUDA, one forward over two frames of different sizes, so that the first request does not
-        pay for compiling the Triton kernels, cuBLAS's set-up and the allocator's growth (about a second
-        on the H200: the first requests' images took ~97 ms each, later ones ~33 ms). A no-op elsewhere."""
+        pay for compiling the Triton kernels, cuBLAS's set-up and the allocator's growth (the first
+        requests' images were several times slower without it). A no-op elsewhere."""
         if self.device.type != "cuda":
             return
         unit = self.spec.spatial_merge_size
