@@ -256,7 +256,8 @@ LEAVE_TIMEOUT_S = 5.0  # below supervisord's stopwaitsecs (10), so a stuck rank 
 def leave_group(graphs: StepGraphs | None) -> None:
     """Leave the tensor-parallel group at shutdown. Both ranks hung in ``destroy_process_group``: NCCL's destroy
     waits until every CUDA graph that captured one of the communicator's collectives is destroyed (it counts them;
-    pytorch/pytorch#115388, vllm-project/vllm#39846), and ours still existed. So the graphs go first. A destroy that still does not return ends the process with an error."""
+    pytorch/pytorch#115388, vllm-project/vllm#39846), and ours still existed. So the graphs go first.
+    A destroy that still does not return ends the process with an error."""
     if graphs is not None:
         graphs.release()
     watchdog = threading.Timer(LEAVE_TIMEOUT_S, _stuck_leaving)
