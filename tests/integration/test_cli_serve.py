@@ -1,6 +1,6 @@
-"""``vlm-serve serve`` starts the stack: run as a real process (``python -m ops.cli serve``, what the console script
-calls; the script itself exists only once the package is reinstalled), it answers a chat completion through the
-official client, and SIGTERM leaves neither supervisord nor any of its children running."""
+"""``vlm-serve serve`` starts the stack: the console script that ``ops/install`` puts beside the venv's python, run as a
+real process, answers a chat completion through the official client, and SIGTERM leaves neither supervisord nor any
+of its children running."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ def test_vlm_serve_runs_the_stack_until_sigterm(tmp_path: Path) -> None:
     port = free_port()
     config = stack_config(tmp_path, port)
     (REPO / "run").mkdir(exist_ok=True)
-    command = [sys.executable, "-m", "ops.cli", "serve", "--port", str(port), "--config", str(config)]
+    script = Path(sys.executable).parent / "vlm-serve"
+    assert script.exists(), f"{script} is missing: ops/install (pip install -e .) makes it"
+    command = [str(script), "serve", "--port", str(port), "--config", str(config)]
     with open(REPO / "run" / "serve-cli.log", "wb") as log:
         process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     stack = Stack(f"http://127.0.0.1:{port}", config, process)
