@@ -2,14 +2,12 @@
 
 `workers.models.synth.demo_checkpoint` generates it there (the workers call it at start-up through
 `workers.models.synth.prepared_model`, and the launcher before supervisord starts them); `Config.model_path`
-names it when ``[model] path`` is empty; the gateway, which cannot make it, waits for it.
+names it when ``[model] path`` is empty; the gateway, which cannot make it, refuses to start without it.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import time
 from pathlib import Path
 
 DEMO_SIZE = "tiny"
@@ -25,15 +23,13 @@ def demo_checkpoint_path() -> Path:
     return cache_dir() / "models" / f"qwen2-vl-{DEMO_SIZE}-seed{DEMO_SEED}"
 
 
-def wait_for_checkpoint(path: Path, poll_s: float = 0.5) -> None:
-    """Return once ``path`` exists. The generator moves a finished checkpoint into place in one rename, so a
-    directory that exists is complete."""
-    if path.exists():
-        return
-    logging.getLogger(__name__).info(
-        "waiting for the demo checkpoint at %s: the fetcher, encoder and decoder generate it at start-up "
-        "(./ops/serve and vlm-serve serve, before they start them)",
-        path,
-    )
-    while not path.exists():
-        time.sleep(poll_s)
+def require_checkpoint(path: Path) -> None:
+    """Raise unless the demo checkpoint at ``path`` exists (the generator moves a finished one into place in one
+    rename, so a directory that exists is complete). A process that cannot make it says who does, rather than
+    waiting for a worker that may never start."""
+    if not path.exists():
+        raise FileNotFoundError(
+            f"the demo checkpoint {path} is not generated yet: ./ops/serve and vlm-serve serve make it before "
+            "starting the processes, and so does any worker started alone (python -m workers.decoder); start one "
+            "first, or set [model] path / VLM_MODEL"
+        )

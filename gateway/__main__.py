@@ -5,7 +5,7 @@ import resource
 
 from aiohttp import web
 
-from common.checkpoint import wait_for_checkpoint
+from common.checkpoint import require_checkpoint
 from common.lifecycle import freeze_startup_heap, parse_args, start_process
 from gateway.app import Gateway
 
@@ -32,8 +32,12 @@ def main() -> None:
     files = raise_open_file_limit()
     if not cfg.model.path:
         # The demo checkpoint is made by the model layer (workers.models.synth), which the gateway does not
-        # import: the workers make it at start-up (the launcher before them), the gateway waits for it.
-        wait_for_checkpoint(cfg.model_path())
+        # import: the launcher makes it before starting the processes, as does a worker started alone.
+        try:
+            require_checkpoint(cfg.model_path())
+        except FileNotFoundError as exc:
+            logging.getLogger("gateway").error("%s", exc)
+            raise SystemExit(2) from exc
     gateway = Gateway(cfg)
     freeze_startup_heap()
     logging.getLogger("gateway").info(
