@@ -4,7 +4,7 @@
 
 - ``preprocess``: the fetcher's host work per image (decode, resize, normalise, patchify), per size;
 - ``tune_forward_ms``: the tower's forward of three ~4,096-patch frames with each SDPA kernel, as the encoder
-  picks its kernel at start-up (`VisionTower.tune_attention`; before session 7, ``attention_ms`` per frame);
+  picks its kernel at start-up (`VisionTower.tune_attention`);
 - ``tower``: our vision tower (`workers.encoder.worker.encode_images`, what the encoder runs) on
   batches of 1..16 images of 640x480 and 1280x720, images per second, CUDA-event timed;
 - ``hf``: transformers' Qwen2-VL vision tower on the same pixels, same batches;

@@ -1,5 +1,5 @@
 """Where the vision tower's GPU time goes, and what faster kernels would buy: the measurements behind the
-next ViT speed-up (issue 5, acceptance 7 needs about 60 anchor images/s on one H200; we do about 42).
+next ViT speed-up (figures: docs/performance.md).
 
     python -m benchmarks.vit_profile --model DIR --out vit_profile.json
 

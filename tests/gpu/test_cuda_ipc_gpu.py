@@ -1,6 +1,6 @@
 """The GPU embedding pool (`[cache] device_pool`): a slot of one process's CUDA pool, named by a TensorRef
 that crossed the wire, written by another process, seen by the owner; and its spill tier in host memory.
-Needs a CUDA GPU (skipped otherwise); both passed on an H200 (benchmarks/results/2026-11-30-h200-spill-tier-*/)."""
+Needs a CUDA GPU (skipped otherwise); results of GPU runs are recorded under benchmarks/results/."""
 
 from __future__ import annotations
 

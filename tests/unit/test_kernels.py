@@ -715,7 +715,7 @@ def test_interpreter_in_subprocess() -> None:
         )
         for k in range(shards)
     ]
-    try:  # (225 s in one process on a 2-core AMD EPYC, session 13: a bound for a hang, not a speed check)
+    try:  # (a bound for a hang, not a speed check)
         outputs = [run.communicate(timeout=600) for run in runs]
     finally:
         for run in runs:
