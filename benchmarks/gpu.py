@@ -14,6 +14,10 @@ Parts (run in the order given, each against every ``--repo``):
   workloads, then stopped; ``vllm-part1`` and ``vllm-part2`` copy the carried tarball parts first (one device
   call each, see that folder's README).
 
+Workloads (``--workloads``, for ``serve`` and ``vllm`` alike): `benchmarks.serve`'s ``seed3img``, ``seed3img-anchor``,
+``multiturn``, ``text``, ``mixed`` (with its text-only control), ``parity``, and ``vllm-bench``: vLLM's own client
+(`vllm bench serve`, ANCHORS' 3 x 768x1024 images) from the carried peer, against whichever server is measured.
+
 Each part writes its summary (JSON without per-request records, `benchmarks.prune_results.summarise_json`)
 into the result folder and everything raw (full JSONs, logs, /metrics, `nvidia-smi dmon`) under its ``raw/``,
 which git ignores. ``machine.json`` and ``summary.md`` (command, machine, revision, date, table) are rewritten
@@ -47,7 +51,7 @@ HERE = Path(__file__).resolve().parents[1]  # this checkout: the client, the whe
 PORT = 8000
 PEER_PORT = 8100
 PARTS = ("tests", "kernels", "engine", "vision", "serve", "hf", "vllm", "vllm-part1", "vllm-part2")
-WORKLOADS = ("parity", "seed3img", "seed3img-anchor", "multiturn", "text", "mixed")
+WORKLOADS = ("parity", "seed3img", "seed3img-anchor", "multiturn", "text", "mixed", "vllm-bench")
 GPU_TESTS = ["tests/gpu", "tests/unit/test_paged.py", "tests/unit/test_sampling.py", "tests/unit/test_model_parity.py"]
 
 
@@ -119,6 +123,9 @@ def table_row(data: Any) -> dict[str, Any]:
             "p99_itl_ms",
         )
         return {key: s.get(key) for key in keys}
+    if isinstance(data, dict) and "request_throughput" in data:  # `vllm bench serve --save-result`
+        keys = ("completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms")
+        return {key: data.get(key) for key in (*keys, "mean_tpot_ms", "p99_itl_ms")}
     if isinstance(data, dict) and "engine_tpot" in data:
         return {"engine_tpot": data["engine_tpot"]}
     return {}
@@ -464,6 +471,10 @@ def workload_argv(workload: str, clients: int, requests: int | None) -> list[tup
 def run_workloads(run: Run, url: str, prefix: str = "") -> None:
     """Every ``--workloads`` at every ``--clients`` against ``url``, with the client of this checkout."""
     for workload in run.args.workloads:
+        if workload == "vllm-bench":
+            for clients in run.args.clients:
+                vllm_bench(run, url, f"{prefix}vllm-bench-c{clients}", clients)
+            continue
         if workload == "parity":
             path = run.raw / f"{prefix}parity.json"
             run.python(
@@ -501,6 +512,36 @@ def run_workloads(run: Run, url: str, prefix: str = "") -> None:
                         dmon.terminate()
                 save_metrics(url, run.raw / f"{name}.metrics")
                 run.keep(name, run.raw / f"{name}.json")
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def vllm_bench(run: Run, url: str, name: str, clients: int) -> None:
+    """vLLM's own client (`vllm bench serve`, from the carried peer) against ``url``: ANCHORS' 3 x 768x1024
+    images, 120 output tokens, ``ignore_eos``; the same arguments whichever server it measures."""
+    requests = run.args.requests or 4 * clients
+    bench = [
+        "vllm_bench", "--base-url", url, "--model", served_model(url), "--tokenizer", str(checkpoint(run.args)),
+        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--dataset-name", "random-mm",
+        "--random-input-len", "100", "--random-output-len", "120", "--random-range-ratio", "0",
+        "--random-mm-base-items-per-request", "3", "--random-mm-num-mm-items-range-ratio", "0",
+        "--random-mm-limit-mm-per-prompt", '{"image":3,"video":0}',
+        "--random-mm-bucket-config", "{(768,1024,1):1.0}", "--ignore-eos",
+        "--max-concurrency", str(clients), "--num-prompts", str(requests),
+        "--save-result", "--result-dir", str(run.raw), "--result-filename", f"{name}.json",
+    ]  # fmt: skip
+    script = f"source {shlex.quote(peer_script(run))} && {shlex.join(bench)}"
+    log(f"{name}: {shlex.join(bench)}")
+    with open(run.raw / f"{name}.log", "w") as out:
+        code = subprocess.run(
+            ["bash", "-c", script], cwd=HERE, stdout=out, stderr=subprocess.STDOUT, timeout=run.args.time_limit + 120
+        ).returncode
+    if code:
+        log(f"{name}: exit {code}")
+    run.keep(name, run.raw / f"{name}.json")
 
 
 def gpu_trace(trace: IO[str]) -> subprocess.Popen[bytes] | None:

@@ -22,7 +22,10 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
-PER_REQUEST_KEYS = frozenset({"requests", "answers", "batches"})
+# (with `vllm bench serve --save-result`'s per-request arrays)
+PER_REQUEST_KEYS = frozenset(
+    {"requests", "answers", "batches", "input_lens", "output_lens", "ttfts", "itls", "generated_texts"}
+)
 RAW_SUFFIXES = (".log", ".out", ".dmon", ".top", ".metrics", ".txt", ".jsonl", ".png")
 KEPT_NAMES = frozenset({"README.md", "summary.md", "run.sh", "machine.txt"})
 # Logs that hold a tool's printed table or verdict rather than a process's trace.
