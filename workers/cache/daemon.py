@@ -100,8 +100,11 @@ class CacheDaemon:
                 self.answer_waiters()
                 self.serve_reservations()
             case CacheReserve(request_id=r):
+                waited_already = r in self.reservations.waiting  # (its fetcher sent it again)
                 self.reservations.add(r, (peer, msg), self.cfg.cache.reserve_wait_s)
                 self.serve_reservations()
+                if r in self.reservations.waiting and not waited_already:
+                    self.store.counters["waited"] += 1
             case CacheAcquire():
                 self.store.lease(msg.request_id, msg.content_hashes, self.cfg.cache.lease_ttl_s)
                 self.waiters[msg.call_id] = (peer, msg)
@@ -155,8 +158,6 @@ class CacheDaemon:
             waiting.answer = too_large(msg, exc)
             return True
         except PoolFull as exc:
-            if not waiting.why:
-                self.store.counters["waited"] += 1
             waiting.why = str(exc)
             return False
         if self.spill is not None:  # before the answer: the slots may be bytes that were just spilled
@@ -208,7 +209,8 @@ class CacheDaemon:
             self.store.counters["full"] += 1
             why = (
                 f"no room in the embedding cache within [cache] reserve_wait_s = {self.cfg.cache.reserve_wait_s:g} s "
-                f"({waiting.why}); retry the request, or raise [cache] pool_bytes"
+                f"({waiting.why or 'behind earlier requests waiting for room'}); retry the request, or raise "
+                "[cache] pool_bytes"
             )
             self.channel.send_to(peer, CacheReserveResult(msg.call_id, msg.request_id, [], 503, "cache_full", why))
         self.serve_reservations()  # (expired leases and pending slots free room)
