@@ -211,6 +211,11 @@ class CacheConfig:
         120.0, "A request's hold on its embeddings (kept from eviction) lapses after this many seconds unless released."
     )
     pending_ttl_s: float = setting(60.0, "A slot reserved for an encoder and not filled in this many seconds is freed.")
+    reserve_wait_s: float = setting(
+        60.0,
+        "A request whose media embeddings do not fit in the pool now waits this many seconds, in arrival order, "
+        "for other requests to release theirs before it fails (503).",
+    )
 
     def validate(self, where: str) -> None:
         if self.pool_bytes < 0 or self.spill_bytes < 0:

@@ -310,6 +310,31 @@ class CacheLookupResult(Message):
 
 
 @message
+class CacheReserve(Message):
+    """Fetcher -> cache: every media item of one request (``items``: their lookups), found or reserved all
+    at once and leased to ``request_id`` until it is released. Where they do not fit now the reservation
+    waits, in arrival order, for leases to end, up to ``[cache] reserve_wait_s``; a later one for the same
+    request replaces it, and a ``CacheRelease`` of the request withdraws it."""
+
+    call_id: str
+    request_id: str
+    items: list[CacheLookup]
+
+
+@message
+class CacheReserveResult(Message):
+    """``results``: one per item, in order, each ``ready``, ``pending`` or ``reserved``; or none, with
+    ``status`` (413: could never fit, 503: no room before the deadline), ``code`` and ``message``."""
+
+    call_id: str
+    request_id: str
+    results: list[CacheLookupResult]
+    status: int = 200
+    code: str = ""
+    message: str = ""
+
+
+@message
 class CacheCommit(Message):
     """Encoder -> cache: the slot for this hash holds its embedding now (or ``error``)."""
 

@@ -15,6 +15,8 @@ from common.protocol import (
     CacheLookup,
     CacheLookupResult,
     CacheRelease,
+    CacheReserve,
+    CacheReserveResult,
     CudaIpcHandle,
     Message,
     StatsRequest,
@@ -23,7 +25,8 @@ from common.protocol import (
 )
 from common.tensor_ref import SHM_DIR, CudaPool, ShmPool
 from common.transport import Channel, EventLoop, worker_identity
-from workers.cache.store import MAIN, EmbeddingStore, Entry, PoolFull, Spill
+from workers.cache.store import MAIN, EmbeddingStore, Entry, NeverFits, PoolFull, Spill, Wanted
+from workers.cache.waiting import ReservationQueue, Waiting
 
 log = logging.getLogger(__name__)
 _FAILURES_KEPT = 1024
@@ -54,6 +57,8 @@ class CacheDaemon:
         self.ctx = zmq.Context()
         self.channel = Channel(self.ctx, zmq.ROUTER, cfg.endpoint("cache"), bind=True)
         self.waiters: dict[str, tuple[bytes, CacheAcquire]] = {}
+        # fetchers' reservations that found no room, answered as releases make it (or at their deadline)
+        self.reservations: ReservationQueue[tuple[bytes, CacheReserve]] = ReservationQueue()
         self.failures: dict[str, str] = {}  # content hash -> why its encode failed, the latest few
         self.loop = EventLoop()
         self.loop.exit_if_stalled(cfg.liveness.stall_exit_s, "cache")
@@ -85,6 +90,7 @@ class CacheDaemon:
             case CacheCommit(content_hash=h, error=""):
                 self.store.commit(h)
                 self.answer_waiters()
+                self.serve_reservations()  # (a committed entry nobody leases can be evicted)
             case CacheCommit(content_hash=h):
                 log.warning("encode of %s failed: %s", h[:12], msg.error)
                 self.store.fail(h)
@@ -92,14 +98,24 @@ class CacheDaemon:
                 while len(self.failures) > _FAILURES_KEPT:
                     del self.failures[next(iter(self.failures))]
                 self.answer_waiters()
+                self.serve_reservations()
+            case CacheReserve(request_id=r):
+                waited_already = r in self.reservations.waiting  # (its fetcher sent it again)
+                self.reservations.add(r, (peer, msg), self.cfg.cache.reserve_wait_s)
+                self.serve_reservations()
+                if r in self.reservations.waiting and not waited_already:
+                    self.store.counters["waited"] += 1
             case CacheAcquire():
                 self.store.lease(msg.request_id, msg.content_hashes, self.cfg.cache.lease_ttl_s)
                 self.waiters[msg.call_id] = (peer, msg)
                 self.answer_waiters()
             case CacheRelease(request_id=r):
+                self.reservations.withdraw(r)  # (an aborted request waiting for room waits no more)
                 self.store.release(r)
+                self.serve_reservations()
             case StatsRequest(call_id=c):
-                self.channel.send_to(peer, StatsResult(c, "cache", self.incarnation, self.store.snapshot()))
+                stats = {**self.store.snapshot(), "reservations_waiting": float(len(self.reservations))}
+                self.channel.send_to(peer, StatsResult(c, "cache", self.incarnation, stats))
             case _:
                 log.warning("unexpected %s from %r", msg.TAG, peer)
 
@@ -115,7 +131,7 @@ class CacheDaemon:
                 message=f"media embedding needs {msg.nbytes} B but the embedding pool holds {self.pool.size} B; "
                 "send a smaller image or raise [cache] pool_bytes",
             )
-        try:
+        try:  # (a lone lookup, answered at once: fetchers reserve a request's items together, `CacheReserve`)
             entry = self.store.reserve(msg.content_hash, msg.nbytes, msg.dtype, msg.shape)
         except PoolFull as exc:
             return CacheLookupResult(
@@ -124,6 +140,32 @@ class CacheDaemon:
         if self.spill is not None:  # before the answer: the slot may be bytes that were just spilled
             copy_spills(self.store.take_spills(), self.pool, self.spill)
         return CacheLookupResult(msg.call_id, "reserved", self.ref(entry))
+
+    def serve_reservations(self) -> None:
+        for waiting in self.reservations.serve(self.try_reserve):
+            peer, _ = waiting.what
+            if waiting.answer is not None:
+                self.channel.send_to(peer, waiting.answer)
+
+    def try_reserve(self, waiting: Waiting[tuple[bytes, CacheReserve]]) -> bool:
+        """Reserve a waiting request's items if they fit now (its answer kept on ``waiting.answer``); False
+        if it must go on waiting."""
+        _, msg = waiting.what
+        wanted = [Wanted(i.content_hash, i.nbytes, i.dtype, list(i.shape)) for i in msg.items]
+        try:
+            found = self.store.reserve_all(msg.request_id, wanted, self.cfg.cache.lease_ttl_s)
+        except NeverFits as exc:
+            waiting.answer = too_large(msg, exc)
+            return True
+        except PoolFull as exc:
+            waiting.why = str(exc)
+            return False
+        if self.spill is not None:  # before the answer: the slots may be bytes that were just spilled
+            copy_spills(self.store.take_spills(), self.pool, self.spill)
+        pairs = zip(msg.items, found, strict=True)
+        results = [CacheLookupResult(item.call_id, state, self.ref(entry)) for item, (state, entry) in pairs]
+        waiting.answer = CacheReserveResult(msg.call_id, msg.request_id, results)
+        return True
 
     def ref(self, entry: Entry) -> TensorRef:
         on_gpu = entry.tier == MAIN and self.cuda_handle is not None
@@ -162,6 +204,25 @@ class CacheDaemon:
     def expire(self) -> None:
         if self.store.expire(self.cfg.cache.pending_ttl_s):
             self.answer_waiters()
+        for waiting in self.reservations.expired():
+            peer, msg = waiting.what
+            self.store.counters["full"] += 1
+            why = (
+                f"no room in the embedding cache within [cache] reserve_wait_s = {self.cfg.cache.reserve_wait_s:g} s "
+                f"({waiting.why or 'behind earlier requests waiting for room'}); retry the request, or raise "
+                "[cache] pool_bytes"
+            )
+            self.channel.send_to(peer, CacheReserveResult(msg.call_id, msg.request_id, [], 503, "cache_full", why))
+        self.serve_reservations()  # (expired leases and pending slots free room)
+
+
+def too_large(msg: CacheReserve, exc: NeverFits) -> CacheReserveResult:
+    message = (
+        f"the request's images and videos need {exc.needed} B of embeddings but the embedding pool holds "
+        f"{exc.capacity} B: raise [cache] pool_bytes, or send fewer or smaller images or videos (a lower "
+        "max_pixels, fewer frames)"
+    )
+    return CacheReserveResult(msg.call_id, msg.request_id, [], 413, "embeddings_too_large", message)
 
 
 def copy_spills(spills: list[Spill], main: ShmPool | CudaPool, spill: ShmPool) -> None:

@@ -7,6 +7,11 @@ from reservation until the encoder commits it, then ``ready``. Ready entries tha
 are evicted least-recently-used first when a reservation needs room; pending and leased ones never
 are. With a spill tier, an entry evicted from the pool moves there (the daemon copies its bytes,
 `take_spills`) and is still a hit; only what the spill tier must evict in turn is gone.
+
+Offsets are live in other processes (IPC), so the pool is never compacted: the allocator takes the best-fitting
+hole, and room for an entry is made by evicting the contiguous run of unleased entries (and holes) whose newest
+entry is the oldest, not an LRU prefix scattered over the pool. A request's slots are reserved all at once or
+not at all (`reserve_all`): one holding some while it waited for others could block the releases it waits on.
 """
 
 from __future__ import annotations
@@ -20,7 +25,30 @@ ALIGN = 256
 
 
 class PoolFull(Exception):
-    """No room even after evicting every unleased entry."""
+    """No room now even after evicting every unleased entry: room may come when leases end."""
+
+
+class NeverFits(Exception):
+    """Embeddings larger than the pool could ever hold, whatever is released."""
+
+    def __init__(self, needed: int, capacity: int) -> None:
+        super().__init__(f"{needed} B needed, the pool holds {capacity} B")
+        self.needed, self.capacity = needed, capacity
+
+
+def aligned(nbytes: int) -> int:
+    """The bytes an entry of ``nbytes`` takes in a pool."""
+    return -(-max(nbytes, 1) // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """One media item of a request: its embedding's hash and size."""
+
+    content_hash: str
+    nbytes: int
+    dtype: str
+    shape: list[int]
 
 
 @dataclass
@@ -51,25 +79,38 @@ class Spill:
 
 
 class Allocator:
-    """First-fit over a sorted free list, coalescing neighbours on free."""
+    """Best fit over a sorted free list (the smallest hole that fits, the lowest of equals), coalescing
+    neighbours on free. First fit carved small entries out of the holes a large one needed, leaving the free
+    bytes in pieces none of which fit it."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.free: list[tuple[int, int]] = [(0, size)] if size else []  # (offset, length), sorted
 
+    def copy(self) -> Allocator:
+        trial = Allocator(self.size)
+        trial.free = list(self.free)
+        return trial
+
     def allocate(self, nbytes: int) -> int | None:
-        need = -(-max(nbytes, 1) // ALIGN) * ALIGN
-        for i, (offset, length) in enumerate(self.free):
-            if length >= need:
-                if length == need:
-                    del self.free[i]
-                else:
-                    self.free[i] = (offset + need, length - need)
-                return offset
-        return None
+        need = aligned(nbytes)
+        fits = [(length, i) for i, (_, length) in enumerate(self.free) if length >= need]
+        if not fits:
+            return None
+        length, i = min(fits)
+        offset = self.free[i][0]
+        if length == need:
+            del self.free[i]
+        else:
+            self.free[i] = (offset + need, length - need)
+        return offset
+
+    @property
+    def largest_hole(self) -> int:
+        return max((length for _, length in self.free), default=0)
 
     def release(self, offset: int, nbytes: int) -> None:
-        length = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        length = aligned(nbytes)
         i = bisect.bisect_left(self.free, (offset, 0))
         self.free.insert(i, (offset, length))
         # merge with the right neighbour, then the left one
@@ -92,7 +133,7 @@ class EmbeddingStore:
         self.leases: dict[str, tuple[set[str], float]] = {}  # request_id -> (hashes, expiry)
         self.spills: list[Spill] = []  # moves the daemon has yet to copy (take_spills)
         self.counters: dict[str, float] = dict.fromkeys(
-            ("hits", "misses", "pending_hits", "commits", "evictions", "spills", "failed", "full"), 0.0
+            ("hits", "misses", "pending_hits", "commits", "evictions", "spills", "failed", "full", "waited"), 0.0
         )
 
     # ------------------------------------------------------------------ lookup / reserve
@@ -104,25 +145,124 @@ class EmbeddingStore:
         return entry
 
     def can_reserve(self, nbytes: int) -> bool:
-        return self._plan_evictions(nbytes, MAIN) is not None
+        return self._plan_main([nbytes], set()) is not None
 
     def reserve(self, content_hash: str, nbytes: int, dtype: str, shape: list[int]) -> Entry:
         """Make a pending entry in the main pool, evicting LRU unleased entries for room (into the spill
         tier where one is). Raises ``PoolFull``, and then evicts nothing: dropping entries that would not
         make room only loses work."""
-        victims = self._plan_evictions(nbytes, MAIN)
-        if victims is None:
+        plan = self._plan_main([nbytes], set())
+        if plan is None:
             self.counters["full"] += 1
-            raise PoolFull(f"{nbytes} B needed, {self.allocator.free_bytes} B free and not enough evictable")
-        for victim in victims:
-            self._evict(victim)
-        offset = self.allocator.allocate(nbytes)
-        if offset is None:  # _plan_evictions simulated exactly this; reaching here is a bug
-            raise RuntimeError("allocator disagrees with its eviction plan")
-        entry = Entry(content_hash, offset, nbytes, dtype, list(shape))
-        self.entries[content_hash] = entry
-        self.counters["misses"] += 1
-        return entry
+            raise PoolFull(self.why_full(nbytes))
+        return self._carry_out(plan, [Wanted(content_hash, nbytes, dtype, list(shape))])[0]
+
+    def reserve_all(self, request_id: str, wanted: list[Wanted], ttl_s: float) -> list[tuple[str, Entry]]:
+        """Every item of one request, at once or not at all: each found (``ready`` or ``pending``) or
+        ``reserved`` here for the caller to encode, all leased to ``request_id``. Raises ``NeverFits`` where
+        no release could ever make room, ``PoolFull`` (changing nothing) where none makes room now."""
+        distinct = {w.content_hash: w for w in wanted}
+        missing = [w for h, w in distinct.items() if h not in self.entries]
+        self.check_fits(list(distinct.values()), missing)
+        plan = self._plan_main([w.nbytes for w in missing], set(distinct) - {w.content_hash for w in missing})
+        if plan is None:
+            raise PoolFull(self.why_full(sum(aligned(w.nbytes) for w in missing)))
+        states = {h: ("ready" if e.ready else "pending") for h, e in self.entries.items() if h in distinct}
+        self.lease(request_id, list(states), ttl_s)  # first: the evictions below must spare them
+        for h in states:
+            self.lookup(h)  # (counted, and now the most recently used)
+        for entry in self._carry_out(plan, missing):
+            states[entry.content_hash] = "reserved"
+        self.lease(request_id, [w.content_hash for w in missing], ttl_s)
+        answers, seen = [], set()
+        for w in wanted:  # a hash asked for twice is reserved once: the second is pending on the first
+            state = states[w.content_hash]
+            state = "pending" if state == "reserved" and w.content_hash in seen else state
+            answers.append((state, self.entries[w.content_hash]))
+            seen.add(w.content_hash)
+        return answers
+
+    def check_fits(self, distinct: list[Wanted], missing: list[Wanted]) -> None:
+        """``NeverFits`` unless the new slots fit in the main pool together and every item fits in the
+        pool and the spill tier together (a request's embeddings are read all at once)."""
+        new, every = sum(aligned(w.nbytes) for w in missing), sum(aligned(w.nbytes) for w in distinct)
+        if new > self.allocator.size:
+            raise NeverFits(new, self.allocator.size)
+        if every > self.allocator.size + self.spill_allocator.size:
+            raise NeverFits(every, self.allocator.size + self.spill_allocator.size)
+
+    def why_full(self, nbytes: int) -> str:
+        """What the allocator sees, not a sum that counts holes too small to use as room."""
+        free = self.allocator
+        return (
+            f"{nbytes} B needed; {free.free_bytes} B free in {len(free.free)} holes, the largest {free.largest_hole} "
+            "B, the rest held by embeddings in use"
+        )
+
+    def _carry_out(self, plan: list[list[Entry]], wanted: list[Wanted]) -> list[Entry]:
+        """The plan's evictions and allocations in the order it simulated them, so that each lands where planned."""
+        made = []
+        for victims, w in zip(plan, wanted, strict=True):
+            for victim in victims:
+                self._evict(victim)
+            offset = self.allocator.allocate(w.nbytes)
+            if offset is None:  # _plan_main simulated exactly this; reaching here is a bug
+                raise RuntimeError("allocator disagrees with its eviction plan")
+            entry = Entry(w.content_hash, offset, w.nbytes, w.dtype, list(w.shape))
+            self.entries[w.content_hash] = entry
+            self.counters["misses"] += 1
+            made.append(entry)
+        return made
+
+    def _plan_main(self, sizes: list[int], keep: set[str]) -> list[list[Entry]] | None:
+        """For each size in turn, the entries to evict before allocating it (None: they do not all fit now),
+        sparing ``keep``. Simulated on a copy of the free list, allocations included."""
+        trial = self.allocator.copy()
+        gone: set[str] = set()
+        placed: list[tuple[int, int]] = []
+        plan = []
+        for nbytes in sizes:
+            victims: list[Entry] | None = []
+            if trial.largest_hole < aligned(nbytes):
+                victims = self._cheapest_run(trial, aligned(nbytes), keep, gone, placed)
+                if victims is None:
+                    return None
+            for victim in victims:
+                trial.release(victim.offset, victim.nbytes)
+                gone.add(victim.content_hash)
+            offset = trial.allocate(nbytes)
+            if offset is None:
+                raise RuntimeError("an evicted run does not hold what it was chosen for")
+            placed.append((offset, aligned(nbytes)))
+            plan.append(victims)
+        return plan
+
+    def _cheapest_run(
+        self, trial: Allocator, need: int, keep: set[str], gone: set[str], placed: list[tuple[int, int]]
+    ) -> list[Entry] | None:
+        """The contiguous run of holes and evictable entries of at least ``need`` bytes whose most recently used
+        entry is the least recent (then: the fewest bytes evicted); None if no run is long enough."""
+        rank = {h: i for i, h in enumerate(self.entries)}  # LRU order
+        spans: list[tuple[int, int, Entry | None, bool]] = [(o, n, None, True) for o, n in trial.free]
+        spans += [(o, n, None, False) for o, n in placed]
+        for e in self.entries.values():
+            if e.tier == MAIN and e.content_hash not in gone:
+                spans.append((e.offset, aligned(e.nbytes), e, self._evictable(e) and e.content_hash not in keep))
+        spans.sort(key=lambda span: span[0])
+        best: tuple[tuple[int, int], list[Entry]] | None = None
+        for i in range(len(spans)):
+            total, victims = 0, []
+            for _, length, entry, usable in spans[i:]:
+                if not usable or total >= need:
+                    break
+                total += length
+                if entry is not None:
+                    victims.append(entry)
+            if total >= need:
+                cost = (max(rank[v.content_hash] for v in victims), sum(aligned(v.nbytes) for v in victims))
+                if best is None or cost < best[0]:
+                    best = (cost, victims)
+        return None if best is None else best[1]
 
     def take_spills(self) -> list[Spill]:
         """The moves made since the last call, for the daemon to copy now (oldest first)."""
@@ -150,10 +290,9 @@ class EmbeddingStore:
 
     def _plan_evictions(self, nbytes: int, tier: int) -> list[Entry] | None:
         """The LRU prefix of the tier's evictable entries whose release makes ``nbytes`` fit there (None:
-        nothing does)."""
+        nothing does). (The spill tier's plan: its offsets are read only by copies, so scattering is cheap.)"""
         allocator = self.allocator if tier == MAIN else self.spill_allocator
-        trial = Allocator(allocator.size)
-        trial.free = list(allocator.free)
+        trial = allocator.copy()
         victims: list[Entry] = []
         candidates = (e for e in self.entries.values() if e.tier == tier and self._evictable(e))
         while trial.allocate(nbytes) is None:

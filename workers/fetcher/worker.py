@@ -1,8 +1,9 @@
 """The fetcher process: turns a ``GenerateRequest`` into a ``PreparedRequest`` for the decoder.
 
 Per media item: download and preprocess (in a thread, off the socket loop; once for every request that
-asks for the same item while it loads), look the content hash up in the cache daemon, and on a miss send
-an ``EncodeJob`` to a live encoder. The request goes to the decoder as soon as every item is found or
+asks for the same item while it loads). Then the request's items are looked up in the cache daemon together
+(`CacheReserve`: found or reserved all at once, waiting there for room where the pool is full), and each miss
+goes as an ``EncodeJob`` to a live encoder. The request goes to the decoder as soon as every item is found or
 reserved; the decoder waits for the embeddings through the cache, so encoding overlaps with the hand-off.
 """
 
@@ -26,7 +27,9 @@ from common.protocol import (
     Abort,
     CacheCommit,
     CacheLookup,
-    CacheLookupResult,
+    CacheRelease,
+    CacheReserve,
+    CacheReserveResult,
     EncodeJob,
     EncodeResult,
     FetchDone,
@@ -61,6 +64,7 @@ class InFlight:
     arrived: dict[int, LoadedImage] = field(default_factory=dict)  # items loaded so far, by index
     loaded: list[LoadedImage] = field(default_factory=list)  # every item, once all have arrived
     prepared: dict[int, PreparedMedia] = field(default_factory=dict)
+    reserving: bool = False  # its items were sent to the cache: it may hold leases or wait there for room
 
 
 @dataclass
@@ -84,11 +88,10 @@ def frame_chunks(grid_thw: Sequence[int], max_patches: int) -> list[tuple[int, i
 
 @dataclass
 class CacheCall:
-    """A lookup sent to the cache daemon, kept until answered (or long stale)."""
+    """A request's reservation sent to the cache daemon, kept until answered (or long stale)."""
 
     request_id: str
-    index: int
-    item: LoadedImage
+    items: list[LoadedImage]
     sent: float
     tries: int
     retried: bool = False
@@ -130,6 +133,13 @@ class FetcherWorker:
         # loads (the n choices of one request, clients sending one URL at once) is downloaded once.
         self.loading: dict[MediaInput, list[tuple[str, int]]] = {}
         self.calls: dict[str, CacheCall] = {}
+        # The cache daemon's liveness while reservations wait there: its incarnation, when it last answered a
+        # ping, and (`cache_has_all_before`) when the newest ping it answered was sent: it holds every
+        # reservation sent before that, one socket keeping their order.
+        self.cache_incarnation = ""
+        self.cache_heard = 0.0
+        self.cache_has_all_before = 0.0
+        self.pings: dict[str, float] = {}
         self.chunked: dict[str, ChunkedEncode] = {}  # job id -> its video's parts
         self.loop = EventLoop()
         self.loop.exit_if_stalled(cfg.liveness.stall_exit_s, "fetcher")
@@ -210,7 +220,9 @@ class FetcherWorker:
                 for index, media in enumerate(msg.media):
                     self.start_load(rid, index, media)
             case Abort(request_id=rid):
-                self.inflight.pop(rid, None)
+                state = self.inflight.pop(rid, None)
+                if state is not None and state.reserving:  # its reservation withdrawn, any leases ended
+                    self.cache.send(CacheRelease(rid))
             case StatsRequest(call_id=call_id):
                 self.gateway.send(StatsResult(call_id, self.name, self.incarnation, self.stats()))
             case _:
@@ -283,61 +295,106 @@ class FetcherWorker:
                 "or lower max_pixels (or fps for videos)",
             )
             return
-        for index in range(len(result)):
-            self.call_cache(state, index, tries=1)
+        self.call_cache(state, tries=1)
 
     # ------------------------------------------------------------------ cache side
-    def call_cache(self, state: InFlight, index: int, tries: int) -> None:
-        item = state.loaded[index]
+    def call_cache(self, state: InFlight, tries: int) -> None:
+        """Every item of the request to the cache at once: found, or reserved for us to encode, or waiting
+        there for room (all or none, so a request never holds part of the pool while it waits for the rest)."""
         call_id = uuid.uuid4().hex
-        self.calls[call_id] = CacheCall(state.request.request_id, index, item, time.monotonic(), tries)
-        shape = [item.num_tokens, self.spec.hidden_size]
-        nbytes = nbytes_of(self.embed_dtype, shape)
-        self.cache.send(CacheLookup(call_id, item.content_hash, nbytes, self.embed_dtype, shape))
+        state.reserving = True
+        self.calls[call_id] = CacheCall(state.request.request_id, state.loaded, time.monotonic(), tries)
+        lookups = []
+        for index, item in enumerate(state.loaded):
+            shape = [item.num_tokens, self.spec.hidden_size]
+            nbytes = nbytes_of(self.embed_dtype, shape)
+            lookups.append(CacheLookup(str(index), item.content_hash, nbytes, self.embed_dtype, shape))
+        self.cache.send(CacheReserve(call_id, state.request.request_id, lookups))
 
     def retry_cache_calls(self) -> None:
-        """Ask again when the cache does not answer; the first call is kept, so that a late answer
-        that reserved a slot still gets its encode job (or nobody would ever fill that slot)."""
+        """Ask again when the cache does not answer; the first call is kept, so that a late answer that
+        reserved slots still gets its encode jobs (or nobody would ever fill them). A reservation waiting for
+        room at a live daemon is not re-sent: the daemon answers it by its deadline."""
         now = time.monotonic()
+        if self.calls:
+            ping = uuid.uuid4().hex
+            self.pings[ping] = now
+            self.cache.send(StatsRequest(ping))
         for call_id, call in list(self.calls.items()):
             age = now - call.sent
-            if age > 2 * self.cfg.cache.pending_ttl_s:
+            if age > 2 * self.cfg.cache.pending_ttl_s + self.cfg.cache.reserve_wait_s:
                 del self.calls[call_id]
-            if call.retried or age < self.cfg.liveness.call_timeout_s:
+            if call.retried or age < self.cfg.liveness.call_timeout_s or self.held_by_cache(call, now):
                 continue
             call.retried = True
             state = self.inflight.get(call.request_id)
-            if state is None or call.index in state.prepared:
+            if state is None or state.prepared:
                 continue
             if call.tries >= 3:
                 self.finish_error(call.request_id, 503, "the embedding cache daemon is not answering")
             else:
-                self.call_cache(state, call.index, call.tries + 1)
+                self.call_cache(state, call.tries + 1)
+
+    def held_by_cache(self, call: CacheCall, now: float) -> bool:
+        """The daemon has this reservation and is alive: it answers it by its deadline."""
+        alive = now - self.cache_heard < self.cfg.liveness.dead_after_s
+        answered_by = call.sent + self.cfg.cache.reserve_wait_s + self.cfg.liveness.call_timeout_s
+        return alive and call.sent < self.cache_has_all_before and now < answered_by
 
     def on_cache(self, _peer: bytes, msg: Message) -> None:
-        if not isinstance(msg, CacheLookupResult):
+        match msg:
+            case StatsResult(call_id=ping, incarnation=incarnation):
+                self.cache_alive(ping, incarnation)
+            case CacheReserveResult():
+                self.reserved(msg)
+            case _:
+                pass
+
+    def cache_alive(self, ping: str, incarnation: str) -> None:
+        """A ping answered. From a new daemon (restarted): every reservation waiting at the old one is lost
+        with it, so each is sent again now."""
+        now = time.monotonic()
+        self.cache_heard = now
+        restarted = bool(self.cache_incarnation) and incarnation != self.cache_incarnation
+        self.cache_incarnation = incarnation
+        if restarted:
+            self.cache_has_all_before = 0.0
+            self.pings.clear()
+            for call in list(self.calls.values()):
+                state = self.inflight.get(call.request_id)
+                if not call.retried and state is not None and not state.prepared:
+                    call.retried = True
+                    self.call_cache(state, call.tries)
             return
+        sent = self.pings.pop(ping, None)
+        if sent is not None:
+            self.cache_has_all_before = max(self.cache_has_all_before, sent)
+
+    def reserved(self, msg: CacheReserveResult) -> None:
         call = self.calls.pop(msg.call_id, None)
         if call is None:
             return
-        item = call.item
-        if msg.state == "reserved" and msg.slot is not None:
-            jobs = self.encode_jobs(item, msg.slot)
-            if len(jobs) > 1:
-                group = ChunkedEncode(item.content_hash, {job.job_id for job in jobs})
-                self.chunked.update((job.job_id, group) for job in jobs)
-            for job in jobs:
-                self.encode.submit(job.job_id, job, self.cfg.fetcher.encode_timeout_s)
-            self.counters["encode_jobs"] += len(jobs)
+        for item, result in zip(call.items, msg.results, strict=False):
+            if result.state == "reserved" and result.slot is not None:
+                self.submit_encode(item, result.slot)
         state = self.inflight.get(call.request_id)
-        if state is None or call.index in state.prepared:
+        if state is None or state.prepared:
             return
-        if msg.state == "error":
-            self.finish_error(call.request_id, msg.status, msg.message)
+        if msg.status != 200:
+            self.finish_error(call.request_id, msg.status, msg.message, msg.code)
             return
-        state.prepared[call.index] = PreparedMedia(item.kind, item.content_hash, list(item.grid_thw), item.num_tokens)
-        if len(state.prepared) == len(state.loaded):
-            self.forward(state)
+        for index, item in enumerate(call.items):
+            state.prepared[index] = PreparedMedia(item.kind, item.content_hash, list(item.grid_thw), item.num_tokens)
+        self.forward(state)
+
+    def submit_encode(self, item: LoadedImage, slot: TensorRef) -> None:
+        jobs = self.encode_jobs(item, slot)
+        if len(jobs) > 1:
+            group = ChunkedEncode(item.content_hash, {job.job_id for job in jobs})
+            self.chunked.update((job.job_id, group) for job in jobs)
+        for job in jobs:
+            self.encode.submit(job.job_id, job, self.cfg.fetcher.encode_timeout_s)
+        self.counters["encode_jobs"] += len(jobs)
 
     def forward(self, state: InFlight) -> None:
         request = state.request
@@ -409,9 +466,13 @@ class FetcherWorker:
             self.cache.send(CacheCommit(job.payload.content_hash, error=f"vision encoder unavailable: {why}"))
 
     # ------------------------------------------------------------------ endings
-    def finish_error(self, request_id: str, status: int, message: str) -> None:
+    def finish_error(self, request_id: str, status: int, message: str, code: str = "") -> None:
         self.counters["requests_failed"] += 1
-        self.results.send(RequestError(request_id, status, "invalid_media" if status < 500 else "unavailable", message))
+        code = code or ("invalid_media" if status < 500 else "unavailable")
+        self.results.send(RequestError(request_id, status, code, message))
+        state = self.inflight.get(request_id)
+        if state is not None and state.reserving:  # (whatever it holds or waits for at the cache)
+            self.cache.send(CacheRelease(request_id))
         self.done(request_id)
 
     def done(self, request_id: str) -> None:
