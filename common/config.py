@@ -129,12 +129,15 @@ VISION_BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what runs the tower: w
 
 @dataclass
 class EncoderConfig:
-    count: int = setting(0, "Vision encoder processes; 0: one per visible GPU, or one on a CPU host.")
+    count: int = setting(
+        0, 'Vision encoder processes; 0: one per visible GPU, or one on a CPU host. Left out or "auto": see replicas.'
+    )
     gpus: list[int] = field(
         default_factory=list,
         metadata={
             "help": "The GPU of each encoder, e.g. [1]: one encoder, on GPU 1, so the decoder has GPU 0 to itself. "
-            "Empty: encoder K on GPU K (more encoders than GPUs share them round robin)."
+            'Empty: encoder K on GPU K (more encoders than GPUs share them round robin). Left out or "auto": '
+            "chosen with [decoder] replicas (on 2+ GPUs: [1 .. N-1])."
         },
     )
     credits: int = setting(16, "Jobs an encoder holds at once: what it can pack into one forward.")
@@ -148,21 +151,9 @@ class EncoderConfig:
     mps: bool | str = setting(
         "auto",
         "GPU hosts: the CUDA MPS daemon, so that encoders and the decoder share each GPU's SMs at once instead of "
-        'time-slicing. "auto": on where it was measured to pay (an encoder on the decoder\'s GPU, one decoder rank, '
-        "the host pool; see common.deploy.mps_wanted), off elsewhere.",
-    )
-    mps_encoder_sm_percent: int = setting(100, "With MPS: the encoders' cap on each GPU's SMs, in percent (100: none).")
-    mps_decoder_sm_percent: int = setting(
-        100,
-        "With MPS: the decoder ranks' cap on their GPU's SMs, in percent (100: none). Decoding is bound by memory "
-        "bandwidth, which fewer SMs can still saturate, so a cap can leave SMs to the encoders without slowing "
-        "it much.",
-    )
-    mps_encoder_low_priority: bool = setting(
-        True,
-        "With MPS: the encoders' client priority below the decoder's, so decode steps are not queued behind ViT work. "
-        "false: image requests get their first token sooner and every later token slower, and text streams beside "
-        "them a worse inter-token tail.",
+        "time-slicing; the encoders (and media-only replicas beside a text one) run at a lower client priority, so "
+        'decode steps are not queued behind ViT work. "auto": on where it was measured to pay (an encoder on a '
+        "decoder's GPU, one decoder rank; see ops.deploy.mps_wanted), off elsewhere.",
     )
     engine_dir: str = setting(
         "", "Where exported ONNX files and TensorRT engines are cached; empty: <run dir>/engines."
@@ -187,9 +178,6 @@ class EncoderConfig:
             raise ValueError(f"{where}: count = {self.count} but gpus lists {len(self.gpus)} encoders; set one of them")
         if not (isinstance(self.mps, bool) or self.mps == "auto"):  # (1 == True, so not `in (True, ...)`)
             raise ValueError(f'{where}.mps: expected true, false or "auto", got {self.mps!r}')
-        for name in ("mps_encoder_sm_percent", "mps_decoder_sm_percent"):
-            if not 1 <= getattr(self, name) <= 100:
-                raise ValueError(f"{where}.{name}: expected 1..100, got {getattr(self, name)}")
         if self.backend not in VISION_BACKENDS:
             names = ", ".join(map(repr, VISION_BACKENDS[:-1])) + f" or {VISION_BACKENDS[-1]!r}"
             raise ValueError(f"{where}.backend: expected {names}, got {self.backend!r}")
@@ -197,15 +185,26 @@ class EncoderConfig:
 
 @dataclass
 class CacheConfig:
-    pool_bytes: int = setting(256 * 1024 * 1024, "Bytes of the embedding pool that encoders fill and decoders read.")
+    pool_bytes: int = setting(
+        0,
+        "Bytes of the embedding pool that encoders fill and decoders read: the embeddings of the requests in flight "
+        'and an LRU of earlier ones. 0 or "auto": sized at start by the cache daemon, which logs the rule. On the GPU '
+        "1/32 of its memory within 1..8 GiB (about what a 32-client load of three-image requests and their next "
+        "turns needs on a large GPU, while the KV cache keeps nearly all it had; the decoder leaves these bytes "
+        "out of its KV share). In host shared memory min(1/4 of MemAvailable, 1/2 of /dev/shm's free space, 4 GiB): "
+        "the file must fit in /dev/shm beside the other processes' media (common.memory).",
+    )
     device_pool: bool = setting(
         False,
         "GPU hosts: the pool in GPU memory (on GPU 0, the decoder's), so embeddings go encoder -> decoder by CUDA IPC "
-        "without the host.",
+        'without the host. Left out or "auto": on with a GPU and one decoder replica (it measured no slower than '
+        "the host pool; replicas on other GPUs read the host pool), off on a CPU host.",
     )
     spill_bytes: int = setting(
         0,
-        "Behind a GPU pool: a host shared-memory tier that evicted embeddings move to instead of being lost (0: none).",
+        "Behind a GPU pool: a host shared-memory tier that evicted embeddings move to instead of being lost (0: none). "
+        'Left out or "auto": min(1/4 of MemAvailable, 1/2 of /dev/shm\'s free space, 8 GiB) behind a GPU pool, '
+        "none behind the host pool.",
     )
     lease_ttl_s: float = setting(
         120.0, "A request's hold on its embeddings (kept from eviction) lapses after this many seconds unless released."
@@ -215,6 +214,9 @@ class CacheConfig:
     def validate(self, where: str) -> None:
         if self.pool_bytes < 0 or self.spill_bytes < 0:
             raise ValueError(f"{where}: pool_bytes and spill_bytes must be >= 0")
+
+    def check_spill(self, where: str) -> None:
+        """Once device_pool is known (it may be "auto")."""
         if self.spill_bytes and not self.device_pool:
             raise ValueError(
                 f"{where}.spill_bytes: a spill tier backs a GPU pool (device_pool = true); the host pool "
@@ -245,7 +247,9 @@ class DecoderConfig:
         0, "Bytes of KV cache; 0: gpu_memory_fraction of the GPU memory free after loading (256 MiB on CPU)."
     )
     gpu_memory_fraction: float = setting(
-        0.8, "With kv_cache_bytes = 0: the share of free GPU memory the KV cache takes."
+        0.8,
+        "With kv_cache_bytes = 0: the share of free GPU memory the KV cache takes. On the GPU embedding pool's GPU "
+        "(0) the pool's bytes come out of this share, whether or not the cache daemon has allocated them yet.",
     )
     prefix_cache: bool = setting(
         True, "Reuse the KV of shared prompt prefixes, images included (keyed by content hash)."
@@ -271,7 +275,11 @@ class DecoderConfig:
     replicas: int = setting(
         1,
         "Data parallelism: whole copies of the decoder, each with its own GPUs (replica r: GPUs r*tp .. r*tp+tp-1), "
-        "KV cache and prefix cache. The gateway sends each request to the least loaded live replica.",
+        "KV cache and prefix cache. The gateway sends each request to the least loaded live replica. Left out or "
+        '"auto" (with the other placement keys: text_replicas, media_replicas, replica_gpus, [encoder] gpus and '
+        "count): chosen from the GPUs at start, common.layout: 1 GPU: one replica; 2+ GPUs: replica 0 takes text on "
+        "GPU 0, replica 1 media on GPU 1 with the encoders on GPUs 1..N-1 (vision never on the text streams' GPU); "
+        "with tensor_parallel > 1: one replica. Any placement key set: the others keep their plain defaults.",
     )
     replica_gpus: list[int] = field(
         default_factory=list,
@@ -389,6 +397,9 @@ class Config:
         },
     )
     source: str = ""  # (not a setting: the file it was read from)
+    # (not settings:) the keys of common.layout.AUTO_KEYS the file left to "auto", and what they became and why
+    auto: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    choices: list[str] = field(default_factory=list, compare=False, repr=False)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -454,14 +465,21 @@ ENVIRONMENT = {
     "VLM_RUN_DIR": "run_dir",
     "VLM_API_KEYS": "[server] api_keys, comma-separated",
     "VLM_CACHE_DIR": "where the built-in demo checkpoint is generated (default: ~/.cache/vlm-serve)",
+    "VLM_GPU_COUNT": "the GPUs the launcher counted (it sets this for every program), for the auto layout",
 }
 
 
-def _apply_section(target: Any, values: dict[str, Any], where: str) -> None:
+def _apply_section(target: Any, values: dict[str, Any], where: str, section: str, auto: set[str]) -> None:
+    """Set ``values`` on ``target``; the keys of ``auto`` ("section.key") it sets stop being automatic, and
+    "auto" leaves them so."""
     names = {f.name: f for f in dataclasses.fields(target)}
     for key, value in values.items():
         if key not in names:
             raise ValueError(f"{where}: unknown setting {key!r}; known: {', '.join(sorted(names))}")
+        if f"{section}.{key}" in auto:
+            if value == "auto":
+                continue
+            auto.discard(f"{section}.{key}")
         setattr(target, key, _typed(names[key].type, getattr(target, key), value, f"{where}.{key}"))
     _check_ranges(target, where)
     if hasattr(target, "validate"):
@@ -520,14 +538,17 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
         raw: dict[str, Any] = tomllib.loads(path.read_text()) if path.exists() else {}
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path} is not valid TOML: {exc}") from exc
+    from common.layout import AUTO_KEYS, gpu_count, resolve  # (it reads Config: below this module's top)
+
     cfg = Config(source=str(path))
+    auto = set(AUTO_KEYS)
     for key, value in raw.items():
         if key in ("run_dir",):
             cfg.run_dir = str(value)
         elif key == "endpoints":
             cfg.endpoints = {str(k): str(v) for k, v in value.items()}
         elif isinstance(value, dict) and dataclasses.is_dataclass(getattr(cfg, key, None)):
-            _apply_section(getattr(cfg, key), value, f"{path}: [{key}]")
+            _apply_section(getattr(cfg, key), value, f"{path}: [{key}]", key, auto)
         else:
             raise ValueError(f"{path}: unknown section or key {key!r}")
     for var, (section, key, kind) in _ENV.items():
@@ -541,6 +562,9 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
         cfg.run_dir = env["VLM_RUN_DIR"]
     if env.get("VLM_API_KEYS"):
         cfg.server.api_keys = [k.strip() for k in env["VLM_API_KEYS"].split(",") if k.strip()]
+    cfg.auto = frozenset(auto)
+    cfg.choices = resolve(cfg, gpu_count(cfg, env))
+    cfg.cache.check_spill(f"{path}: [cache]")
     if cfg.decoder.replicas > 1 and cfg.cache.device_pool:
         raise ValueError(
             f"{path}: [cache] device_pool puts the embedding pool on GPU 0, beside replica 0 only; with "
@@ -562,7 +586,10 @@ def sections(cfg: Config) -> dict[str, Any]:
 def reference(cfg: Config | None = None) -> str:
     """Every setting as TOML that loads as ``cfg`` (default: the defaults), each key under its help as a comment,
     after the environment variables that override them: what ``python -m common.config --defaults`` prints."""
-    cfg = Config() if cfg is None else cfg
+    if cfg is None:
+        from common.layout import AUTO_KEYS  # (it reads Config: below this module's top)
+
+        cfg = Config(auto=AUTO_KEYS)
     lines = [
         "# vlm-serve settings, every one with its default: `python -m common.config --defaults` prints this.",
         "# Every process reads one TOML file ($VLM_CONFIG, else ops/vlm.toml); a key left out keeps its default.",
@@ -575,7 +602,7 @@ def reference(cfg: Config | None = None) -> str:
     for name, section in sections(cfg).items():
         lines += ["", f"[{name}]"]
         for f in dataclasses.fields(section):
-            lines += _setting_lines(section, f.name)
+            lines += _setting_lines(section, f.name, f"{name}.{f.name}" in cfg.auto)
     return "\n".join(lines) + "\n"
 
 
@@ -587,8 +614,9 @@ def _comment(text: str) -> list[str]:
     return [f"# {line}" for line in textwrap.wrap(text, width=116, break_on_hyphens=False)]
 
 
-def _setting_lines(target: Any, name: str) -> list[str]:
-    return [*_comment(_help(target, name)), f"{name} = {_toml(getattr(target, name))}"]
+def _setting_lines(target: Any, name: str, auto: bool = False) -> list[str]:
+    value = '"auto"' if auto else _toml(getattr(target, name))
+    return [*_comment(_help(target, name)), f"{name} = {value}"]
 
 
 def _toml(value: Any) -> str:
