@@ -15,7 +15,7 @@ import os
 import re
 import textwrap
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,7 +277,7 @@ class DecoderConfig:
         "Data parallelism: whole copies of the decoder, each with its own GPUs (replica r: GPUs r*tp .. r*tp+tp-1), "
         "KV cache and prefix cache. The gateway sends each request to the least loaded live replica. Left out or "
         '"auto" (with the other placement keys: text_replicas, media_replicas, replica_gpus, [encoder] gpus and '
-        "count): chosen from the GPUs at start, common.layout: 1 GPU: one replica; 2+ GPUs: replica 0 takes text on "
+        "count): chosen from the GPUs at start (config.place): 1 GPU: one replica; 2+ GPUs: replica 0 takes text on "
         "GPU 0, replica 1 media on GPU 1 with the encoders on GPUs 1..N-1 (vision never on the text streams' GPU); "
         "with tensor_parallel > 1: one replica. Any placement key set: the others keep their plain defaults.",
     )
@@ -397,7 +397,7 @@ class Config:
         },
     )
     source: str = ""  # (not a setting: the file it was read from)
-    # (not settings:) the keys of common.layout.AUTO_KEYS the file left to "auto", and what they became and why
+    # (not settings:) the keys of AUTO_KEYS the file left to "auto", and what they became and why
     auto: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
     choices: list[str] = field(default_factory=list, compare=False, repr=False)
 
@@ -538,8 +538,6 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
         raw: dict[str, Any] = tomllib.loads(path.read_text()) if path.exists() else {}
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path} is not valid TOML: {exc}") from exc
-    from common.layout import AUTO_KEYS, gpu_count, resolve  # (it reads Config: below this module's top)
-
     cfg = Config(source=str(path))
     auto = set(AUTO_KEYS)
     for key, value in raw.items():
@@ -573,6 +571,104 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
     return cfg
 
 
+# ------------------------------------------------------------------ what "auto" becomes on this host's GPUs
+# load_config applies these rules in every process, so all of them agree: the launcher (`ops.deploy`) counts the
+# GPUs once and hands the count to every program (VLM_GPU_COUNT); a process started by hand counts them without
+# torch. Each rule returns the line the launcher prints, naming the rule and the setting that overrides it. A
+# setting written in the config file always wins: the placement rule fills nothing once any placement key is set
+# (a half-automatic placement would be a layout nobody measured).
+
+# Keys a config file may leave out or set to "auto" (section.key); the others have plain defaults.
+PLACEMENT_KEYS = (
+    "decoder.replicas",
+    "decoder.text_replicas",
+    "decoder.media_replicas",
+    "decoder.replica_gpus",
+    "encoder.gpus",
+    "encoder.count",
+)
+AUTO_KEYS = frozenset({*PLACEMENT_KEYS, "cache.device_pool", "cache.spill_bytes", "cache.pool_bytes"})
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+
+
+def gpu_count(cfg: Config, env: Mapping[str, str], driver_gpus: Path = NVIDIA_GPUS) -> int:
+    """The GPUs the model runs on, without torch: the launcher's count (``VLM_GPU_COUNT``), else
+    ``CUDA_VISIBLE_DEVICES``' entries, else the driver's GPUs; 0 with ``[model] device = "cpu"``, 1 with one named
+    device (``cuda:N``)."""
+    device = cfg.model.device
+    if device == "cpu":
+        return 0
+    if env.get("VLM_GPU_COUNT", "").isdigit():
+        count = int(env["VLM_GPU_COUNT"])
+    elif "CUDA_VISIBLE_DEVICES" in env:
+        entries = [entry.strip() for entry in env["CUDA_VISIBLE_DEVICES"].split(",")]
+        # (CUDA stops at the first invalid entry: "-1" or "" hide every GPU)
+        count = next((i for i, entry in enumerate(entries) if not entry or entry.startswith("-")), len(entries))
+    else:
+        count = len(list(driver_gpus.iterdir())) if driver_gpus.is_dir() else 0
+    return min(count, 1) if device.startswith("cuda:") else count
+
+
+def resolve(cfg: Config, gpus: int) -> list[str]:
+    """Fill what ``cfg.auto`` names for a host of ``gpus`` GPUs; the lines that say what was chosen and why."""
+    return [place(cfg, gpus), device_pool(cfg, gpus), sm_split(cfg, gpus)]
+
+
+def place(cfg: Config, gpus: int) -> str:
+    """Where the replicas and encoders run. One GPU: one decoder and one encoder share it. Two or more: the
+    text streams get GPU 0 to themselves (replica 0 takes text only), and a media replica with the encoders
+    take the others (replica 1 on GPU 1, an encoder on each of GPUs 1..N-1): the vision work never runs on
+    the text streams' GPU, which kept them near their throughput without image load."""
+    decoder, encoder = cfg.decoder, cfg.encoder
+    override = "set [decoder] replicas / [encoder] gpus to override"
+    set_by_hand = [key for key in PLACEMENT_KEYS if key not in cfg.auto]
+    if set_by_hand:
+        section, _, key = set_by_hand[0].partition(".")
+        return f"layout: as configured ([{section}] {key} is set: the auto layout fills nothing)"
+    if gpus == 0:
+        return "layout: no GPU -> one decoder and one encoder on the CPU (auto)"
+    if decoder.tensor_parallel > 1:
+        return (
+            f"layout: tensor_parallel = {decoder.tensor_parallel} -> one replica on GPUs "
+            f"0..{decoder.tensor_parallel - 1}, an encoder on each GPU (auto: no layout beyond that with tensor "
+            f"parallelism; {override})"
+        )
+    if gpus == 1:
+        return f"layout: 1 GPU -> one decoder and one encoder share GPU 0 (auto; {override})"
+    decoder.replicas, decoder.text_replicas, decoder.media_replicas = 2, [0], [1]
+    decoder.replica_gpus = []  # replica r on GPU r
+    encoder.gpus = list(range(1, gpus))
+    encoders = "GPU 1" if gpus == 2 else f"GPUs 1..{gpus - 1}"
+    return (
+        f"layout: {gpus} GPUs -> text decoder on GPU 0, media decoder on GPU 1 and encoders on {encoders} "
+        f"(auto: vision on its own GPUs; {override})"
+    )
+
+
+def device_pool(cfg: Config, gpus: int) -> str:
+    """The embedding pool on GPU 0 (CUDA IPC) wherever a GPU runs one decoder replica: it measured no slower
+    than the host pool and saves the trip through the host. Replicas on other GPUs cannot read GPU 0's pool."""
+    cache = cfg.cache
+    if "cache.device_pool" not in cfg.auto:
+        return f"embedding pool: {'GPU' if cache.device_pool else 'host'} ([cache] device_pool = {cache.device_pool})"
+    cache.device_pool = gpus > 0 and cfg.decoder.replicas == 1
+    if gpus == 0:
+        return "embedding pool: host shared memory (auto: no GPU)"
+    if cfg.decoder.replicas > 1:
+        return "embedding pool: host shared memory (auto: decoder replicas read it from their own GPUs)"
+    return "embedding pool: GPU 0, by CUDA IPC (auto: a GPU and one decoder replica; [cache] device_pool = false: host)"
+
+
+def sm_split(cfg: Config, gpus: int) -> str:
+    """``[encoder] sm_split`` has no auto value: it raised the text streams' share on one GPU, but what it costs
+    image throughput is not measured, so it is off unless set."""
+    if cfg.encoder.sm_split:
+        return f"SM split: text replica on the first {cfg.encoder.sm_split} SMs ([encoder] sm_split)"
+    if gpus == 1:
+        return "SM split: off (its cost to image throughput is not measured; [encoder] sm_split = N to split)"
+    return "SM split: off"
+
+
 # ------------------------------------------------------------------ the reference
 
 
@@ -587,8 +683,6 @@ def reference(cfg: Config | None = None) -> str:
     """Every setting as TOML that loads as ``cfg`` (default: the defaults), each key under its help as a comment,
     after the environment variables that override them: what ``python -m common.config --defaults`` prints."""
     if cfg is None:
-        from common.layout import AUTO_KEYS  # (it reads Config: below this module's top)
-
         cfg = Config(auto=AUTO_KEYS)
     lines = [
         "# vlm-serve settings, every one with its default: `python -m common.config --defaults` prints this.",
