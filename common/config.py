@@ -15,7 +15,7 @@ import os
 import re
 import textwrap
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,12 +129,15 @@ VISION_BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what runs the tower: w
 
 @dataclass
 class EncoderConfig:
-    count: int = setting(0, "Vision encoder processes; 0: one per visible GPU, or one on a CPU host.")
+    count: int = setting(
+        0, 'Vision encoder processes; 0: one per visible GPU, or one on a CPU host. Left out or "auto": see replicas.'
+    )
     gpus: list[int] = field(
         default_factory=list,
         metadata={
             "help": "The GPU of each encoder, e.g. [1]: one encoder, on GPU 1, so the decoder has GPU 0 to itself. "
-            "Empty: encoder K on GPU K (more encoders than GPUs share them round robin)."
+            'Empty: encoder K on GPU K (more encoders than GPUs share them round robin). Left out or "auto": '
+            "chosen with [decoder] replicas (on 2+ GPUs: [1 .. N-1])."
         },
     )
     credits: int = setting(16, "Jobs an encoder holds at once: what it can pack into one forward.")
@@ -148,21 +151,9 @@ class EncoderConfig:
     mps: bool | str = setting(
         "auto",
         "GPU hosts: the CUDA MPS daemon, so that encoders and the decoder share each GPU's SMs at once instead of "
-        'time-slicing. "auto": on where it was measured to pay (an encoder on the decoder\'s GPU, one decoder rank, '
-        "the host pool; see common.deploy.mps_wanted), off elsewhere.",
-    )
-    mps_encoder_sm_percent: int = setting(100, "With MPS: the encoders' cap on each GPU's SMs, in percent (100: none).")
-    mps_decoder_sm_percent: int = setting(
-        100,
-        "With MPS: the decoder ranks' cap on their GPU's SMs, in percent (100: none). Decoding is bound by memory "
-        "bandwidth, which fewer SMs can still saturate, so a cap can leave SMs to the encoders without slowing "
-        "it much.",
-    )
-    mps_encoder_low_priority: bool = setting(
-        True,
-        "With MPS: the encoders' client priority below the decoder's, so decode steps are not queued behind ViT work. "
-        "false: image requests get their first token sooner and every later token slower, and text streams beside "
-        "them a worse inter-token tail.",
+        "time-slicing; the encoders (and media-only replicas beside a text one) run at a lower client priority, so "
+        'decode steps are not queued behind ViT work. "auto": on where it was measured to pay (an encoder on a '
+        "decoder's GPU, one decoder rank; see ops.deploy.mps_wanted), off elsewhere.",
     )
     engine_dir: str = setting(
         "", "Where exported ONNX files and TensorRT engines are cached; empty: <run dir>/engines."
@@ -187,9 +178,6 @@ class EncoderConfig:
             raise ValueError(f"{where}: count = {self.count} but gpus lists {len(self.gpus)} encoders; set one of them")
         if not (isinstance(self.mps, bool) or self.mps == "auto"):  # (1 == True, so not `in (True, ...)`)
             raise ValueError(f'{where}.mps: expected true, false or "auto", got {self.mps!r}')
-        for name in ("mps_encoder_sm_percent", "mps_decoder_sm_percent"):
-            if not 1 <= getattr(self, name) <= 100:
-                raise ValueError(f"{where}.{name}: expected 1..100, got {getattr(self, name)}")
         if self.backend not in VISION_BACKENDS:
             names = ", ".join(map(repr, VISION_BACKENDS[:-1])) + f" or {VISION_BACKENDS[-1]!r}"
             raise ValueError(f"{where}.backend: expected {names}, got {self.backend!r}")
@@ -197,15 +185,26 @@ class EncoderConfig:
 
 @dataclass
 class CacheConfig:
-    pool_bytes: int = setting(256 * 1024 * 1024, "Bytes of the embedding pool that encoders fill and decoders read.")
+    pool_bytes: int = setting(
+        0,
+        "Bytes of the embedding pool that encoders fill and decoders read: the embeddings of the requests in flight "
+        'and an LRU of earlier ones. 0 or "auto": sized at start by the cache daemon, which logs the rule. On the GPU '
+        "1/32 of its memory within 1..8 GiB (about what a 32-client load of three-image requests and their next "
+        "turns needs on a large GPU, while the KV cache keeps nearly all it had; the decoder leaves these bytes "
+        "out of its KV share). In host shared memory min(1/4 of MemAvailable, 1/2 of /dev/shm's free space, 4 GiB): "
+        "the file must fit in /dev/shm beside the other processes' media (common.memory).",
+    )
     device_pool: bool = setting(
         False,
         "GPU hosts: the pool in GPU memory (on GPU 0, the decoder's), so embeddings go encoder -> decoder by CUDA IPC "
-        "without the host.",
+        'without the host. Left out or "auto": on with a GPU and one decoder replica (it measured no slower than '
+        "the host pool; replicas on other GPUs read the host pool), off on a CPU host.",
     )
     spill_bytes: int = setting(
         0,
-        "Behind a GPU pool: a host shared-memory tier that evicted embeddings move to instead of being lost (0: none).",
+        "Behind a GPU pool: a host shared-memory tier that evicted embeddings move to instead of being lost (0: none). "
+        'Left out or "auto": min(1/4 of MemAvailable, 1/2 of /dev/shm\'s free space, 8 GiB) behind a GPU pool, '
+        "none behind the host pool.",
     )
     lease_ttl_s: float = setting(
         120.0, "A request's hold on its embeddings (kept from eviction) lapses after this many seconds unless released."
@@ -220,6 +219,9 @@ class CacheConfig:
     def validate(self, where: str) -> None:
         if self.pool_bytes < 0 or self.spill_bytes < 0:
             raise ValueError(f"{where}: pool_bytes and spill_bytes must be >= 0")
+
+    def check_spill(self, where: str) -> None:
+        """Once device_pool is known (it may be "auto")."""
         if self.spill_bytes and not self.device_pool:
             raise ValueError(
                 f"{where}.spill_bytes: a spill tier backs a GPU pool (device_pool = true); the host pool "
@@ -250,7 +252,9 @@ class DecoderConfig:
         0, "Bytes of KV cache; 0: gpu_memory_fraction of the GPU memory free after loading (256 MiB on CPU)."
     )
     gpu_memory_fraction: float = setting(
-        0.8, "With kv_cache_bytes = 0: the share of free GPU memory the KV cache takes."
+        0.8,
+        "With kv_cache_bytes = 0: the share of free GPU memory the KV cache takes. On the GPU embedding pool's GPU "
+        "(0) the pool's bytes come out of this share, whether or not the cache daemon has allocated them yet.",
     )
     prefix_cache: bool = setting(
         True, "Reuse the KV of shared prompt prefixes, images included (keyed by content hash)."
@@ -276,7 +280,11 @@ class DecoderConfig:
     replicas: int = setting(
         1,
         "Data parallelism: whole copies of the decoder, each with its own GPUs (replica r: GPUs r*tp .. r*tp+tp-1), "
-        "KV cache and prefix cache. The gateway sends each request to the least loaded live replica.",
+        "KV cache and prefix cache. The gateway sends each request to the least loaded live replica. Left out or "
+        '"auto" (with the other placement keys: text_replicas, media_replicas, replica_gpus, [encoder] gpus and '
+        "count): chosen from the GPUs at start (config.place): 1 GPU: one replica; 2+ GPUs: replica 0 takes text on "
+        "GPU 0, replica 1 media on GPU 1 with the encoders on GPUs 1..N-1 (vision never on the text streams' GPU); "
+        "with tensor_parallel > 1: one replica. Any placement key set: the others keep their plain defaults.",
     )
     replica_gpus: list[int] = field(
         default_factory=list,
@@ -394,6 +402,9 @@ class Config:
         },
     )
     source: str = ""  # (not a setting: the file it was read from)
+    # (not settings:) the keys of AUTO_KEYS the file left to "auto", and what they became and why
+    auto: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    choices: list[str] = field(default_factory=list, compare=False, repr=False)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -459,14 +470,21 @@ ENVIRONMENT = {
     "VLM_RUN_DIR": "run_dir",
     "VLM_API_KEYS": "[server] api_keys, comma-separated",
     "VLM_CACHE_DIR": "where the built-in demo checkpoint is generated (default: ~/.cache/vlm-serve)",
+    "VLM_GPU_COUNT": "the GPUs the launcher counted (it sets this for every program), for the auto layout",
 }
 
 
-def _apply_section(target: Any, values: dict[str, Any], where: str) -> None:
+def _apply_section(target: Any, values: dict[str, Any], where: str, section: str, auto: set[str]) -> None:
+    """Set ``values`` on ``target``; the keys of ``auto`` ("section.key") it sets stop being automatic, and
+    "auto" leaves them so."""
     names = {f.name: f for f in dataclasses.fields(target)}
     for key, value in values.items():
         if key not in names:
             raise ValueError(f"{where}: unknown setting {key!r}; known: {', '.join(sorted(names))}")
+        if f"{section}.{key}" in auto:
+            if value == "auto":
+                continue
+            auto.discard(f"{section}.{key}")
         setattr(target, key, _typed(names[key].type, getattr(target, key), value, f"{where}.{key}"))
     _check_ranges(target, where)
     if hasattr(target, "validate"):
@@ -526,13 +544,14 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path} is not valid TOML: {exc}") from exc
     cfg = Config(source=str(path))
+    auto = set(AUTO_KEYS)
     for key, value in raw.items():
         if key in ("run_dir",):
             cfg.run_dir = str(value)
         elif key == "endpoints":
             cfg.endpoints = {str(k): str(v) for k, v in value.items()}
         elif isinstance(value, dict) and dataclasses.is_dataclass(getattr(cfg, key, None)):
-            _apply_section(getattr(cfg, key), value, f"{path}: [{key}]")
+            _apply_section(getattr(cfg, key), value, f"{path}: [{key}]", key, auto)
         else:
             raise ValueError(f"{path}: unknown section or key {key!r}")
     for var, (section, key, kind) in _ENV.items():
@@ -546,12 +565,113 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
         cfg.run_dir = env["VLM_RUN_DIR"]
     if env.get("VLM_API_KEYS"):
         cfg.server.api_keys = [k.strip() for k in env["VLM_API_KEYS"].split(",") if k.strip()]
+    cfg.auto = frozenset(auto)
+    cfg.choices = resolve(cfg, gpu_count(cfg, env))
+    cfg.cache.check_spill(f"{path}: [cache]")
     if cfg.decoder.replicas > 1 and cfg.cache.device_pool:
         raise ValueError(
             f"{path}: [cache] device_pool puts the embedding pool on GPU 0, beside replica 0 only; with "
             f"[decoder] replicas = {cfg.decoder.replicas} use the host pool (device_pool = false)"
         )
     return cfg
+
+
+# ------------------------------------------------------------------ what "auto" becomes on this host's GPUs
+# load_config applies these rules in every process, so all of them agree: the launcher (`ops.deploy`) counts the
+# GPUs once and hands the count to every program (VLM_GPU_COUNT); a process started by hand counts them without
+# torch. Each rule returns the line the launcher prints, naming the rule and the setting that overrides it. A
+# setting written in the config file always wins: the placement rule fills nothing once any placement key is set
+# (a half-automatic placement would be a layout nobody measured).
+
+# Keys a config file may leave out or set to "auto" (section.key); the others have plain defaults.
+PLACEMENT_KEYS = (
+    "decoder.replicas",
+    "decoder.text_replicas",
+    "decoder.media_replicas",
+    "decoder.replica_gpus",
+    "encoder.gpus",
+    "encoder.count",
+)
+AUTO_KEYS = frozenset({*PLACEMENT_KEYS, "cache.device_pool", "cache.spill_bytes", "cache.pool_bytes"})
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+
+
+def gpu_count(cfg: Config, env: Mapping[str, str], driver_gpus: Path = NVIDIA_GPUS) -> int:
+    """The GPUs the model runs on, without torch: the launcher's count (``VLM_GPU_COUNT``), else
+    ``CUDA_VISIBLE_DEVICES``' entries, else the driver's GPUs; 0 with ``[model] device = "cpu"``, 1 with one named
+    device (``cuda:N``)."""
+    device = cfg.model.device
+    if device == "cpu":
+        return 0
+    if env.get("VLM_GPU_COUNT", "").isdigit():
+        count = int(env["VLM_GPU_COUNT"])
+    elif "CUDA_VISIBLE_DEVICES" in env:
+        entries = [entry.strip() for entry in env["CUDA_VISIBLE_DEVICES"].split(",")]
+        # (CUDA stops at the first invalid entry: "-1" or "" hide every GPU)
+        count = next((i for i, entry in enumerate(entries) if not entry or entry.startswith("-")), len(entries))
+    else:
+        count = len(list(driver_gpus.iterdir())) if driver_gpus.is_dir() else 0
+    return min(count, 1) if device.startswith("cuda:") else count
+
+
+def resolve(cfg: Config, gpus: int) -> list[str]:
+    """Fill what ``cfg.auto`` names for a host of ``gpus`` GPUs; the lines that say what was chosen and why."""
+    return [place(cfg, gpus), device_pool(cfg, gpus), sm_split(cfg, gpus)]
+
+
+def place(cfg: Config, gpus: int) -> str:
+    """Where the replicas and encoders run. One GPU: one decoder and one encoder share it. Two or more: the
+    text streams get GPU 0 to themselves (replica 0 takes text only), and a media replica with the encoders
+    take the others (replica 1 on GPU 1, an encoder on each of GPUs 1..N-1): the vision work never runs on
+    the text streams' GPU, which kept them near their throughput without image load."""
+    decoder, encoder = cfg.decoder, cfg.encoder
+    override = "set [decoder] replicas / [encoder] gpus to override"
+    set_by_hand = [key for key in PLACEMENT_KEYS if key not in cfg.auto]
+    if set_by_hand:
+        section, _, key = set_by_hand[0].partition(".")
+        return f"layout: as configured ([{section}] {key} is set: the auto layout fills nothing)"
+    if gpus == 0:
+        return "layout: no GPU -> one decoder and one encoder on the CPU (auto)"
+    if decoder.tensor_parallel > 1:
+        return (
+            f"layout: tensor_parallel = {decoder.tensor_parallel} -> one replica on GPUs "
+            f"0..{decoder.tensor_parallel - 1}, an encoder on each GPU (auto: no layout beyond that with tensor "
+            f"parallelism; {override})"
+        )
+    if gpus == 1:
+        return f"layout: 1 GPU -> one decoder and one encoder share GPU 0 (auto; {override})"
+    decoder.replicas, decoder.text_replicas, decoder.media_replicas = 2, [0], [1]
+    decoder.replica_gpus = []  # replica r on GPU r
+    encoder.gpus = list(range(1, gpus))
+    encoders = "GPU 1" if gpus == 2 else f"GPUs 1..{gpus - 1}"
+    return (
+        f"layout: {gpus} GPUs -> text decoder on GPU 0, media decoder on GPU 1 and encoders on {encoders} "
+        f"(auto: vision on its own GPUs; {override})"
+    )
+
+
+def device_pool(cfg: Config, gpus: int) -> str:
+    """The embedding pool on GPU 0 (CUDA IPC) wherever a GPU runs one decoder replica: it measured no slower
+    than the host pool and saves the trip through the host. Replicas on other GPUs cannot read GPU 0's pool."""
+    cache = cfg.cache
+    if "cache.device_pool" not in cfg.auto:
+        return f"embedding pool: {'GPU' if cache.device_pool else 'host'} ([cache] device_pool = {cache.device_pool})"
+    cache.device_pool = gpus > 0 and cfg.decoder.replicas == 1
+    if gpus == 0:
+        return "embedding pool: host shared memory (auto: no GPU)"
+    if cfg.decoder.replicas > 1:
+        return "embedding pool: host shared memory (auto: decoder replicas read it from their own GPUs)"
+    return "embedding pool: GPU 0, by CUDA IPC (auto: a GPU and one decoder replica; [cache] device_pool = false: host)"
+
+
+def sm_split(cfg: Config, gpus: int) -> str:
+    """``[encoder] sm_split`` has no auto value: it raised the text streams' share on one GPU, but what it costs
+    image throughput is not measured, so it is off unless set."""
+    if cfg.encoder.sm_split:
+        return f"SM split: text replica on the first {cfg.encoder.sm_split} SMs ([encoder] sm_split)"
+    if gpus == 1:
+        return "SM split: off (its cost to image throughput is not measured; [encoder] sm_split = N to split)"
+    return "SM split: off"
 
 
 # ------------------------------------------------------------------ the reference
@@ -567,7 +687,8 @@ def sections(cfg: Config) -> dict[str, Any]:
 def reference(cfg: Config | None = None) -> str:
     """Every setting as TOML that loads as ``cfg`` (default: the defaults), each key under its help as a comment,
     after the environment variables that override them: what ``python -m common.config --defaults`` prints."""
-    cfg = Config() if cfg is None else cfg
+    if cfg is None:
+        cfg = Config(auto=AUTO_KEYS)
     lines = [
         "# vlm-serve settings, every one with its default: `python -m common.config --defaults` prints this.",
         "# Every process reads one TOML file ($VLM_CONFIG, else ops/vlm.toml); a key left out keeps its default.",
@@ -580,7 +701,7 @@ def reference(cfg: Config | None = None) -> str:
     for name, section in sections(cfg).items():
         lines += ["", f"[{name}]"]
         for f in dataclasses.fields(section):
-            lines += _setting_lines(section, f.name)
+            lines += _setting_lines(section, f.name, f"{name}.{f.name}" in cfg.auto)
     return "\n".join(lines) + "\n"
 
 
@@ -592,8 +713,9 @@ def _comment(text: str) -> list[str]:
     return [f"# {line}" for line in textwrap.wrap(text, width=116, break_on_hyphens=False)]
 
 
-def _setting_lines(target: Any, name: str) -> list[str]:
-    return [*_comment(_help(target, name)), f"{name} = {_toml(getattr(target, name))}"]
+def _setting_lines(target: Any, name: str, auto: bool = False) -> list[str]:
+    value = '"auto"' if auto else _toml(getattr(target, name))
+    return [*_comment(_help(target, name)), f"{name} = {value}"]
 
 
 def _toml(value: Any) -> str:

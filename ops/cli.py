@@ -15,8 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from common.config import load_config
-from ops.deploy import write_supervisord_conf
+from ops.deploy import launcher_config, write_supervisord_conf
 
 # Each option of `serve` and the variable the stack's processes read it from (ops/vlm.toml: VLM_* win over
 # the file).
@@ -66,7 +65,7 @@ def serve(args: argparse.Namespace) -> None:
         if value is not None:
             os.environ[variable] = str(Path(value).resolve()) if option == "config" else str(value)
     try:
-        cfg = load_config()
+        cfg = launcher_config()
         run = cfg.run_path
         (run / "logs").mkdir(parents=True, exist_ok=True)
         conf = run / "supervisord.conf"

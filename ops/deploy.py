@@ -12,6 +12,7 @@ with ``[encoder] mps`` on a GPU host, the CUDA MPS control daemon runs first and
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import Config, decoder_name, load_config
-from common.topology import encoder_count, has_gpu, vision_replicas
+from common.memory import PoolPlan, host_memory, pool_plan
+from common.topology import encoder_count, has_gpu, visible_gpus, vision_replicas
 from workers.models.synth import prepared_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,22 +31,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class MpsPlan:
-    """How the GPU processes share each GPU under CUDA MPS: SM caps in percent (100: none), and whether
-    the encoders' work yields to the decoder's (MPS client priority ``BELOW_NORMAL``)."""
+    """How the GPU processes share each GPU under CUDA MPS: the encoders' work yields to the decoder's (MPS
+    client priority ``BELOW_NORMAL``), and so does that of ``vision_replicas``: media-only decoder replicas on a
+    GPU where a replica that takes text runs (``replica_gpus``), whose image prefills are vision work too."""
 
-    encoder_sm: int = 100
-    decoder_sm: int = 100
-    encoder_below_normal: bool = True
-    # Decoder replicas that run with the encoders' share and priority: media-only ones on a GPU where a
-    # replica that takes text runs (``replica_gpus``). Their image prefills are vision work too.
     vision_replicas: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, cfg: Config) -> MpsPlan:
-        enc = cfg.encoder
-        return cls(
-            enc.mps_encoder_sm_percent, enc.mps_decoder_sm_percent, enc.mps_encoder_low_priority, vision_replicas(cfg)
-        )
+        return cls(vision_replicas(cfg))
 
 
 def render(
@@ -78,7 +73,7 @@ def _add_mps(text: str, repo: Path, run: Path, plan: MpsPlan) -> str:
     """The MPS control daemon of this deployment (its pipe and log directories in the run directory, so
     two deployments never share one), started first and ended with supervisord even if that is killed hard
     (`common.exec_supervised`); every GPU process talks to it through the same pipe directory, with the plan's SM
-    caps and the encoders' client priority."""
+    client priorities."""
     pipes, logs = run / "mps" / "pipe", run / "mps" / "log"
     mps_env = f'CUDA_MPS_PIPE_DIRECTORY="{pipes}",CUDA_MPS_LOG_DIRECTORY="{logs}"'
     daemon = f"{repo}/.venv/bin/python -m common.exec_supervised nvidia-cuda-mps-control -f"
@@ -92,12 +87,9 @@ def _add_mps(text: str, repo: Path, run: Path, plan: MpsPlan) -> str:
     )
     vision = {"encoder"} | {decoder_name(r) + tail for r in plan.vision_replicas for tail in ("", "-rank")}
     for name in re.findall(r"^\[program:(encoder|decoder[-\w]*)\]$", text, flags=re.MULTILINE):
-        share = plan.encoder_sm if name in vision else plan.decoder_sm
-        extra = f',CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="{share}"' if share < 100 else ""  # 100: MPS's default
-        if name in vision and plan.encoder_below_normal:
-            # The GPU schedules a below-normal client's blocks after a normal one's: a decode step that
-            # arrives while the ViT runs takes the SMs as ViT blocks finish, instead of queueing behind them.
-            extra += ',CUDA_MPS_CLIENT_PRIORITY="1"'
+        # The GPU schedules a below-normal client's blocks after a normal one's: a decode step that arrives
+        # while the ViT runs takes the SMs as ViT blocks finish, instead of queueing behind them.
+        extra = ',CUDA_MPS_CLIENT_PRIORITY="1"' if name in vision else ""
         section = _section(text, name)
         body = section.group(0).rstrip("\n") + f"\nenvironment = {mps_env}{extra}\n\n"
         text = text[: section.start()] + body + text[section.end() :]
@@ -151,14 +143,23 @@ def main(argv: list[str]) -> None:
     if len(argv) != 1:
         sys.exit("usage: python -m ops.deploy OUT_CONF")
     try:
-        write_supervisord_conf(load_config(), Path(argv[0]))
+        write_supervisord_conf(launcher_config(), Path(argv[0]))
     except (OSError, ValueError) as exc:  # (stopped here, before supervisord restarts failing workers for ever)
         sys.exit(f"vlm-serve: {exc}")
 
 
+def launcher_config() -> Config:
+    """The deployment's config with its "auto" settings resolved for the GPUs that torch sees here: the count
+    goes into the environment (``VLM_GPU_COUNT``), which supervisord hands to every program, so that each one
+    resolves them the same way (`common.config.resolve`)."""
+    os.environ.setdefault("VLM_GPU_COUNT", str(visible_gpus()))
+    return load_config()
+
+
 def write_supervisord_conf(cfg: Config, out: Path) -> None:
     """Check what the workers would fail on (`preflight`, which makes the demo checkpoint if it is the model), and
-    write the deployment's supervisord configuration to ``out``. Raises OSError or ValueError."""
+    write the deployment's supervisord configuration to ``out``, printing each choice made for this machine
+    (layout, embedding pool, MPS) with its rule. Raises OSError or ValueError."""
     preflight(cfg)
     wanted, why = mps_wanted(cfg, has_gpu, _has_mps_daemon())
     if wanted and cfg.encoder.sm_split:
@@ -167,11 +168,32 @@ def write_supervisord_conf(cfg: Config, out: Path) -> None:
         check_sm_split(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     template = (REPO / "ops/vlm.conf").read_text()
+    for line in [*cfg.choices, memory_plan(cfg).describe() + " (the cache daemon logs what it allocates)"]:
+        print(line, file=sys.stderr)
     print(f"CUDA MPS: {'on' if wanted else 'off'} ({why})", file=sys.stderr)
     mps = MpsPlan.of(cfg) if wanted else None
     decoder = cfg.decoder
     text = render(template, REPO, cfg.run_path, encoder_count(cfg), decoder.tensor_parallel, mps, decoder.replicas)
-    out.write_text(text)
+    out.write_text(with_gpu_count(text, os.environ.get("VLM_GPU_COUNT", "")))
+
+
+def with_gpu_count(text: str, count: str) -> str:
+    """The configuration with ``VLM_GPU_COUNT`` in supervisord's environment (every program inherits it), so
+    that a program restarted by supervisord resolves "auto" as the launcher did."""
+    if not count.isdigit():
+        return text
+    return text.replace("[supervisord]\n", f'[supervisord]\nenvironment = VLM_GPU_COUNT="{count}"\n', 1)
+
+
+def memory_plan(cfg: Config) -> PoolPlan:
+    """The embedding pool the cache daemon will allocate, as it will size it (GPU 0's memory, asked of torch
+    only for a GPU pool)."""
+    gpu_total = 0
+    if cfg.cache.device_pool:
+        import torch  # (already imported to count the GPUs)
+
+        gpu_total = torch.cuda.get_device_properties(0).total_memory
+    return pool_plan(cfg, gpu_total, host_memory())
 
 
 def preflight(cfg: Config) -> None:
@@ -195,11 +217,12 @@ def preflight(cfg: Config) -> None:
 
 def mps_wanted(cfg: Config, has_gpu: Callable[[], bool], has_daemon: bool) -> tuple[bool, str]:
     """Whether the deployment runs the MPS daemon, and why. ``mps = "auto"`` turns it on only where it was
-    measured to pay: a GPU host with the daemon's binary, an encoder on the decoder's GPU, a decoder of one
-    rank and the host embedding pool (there it raised image throughput and kept more of the text streams'
-    throughput under image load; the figures are in the docs). MPS with tensor-parallel ranks or with the
-    CUDA IPC pool has not been measured: ``mps = true`` asks for it there. ``has_gpu`` is asked only where the
-    answer depends on it (it imports torch: a second or two)."""
+    measured to pay: a GPU host with the daemon's binary, an encoder on a decoder's GPU, decoders of one rank,
+    and either one replica or encoders beside media-only replicas alone (the two-GPU routed layout): there it
+    raised image throughput and kept more of the text streams' throughput under image load (the figures are in
+    the docs). MPS with tensor-parallel ranks, or with encoders beside a text replica of several, has not paid
+    or not been measured: ``mps = true`` asks for it there. ``has_gpu`` is asked only where the answer depends
+    on it (it imports torch: a second or two)."""
     setting = cfg.encoder.mps
     if setting is False or (setting == "auto" and not has_daemon):
         why = "[encoder] mps = false" if setting is False else "auto: nvidia-cuda-mps-control is not on PATH"
@@ -212,11 +235,16 @@ def mps_wanted(cfg: Config, has_gpu: Callable[[], bool], has_daemon: bool) -> tu
         return True, "[encoder] mps = true"
     if cfg.encoder.sm_split:
         return True, "auto: [encoder] sm_split runs the two sides of a GPU at once"
-    if cfg.encoder.gpus and not cfg.decoder_gpus() & set(cfg.encoder.gpus):
+    encoders = set(cfg.encoder.gpus or range(encoder_count(cfg)))
+    if not cfg.decoder_gpus() & encoders:
         return False, "auto: no encoder shares a decoder's GPU"
-    if cfg.decoder.tensor_parallel > 1 or cfg.decoder.replicas > 1 or cfg.cache.device_pool:
-        return False, "auto: not measured with tensor_parallel > 1, replicas > 1 or device_pool; set mps = true to try"
-    return True, "auto: an encoder shares the decoder's GPU"
+    if cfg.decoder.tensor_parallel > 1:
+        return False, "auto: not measured with tensor_parallel > 1; set mps = true to try"
+    if cfg.decoder.replicas == 1:
+        return True, "auto: an encoder shares the decoder's GPU"
+    if cfg.decoder_gpus(r for r in range(cfg.decoder.replicas) if cfg.takes_text(r)) & encoders:
+        return False, "auto: not measured with an encoder beside one of several text replicas; set mps = true to try"
+    return True, "auto: the encoders share GPUs with media-only replicas alone"
 
 
 def _has_mps_daemon() -> bool:

@@ -439,3 +439,102 @@ def test_environment_settings_are_checked(tmp_path: Path, env: dict[str, str], m
     assert (
         load_config(write(tmp_path, "[decoder]\ngpu_memory_fraction = 1\n"), env={}).decoder.gpu_memory_fraction == 1.0
     )
+
+
+# ------------------------------------------------------------------ settings left to "auto" (common.config.resolve)
+
+
+def on_gpus(tmp_path: Path, gpus: int, text: str = "") -> Config:
+    return load_config(write(tmp_path, text), env={"VLM_GPU_COUNT": str(gpus)})
+
+
+def test_no_gpu_or_one_keeps_one_decoder_and_one_encoder(tmp_path: Path) -> None:
+    for gpus in (0, 1):
+        cfg = on_gpus(tmp_path, gpus)
+        assert (cfg.decoder.replicas, cfg.decoder.text_replicas, cfg.decoder.media_replicas) == (1, [], [])
+        assert (cfg.decoder.replica_gpus, cfg.encoder.gpus, cfg.encoder.count) == ([], [], 0)
+        assert cfg.encoder.sm_split == 0  # not measured for its cost to images: off, and the log says so
+        assert cfg.cache.device_pool is (gpus == 1)  # the GPU pool wherever a GPU runs one replica
+    assert on_gpus(tmp_path, 0).choices[0] == "layout: no GPU -> one decoder and one encoder on the CPU (auto)"
+    choices = on_gpus(tmp_path, 1).choices
+    assert choices[0].startswith("layout: 1 GPU -> one decoder and one encoder share GPU 0 (auto; set")
+    assert choices[1].startswith("embedding pool: GPU 0, by CUDA IPC (auto:")
+    assert choices[2].startswith("SM split: off (its cost to image throughput is not measured")
+
+
+@pytest.mark.parametrize("gpus", [2, 3, 8])
+def test_two_gpus_or_more_give_vision_its_own_gpus(tmp_path: Path, gpus: int) -> None:
+    cfg = on_gpus(tmp_path, gpus)
+    decoder = cfg.decoder
+    assert (decoder.replicas, decoder.text_replicas, decoder.media_replicas, decoder.replica_gpus) == (2, [0], [1], [])
+    assert [cfg.decoder_gpu(r) for r in range(2)] == [0, 1]  # text replica on GPU 0, media replica on GPU 1
+    assert cfg.encoder.gpus == list(range(1, gpus))  # no encoder on the text streams' GPU
+    assert cfg.cache.device_pool is False  # replicas read the host pool
+    assert cfg.choices[0].startswith(f"layout: {gpus} GPUs -> text decoder on GPU 0, media decoder on GPU 1")
+    assert "host shared memory (auto: decoder replicas" in cfg.choices[1]
+
+
+def test_tensor_parallelism_gets_no_auto_layout(tmp_path: Path) -> None:
+    cfg = on_gpus(tmp_path, 4, "[decoder]\ntensor_parallel = 2\n")
+    assert (cfg.decoder.replicas, cfg.decoder.text_replicas, cfg.encoder.gpus) == (1, [], [])
+    assert cfg.choices[0].startswith("layout: tensor_parallel = 2 -> one replica on GPUs 0..1")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[decoder]\nreplicas = 1\n",
+        "[decoder]\nreplica_gpus = [0]\n",
+        "[decoder]\ntext_replicas = []\n",
+        "[encoder]\ngpus = [0, 1]\n",
+        "[encoder]\ncount = 2\n",
+    ],
+)
+def test_any_placement_key_set_wins_and_the_auto_layout_fills_nothing(tmp_path: Path, text: str) -> None:
+    cfg = on_gpus(tmp_path, 2, text)
+    assert cfg.decoder.replicas == 1 and cfg.decoder.text_replicas == [] and cfg.decoder.media_replicas == []
+    assert cfg.choices[0].startswith("layout: as configured (")
+    assert cfg.cache.device_pool is True  # one replica on a GPU: the pool's own rule still applies
+
+
+def test_auto_can_be_written_and_explicit_pool_settings_win(tmp_path: Path) -> None:
+    cfg = on_gpus(tmp_path, 2, '[decoder]\nreplicas = "auto"\n[cache]\npool_bytes = "auto"\ndevice_pool = "auto"\n')
+    assert cfg.decoder.replicas == 2 and cfg.cache.pool_bytes == 0 and cfg.cache.device_pool is False
+    cfg = on_gpus(tmp_path, 1, "[cache]\ndevice_pool = false\npool_bytes = 1048576\n")
+    assert cfg.cache.device_pool is False and cfg.cache.pool_bytes == 1048576
+    assert cfg.choices[1] == "embedding pool: host ([cache] device_pool = False)"
+    with pytest.raises(ValueError, match="spill_bytes: a spill tier backs a GPU pool"):
+        on_gpus(tmp_path, 1, "[cache]\ndevice_pool = false\nspill_bytes = 1048576\n")
+    assert on_gpus(tmp_path, 1, "[cache]\nspill_bytes = 1048576\n").cache.spill_bytes == 1048576  # GPU pool: fine
+    with pytest.raises(ValueError, match="replicas = 2 use the host pool"):
+        on_gpus(tmp_path, 2, "[cache]\ndevice_pool = true\n")  # the auto layout's replicas cannot read GPU 0's pool
+    with pytest.raises(ValueError, match=r"\[decoder\]\.replicas: expected an integer"):
+        on_gpus(tmp_path, 2, '[decoder]\nreplicas = "two"\n')
+
+
+def test_the_gpu_count_without_torch(tmp_path: Path) -> None:
+    from common.config import gpu_count
+
+    driver = tmp_path / "gpus"
+    for pci in ("0000:01:00.0", "0000:02:00.0", "0000:03:00.0"):
+        (driver / pci).mkdir(parents=True)
+    cfg = Config()
+    assert gpu_count(cfg, {}, driver) == 3
+    assert gpu_count(cfg, {}, tmp_path / "none") == 0  # no NVIDIA driver
+    assert gpu_count(cfg, {"CUDA_VISIBLE_DEVICES": "1,3"}, driver) == 2
+    assert gpu_count(cfg, {"CUDA_VISIBLE_DEVICES": "0,-1,2"}, driver) == 1  # CUDA stops at an invalid entry
+    assert gpu_count(cfg, {"CUDA_VISIBLE_DEVICES": ""}, driver) == 0
+    assert gpu_count(cfg, {"VLM_GPU_COUNT": "2", "CUDA_VISIBLE_DEVICES": "0"}, driver) == 2  # the launcher's count
+    cfg.model.device = "cuda:1"
+    assert gpu_count(cfg, {}, driver) == 1  # one named device: no layout over GPUs
+    cfg.model.device = "cpu"
+    assert gpu_count(cfg, {"VLM_GPU_COUNT": "2"}, driver) == 0
+
+
+def test_the_reference_shows_auto_and_loads_back_as_auto(tmp_path: Path) -> None:
+    raw = tomllib.loads(reference())
+    assert raw["decoder"]["replicas"] == "auto" and raw["cache"]["device_pool"] == "auto"
+    assert raw["encoder"]["gpus"] == "auto" and raw["cache"]["pool_bytes"] == "auto"
+    assert "mps_encoder_sm_percent" not in raw["encoder"]  # removed: measured, settled
+    cfg = on_gpus(tmp_path, 2, reference())
+    assert cfg.decoder.replicas == 2 and cfg.choices[0].startswith("layout: 2 GPUs")

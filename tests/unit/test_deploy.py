@@ -62,7 +62,7 @@ def test_a_tensor_parallel_decoder_gets_its_other_ranks(tmp_path: Path) -> None:
 
 
 def test_decoder_replicas_each_get_a_program_and_their_own_ranks(tmp_path: Path) -> None:
-    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, 2, MpsPlan(decoder_sm=70), replicas=3)
+    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, 2, MpsPlan(), replicas=3)
     parser = configparser.RawConfigParser()
     parser.read_string(text)
     programs = [s.removeprefix("program:") for s in parser.sections() if s.startswith("program:")]
@@ -76,16 +76,17 @@ def test_decoder_replicas_each_get_a_program_and_their_own_ranks(tmp_path: Path)
         assert ranks["stdout_logfile"] == f"{tmp_path}/logs/{name}-rank-%(process_num)d.log"
         assert (ranks["numprocs"], ranks["numprocs_start"]) == ("1", "1")
         assert int(ranks["priority"]) < int(program["priority"])
-        for section in (program, ranks):
-            assert 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="70"' in section["environment"], name
+        for section in (program, ranks):  # each talks to the deployment's MPS daemon, at normal priority
+            assert f'CUDA_MPS_PIPE_DIRECTORY="{tmp_path}/mps/pipe"' in section["environment"], name
+            assert "CLIENT_PRIORITY" not in section["environment"], name
         assert name in programs and f"{name}-rank" in programs
     one = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2)
     assert "--replica" not in one and "decoder-1" not in one
 
 
-def test_mps_daemon_runs_first_per_deployment_and_caps_the_encoders(tmp_path: Path) -> None:
+def test_mps_daemon_runs_first_per_deployment(tmp_path: Path) -> None:
     assert not rendered(1, tmp_path).has_section("program:mps")  # off unless asked for
-    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, mps=MpsPlan(encoder_sm=30))
+    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, mps=MpsPlan())
     parser = configparser.RawConfigParser()
     parser.read_string(text)
     mps = parser["program:mps"]
@@ -95,9 +96,8 @@ def test_mps_daemon_runs_first_per_deployment_and_caps_the_encoders(tmp_path: Pa
     assert f"{tmp_path}/mps/pipe" in mps["command"] and "nvidia-cuda-mps-control -f" in mps["command"]
     pipe = f'CUDA_MPS_PIPE_DIRECTORY="{tmp_path}/mps/pipe"'
     assert pipe in parser["program:encoder"]["environment"] and pipe in parser["program:decoder"]["environment"]
-    assert 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="30"' in parser["program:encoder"]["environment"]
-    assert "ACTIVE_THREAD" not in parser["program:decoder"]["environment"]
-    # the encoders yield the SMs to the decoder unless told not to
+    assert "ACTIVE_THREAD" not in text  # no SM caps: they do not keep the two sides off each other's SMs
+    # the encoders yield the SMs to the decoder
     assert 'CUDA_MPS_CLIENT_PRIORITY="1"' in parser["program:encoder"]["environment"]
     assert "CLIENT_PRIORITY" not in parser["program:decoder"]["environment"]
     # no group: supervisord stops each program's group in turn (the gateway first, the MPS daemon last)
@@ -117,17 +117,25 @@ def test_mps_auto_is_on_only_where_it_was_measured_to_pay() -> None:
         False,
         "auto: nvidia-cuda-mps-control is not on PATH",
     )
-    for change in ({"gpus": [1]}, {"tensor_parallel": 2}, {"device_pool": True}, {"replicas": 2}):
+    for change in ({"gpus": [1]}, {"tensor_parallel": 2}, {"replicas": 2}):
         other = Config()
         other.encoder.gpus = change.get("gpus", [])
         other.decoder.tensor_parallel = change.get("tensor_parallel", 1)
         other.decoder.replicas = change.get("replicas", 1)
-        other.cache.device_pool = change.get("device_pool", False)
         assert mps_wanted(other, has_gpu=lambda: True, has_daemon=True)[0] is False, change
         other.encoder.mps = True  # asked for by name: on wherever there is a GPU
         assert mps_wanted(other, has_gpu=lambda: True, has_daemon=True)[0] is True, change
     cfg.encoder.gpus = [0, 1]  # encoder 0 shares GPU 0 with the decoder
     assert mps_wanted(cfg, has_gpu=lambda: True, has_daemon=True)[0] is True
+    cfg.cache.device_pool = True  # the GPU pool (the auto default on a GPU) leaves it on
+    assert mps_wanted(cfg, has_gpu=lambda: True, has_daemon=True)[0] is True
+    routed = Config()  # the two-GPU auto layout: the encoder beside the media replica only
+    routed.encoder.gpus, routed.decoder.replicas = [1], 2
+    routed.decoder.text_replicas, routed.decoder.media_replicas = [0], [1]
+    assert mps_wanted(routed, has_gpu=lambda: True, has_daemon=True) == (
+        True,
+        "auto: the encoders share GPUs with media-only replicas alone",
+    )
     cfg.encoder.mps = False
     assert mps_wanted(cfg, has_gpu=lambda: True, has_daemon=True) == (False, "[encoder] mps = false")
 
@@ -153,17 +161,6 @@ def test_sm_split_needs_mps_and_splits_only_gpus_shared_with_a_text_replica() ->
     assert split_gpus(cfg, visible=2) == {0}
 
 
-def test_mps_can_cap_every_decoder_rank_too(tmp_path: Path) -> None:
-    plan = MpsPlan(50, 70, encoder_below_normal=False)
-    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, 2, plan)
-    parser = configparser.RawConfigParser()
-    parser.read_string(text)
-    for program in ("program:decoder", "program:decoder-rank"):
-        assert 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="70"' in parser[program]["environment"], program
-    assert 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="50"' in parser["program:encoder"]["environment"]
-    assert "CLIENT_PRIORITY" not in parser["program:encoder"]["environment"]
-
-
 def test_each_encoder_finds_its_gpu() -> None:
     cfg = Config()
     assert [encoder_gpu(cfg, k) for k in range(3)] == [0, 1, 2]  # encoder K on GPU K (resolve_device wraps)
@@ -181,17 +178,14 @@ def test_a_media_replica_on_the_text_replicas_gpu_runs_as_vision_work(tmp_path: 
     cfg.decoder.replica_gpus = [0, 0, 1]  # replica 1 beside the text replica; replica 2 on a GPU of its own
     plan = MpsPlan.of(cfg)
     assert plan.vision_replicas == {1}
-    text = render(
-        (REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 1, 1, MpsPlan(40, 100, True, plan.vision_replicas), 3
-    )
+    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 1, 1, MpsPlan(plan.vision_replicas), 3)
     parser = configparser.RawConfigParser()
     parser.read_string(text)
     for program in ("program:encoder", "program:decoder-1"):
         environment = parser[program]["environment"]
-        assert 'CUDA_MPS_CLIENT_PRIORITY="1"' in environment and 'ACTIVE_THREAD_PERCENTAGE="40"' in environment
+        assert 'CUDA_MPS_CLIENT_PRIORITY="1"' in environment
     for program in ("program:decoder", "program:decoder-2"):
         assert "CLIENT_PRIORITY" not in parser[program]["environment"]
-        assert "ACTIVE_THREAD" not in parser[program]["environment"]
     cfg.decoder.text_replicas = []  # every replica takes text: none is vision work
     assert MpsPlan.of(cfg).vision_replicas == frozenset()
     cfg.decoder.text_replicas, cfg.decoder.replica_gpus = [0], [0, 1, 2]  # each on its own GPU

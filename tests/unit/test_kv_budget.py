@@ -32,3 +32,13 @@ def test_more_replicas_than_gpus_wrap_round_and_share() -> None:
     cfg.decoder.replicas = 3  # replica r on GPU r, with two visible: replicas 0 and 2 share GPU 0
     assert shared_kv_budget(cfg, gpu=0, visible=2, free=130 * GIB, total=140 * GIB, own=0) == int(140 * GIB * 0.4)
     assert shared_kv_budget(cfg, gpu=1, visible=2, free=130 * GIB, total=140 * GIB, own=0) == 104 * GIB
+
+
+def test_the_gpu_embedding_pool_comes_out_of_the_kv_share_allocated_yet_or_not() -> None:
+    cfg = Config()
+    pool, own, total = 4 * GIB, 5 * GIB, 140 * GIB
+    free = total - own  # (nothing else on the GPU yet)
+    before = shared_kv_budget(cfg, gpu=0, visible=1, free=free, total=total, own=own, pool=pool)
+    after = shared_kv_budget(cfg, gpu=0, visible=1, free=free - pool, total=total, own=own, pool=pool)
+    assert before == after == int(total * 0.8) - pool - own  # the daemon may allocate it before or after us
+    assert before + own + pool <= 0.8 * total

@@ -8,6 +8,7 @@ import torch
 import zmq
 
 from common.config import Config
+from common.memory import host_memory, pool_plan
 from common.protocol import (
     CacheAcquire,
     CacheAcquireResult,
@@ -36,6 +37,7 @@ class CacheDaemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.incarnation, _ = worker_identity("cache")
+        size_pool(cfg)
         remove_stale_pools(cfg)  # a predecessor killed with -9 could not unlink its pool
         name = f"{pool_prefix(cfg)}{self.incarnation}"
         self.pool: ShmPool | CudaPool
@@ -230,6 +232,14 @@ def copy_spills(spills: list[Spill], main: ShmPool | CudaPool, spill: ShmPool) -
     done before the main bytes can be written again)."""
     for move in spills:
         spill.buffer[move.dst : move.dst + move.nbytes].copy_(main.buffer[move.src : move.src + move.nbytes])
+
+
+def size_pool(cfg: Config) -> None:
+    """Fill ``[cache] pool_bytes`` (and an automatic spill tier's) from this machine's memory, and log the rule."""
+    on_gpu = cfg.cache.device_pool and torch.cuda.is_available()
+    plan = pool_plan(cfg, torch.cuda.get_device_properties(0).total_memory if on_gpu else 0, host_memory())
+    cfg.cache.pool_bytes, cfg.cache.spill_bytes = plan.pool.nbytes, plan.spill.nbytes
+    log.info("%s", plan.describe())
 
 
 def pool_prefix(cfg: Config) -> str:

@@ -21,6 +21,7 @@ import zmq
 
 from common.config import Config, decoder_name
 from common.lifecycle import REPORT_EVERY_S, CounterWindow
+from common.memory import device_pool_bytes
 from common.protocol import (
     Abort,
     CacheAcquire,
@@ -74,19 +75,22 @@ def kv_cache_blocks(cfg: Config, model: LanguageModel) -> int:
 def gpu_kv_budget(cfg: Config, device: torch.device) -> int:
     free, total = torch.cuda.mem_get_info(device)
     own = torch.cuda.memory_allocated(device)  # (this process's weights, loaded by now)
-    return shared_kv_budget(cfg, device.index or 0, torch.cuda.device_count(), free, total, own)
+    gpu = device.index or 0
+    pool = device_pool_bytes(cfg.cache.pool_bytes, total).nbytes if cfg.cache.device_pool and gpu == 0 else 0
+    return shared_kv_budget(cfg, gpu, torch.cuda.device_count(), free, total, own, pool)
 
 
-def shared_kv_budget(cfg: Config, gpu: int, visible: int, free: int, total: int, own: int) -> int:
+def shared_kv_budget(cfg: Config, gpu: int, visible: int, free: int, total: int, own: int, pool: int = 0) -> int:
     """``gpu_memory_fraction`` of what GPU ``gpu`` has ``free`` after this process's weights. With N decoder
     replicas on it (``replica_gpus``, or more replicas than ``visible`` GPUs: they wrap round, as in
     `resolve_device`) each takes that fraction of the ``total`` over N, less its ``own`` allocations: they start
-    at once, so what is free when one asks depends on which came first."""
+    at once, so what is free when one asks depends on which came first. The GPU embedding pool's ``pool`` bytes
+    (on GPU 0) come out of that fraction first, allocated yet or not (the cache daemon starts beside us)."""
     sharing = sum(gpu in {g % visible for g in cfg.replica_gpu_set(r)} for r in range(cfg.decoder.replicas))
     fraction = cfg.decoder.gpu_memory_fraction
-    if sharing <= 1:
+    if sharing <= 1 and not pool:
         return int(free * fraction)
-    return max(0, min(int(total * fraction / sharing) - own, int(free * fraction)))
+    return max(0, min(int((total * fraction - pool) / max(sharing, 1)) - own, int(free * fraction)))
 
 
 @dataclass
