@@ -51,7 +51,8 @@ HERE = Path(__file__).resolve().parents[1]  # this checkout: the client, the whe
 PORT = 8000
 PEER_PORT = 8100
 PARTS = ("tests", "kernels", "engine", "vision", "serve", "hf", "vllm", "vllm-part1", "vllm-part2")
-WORKLOADS = ("parity", "seed3img", "seed3img-anchor", "multiturn", "text", "mixed", "vllm-bench")
+SERVE_WORKLOADS = ("seed3img", "seed3img-anchor", "multiturn", "text", "mixed")  # benchmarks.serve's
+WORKLOADS = ("parity", *SERVE_WORKLOADS, "vllm-bench")
 GPU_TESTS = ["tests/gpu", "tests/unit/test_paged.py", "tests/unit/test_sampling.py", "tests/unit/test_model_parity.py"]
 
 
@@ -451,6 +452,8 @@ def workload_argv(workload: str, clients: int, requests: int | None) -> list[tup
                 ],
             )
         ]
+    if workload != "mixed":
+        raise ValueError(f"{workload} is not a benchmarks.serve workload ({', '.join(SERVE_WORKLOADS)})")
     mixed = [
         "--workload",
         "mixed",

@@ -405,7 +405,7 @@ def test_gpu_driver_serve_part_keeps_a_summary_and_raw_data(stack: Stack, tmp_pa
 
 
 def test_gpu_driver_workloads_have_seeds_of_their_own() -> None:
-    argvs = [argv for w in gpu.WORKLOADS if w != "parity" for _, argv in gpu.workload_argv(w, 32, None)]
+    argvs = [argv for w in gpu.SERVE_WORKLOADS for _, argv in gpu.workload_argv(w, 32, None)]
     seeds = [argv[argv.index("--seed") + 1] for argv in argvs]
     assert len(seeds) == len(set(seeds))
     assert gpu.workload_argv("seed3img", 32, None)[0][0] == "seed3img-c32"
