@@ -665,12 +665,15 @@ def device_pool(cfg: Config, gpus: int) -> str:
 
 
 def sm_split(cfg: Config, gpus: int) -> str:
-    """``[encoder] sm_split`` has no auto value: it raised the text streams' share on one GPU, but what it costs
-    image throughput is not measured, so it is off unless set."""
+    """``[encoder] sm_split`` has no auto value: on one GPU it keeps the text streams' share under image load, but
+    it costs image-heavy workloads more throughput than that buys (docs/isolation.md), so it is off unless set."""
     if cfg.encoder.sm_split:
         return f"SM split: text replica on the first {cfg.encoder.sm_split} SMs ([encoder] sm_split)"
     if gpus == 1:
-        return "SM split: off (its cost to image throughput is not measured; [encoder] sm_split = N to split)"
+        return (
+            "SM split: off (it isolates text streams from image work but slows image requests: docs/isolation.md; "
+            "[encoder] sm_split = N with routed replicas to split)"
+        )
     return "SM split: off"
 
 

@@ -453,13 +453,13 @@ def test_no_gpu_or_one_keeps_one_decoder_and_one_encoder(tmp_path: Path) -> None
         cfg = on_gpus(tmp_path, gpus)
         assert (cfg.decoder.replicas, cfg.decoder.text_replicas, cfg.decoder.media_replicas) == (1, [], [])
         assert (cfg.decoder.replica_gpus, cfg.encoder.gpus, cfg.encoder.count) == ([], [], 0)
-        assert cfg.encoder.sm_split == 0  # not measured for its cost to images: off, and the log says so
+        assert cfg.encoder.sm_split == 0  # it slows image requests: off, and the log says so
         assert cfg.cache.device_pool is (gpus == 1)  # the GPU pool wherever a GPU runs one replica
     assert on_gpus(tmp_path, 0).choices[0] == "layout: no GPU -> one decoder and one encoder on the CPU (auto)"
     choices = on_gpus(tmp_path, 1).choices
     assert choices[0].startswith("layout: 1 GPU -> one decoder and one encoder share GPU 0 (auto; set")
     assert choices[1].startswith("embedding pool: GPU 0, by CUDA IPC (auto:")
-    assert choices[2].startswith("SM split: off (its cost to image throughput is not measured")
+    assert choices[2].startswith("SM split: off (it isolates text streams from image work but slows image requests")
 
 
 @pytest.mark.parametrize("gpus", [2, 3, 8])
