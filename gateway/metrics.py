@@ -74,6 +74,14 @@ CATALOGUE: dict[str, tuple[str, str]] = {
     # each media fetcher
     "vlm_fetcher_items_loaded": ("counter", "Images and videos downloaded (or read from data URLs) and preprocessed."),
     "vlm_fetcher_items_shared": ("counter", "Items asked for again while loading, loaded once for all."),
+    "vlm_fetcher_items_remembered": (
+        "counter",
+        "Images known by their bytes from an earlier request (the same processing): not decoded or resized again.",
+    ),
+    "vlm_fetcher_items_decoded_again": (
+        "counter",
+        "Remembered images decoded again because the embedding cache no longer held them.",
+    ),
     "vlm_fetcher_load_seconds": ("counter", "Time spent loading and preprocessing items, summed over threads."),
     "vlm_fetcher_thread_wait_seconds": ("counter", "Time items waited for a fetch thread, summed."),
     "vlm_fetcher_encode_jobs": ("counter", "Encode jobs sent to the vision encoders."),

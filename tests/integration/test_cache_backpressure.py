@@ -59,3 +59,35 @@ def test_a_request_whose_embeddings_exceed_the_pool_gets_a_413(small_pool: Stack
     assert f"need {16 * IMAGE_BYTES} B" in error.message and f"holds {4 * IMAGE_BYTES} B" in error.message
     assert "[cache] pool_bytes" in error.message and "max_pixels" in error.message
     assert ask(client, model, make_image(112, 112, seed=8)).choices[0].finish_reason == "length"  # still serving
+
+
+def test_an_image_remembered_by_the_fetcher_but_evicted_from_the_pool_is_encoded_again(small_pool: Stack) -> None:
+    """Turn 1's image, then enough other images to evict its embedding from the pool of four, then turn 1 again:
+    the fetcher knows the image by its bytes (no decode, no resize) but the cache no longer holds its embedding,
+    so it decodes it again for the encoder. The answer is the first one, token for token."""
+    client = OpenAI(base_url=small_pool.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    image = make_image(112, 112, seed=4242)
+
+    def greedy(picture: Any) -> list[int]:
+        reply = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(picture)}}]}],
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        return reply.choices[0].token_ids  # type: ignore[attr-defined]
+
+    first = greedy(image)
+    before = small_pool.metrics()
+    for seed in range(5000, 5008):  # twice the pool's worth of other images
+        greedy(make_image(112, 112, seed=seed))
+    assert greedy(image) == first
+    after = small_pool.metrics()
+    counted = {
+        name: after.get(f'vlm_fetcher_{name}_total{{fetcher="0"}}', 0.0)
+        - before.get(f'vlm_fetcher_{name}_total{{fetcher="0"}}', 0.0)
+        for name in ("items_remembered", "items_decoded_again")
+    }
+    assert counted == {"items_remembered": 1.0, "items_decoded_again": 1.0}

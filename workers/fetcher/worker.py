@@ -50,11 +50,13 @@ from common.topology import encoder_count, model_device_type, model_dtype_name
 from common.transport import Channel, EventLoop, Wakeup, worker_identity
 from workers.fetcher.errors import MediaError
 from workers.fetcher.image import ImageProcessorSpec
-from workers.fetcher.media import LoadedImage, load_media
+from workers.fetcher.media import DecodedMemo, LoadedImage, load_media
 from workers.fetcher.video import VideoProcessorSpec
 from workers.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
+# Images whose bytes a fetcher remembers the patchified form of (a few hundred bytes each): see DecodedMemo.
+MEMO_ENTRIES = 16384
 
 
 @dataclass
@@ -128,6 +130,7 @@ class FetcherWorker:
             hold_without_workers_s=cfg.liveness.hold_lost_requests_s,
         )
         self.threads = ThreadPoolExecutor(cfg.fetcher.threads, thread_name_prefix="fetch")
+        self.memo = DecodedMemo(MEMO_ENTRIES)
         self.inflight: dict[str, InFlight] = {}
         # Items being loaded -> the (request, index) pairs waiting for each: an item asked for again while it
         # loads (the n choices of one request, clients sending one URL at once) is downloaded once.
@@ -144,6 +147,7 @@ class FetcherWorker:
         self.loop = EventLoop()
         self.loop.exit_if_stalled(cfg.liveness.stall_exit_s, "fetcher")
         self.loaded = Wakeup(self.loop, self.on_loaded)
+        self.decoded_again = Wakeup(self.loop, self.on_decoded_again)
         self.loop.on_message(self.gateway, self.on_gateway)
         self.loop.on_message(self.cache, self.on_cache)
         for k, channel in enumerate(self.encoders):
@@ -152,6 +156,8 @@ class FetcherWorker:
         self.counters = {
             "items_loaded": 0.0,
             "items_shared": 0.0,
+            "items_remembered": 0.0,
+            "items_decoded_again": 0.0,
             "load_s": 0.0,
             "thread_wait_s": 0.0,
             "encode_jobs": 0.0,
@@ -253,7 +259,7 @@ class FetcherWorker:
         started = time.monotonic()
         result: LoadedImage | MediaError
         try:
-            result = load_media(media, self.image_spec, self.video_spec, self.cfg.fetcher, self.model_key)
+            result = load_media(media, self.image_spec, self.video_spec, self.cfg.fetcher, self.model_key, self.memo)
         except MediaError as exc:
             result = exc
         except Exception as exc:
@@ -264,6 +270,7 @@ class FetcherWorker:
     def on_loaded(self, item: object) -> None:
         media, result, thread_wait_s, load_s = item  # type: ignore[misc]
         self.counters["items_loaded"] += 1
+        self.counters["items_remembered"] += isinstance(result, LoadedImage) and result.pixel_values is None
         self.counters["thread_wait_s"] += thread_wait_s
         self.counters["load_s"] += load_s
         for request_id, index in self.loading.pop(media, []):
@@ -375,7 +382,11 @@ class FetcherWorker:
         if call is None:
             return
         for item, result in zip(call.items, msg.results, strict=False):
-            if result.state == "reserved" and result.slot is not None:
+            if result.state != "reserved" or result.slot is None:
+                continue
+            if item.pixel_values is None:  # known from the memo, but its embedding is gone from the cache
+                self.threads.submit(self.decode_again, item, result.slot)
+            else:
                 self.submit_encode(item, result.slot)
         state = self.inflight.get(call.request_id)
         if state is None or state.prepared:
@@ -386,6 +397,27 @@ class FetcherWorker:
         for index, item in enumerate(call.items):
             state.prepared[index] = PreparedMedia(item.kind, item.content_hash, list(item.grid_thw), item.num_tokens)
         self.forward(state)
+
+    def decode_again(self, item: LoadedImage, slot: TensorRef) -> None:
+        """Thread: the patches of an image the memo knew, for the slot the cache reserved for it."""
+        try:
+            if item.decode_again is None:
+                raise RuntimeError("an item without patches has no way to make them")
+            result: LoadedImage | str = item.decode_again()
+        except Exception as exc:
+            log.exception("decoding a remembered image again failed")
+            result = f"decoding the image again failed: {exc}"
+        self.decoded_again.post((item, slot, result))
+
+    def on_decoded_again(self, posted: object) -> None:
+        item, slot, result = posted  # type: ignore[misc]
+        self.counters["items_decoded_again"] += 1
+        if isinstance(result, str) or result.content_hash != item.content_hash:
+            # The requests waiting for this entry get its error (the decoder's acquire fails, as for a lost encode).
+            why = result if isinstance(result, str) else "the image decoded to other pixels than before"
+            self.cache.send(CacheCommit(item.content_hash, error=why))
+            return
+        self.submit_encode(result, slot)
 
     def submit_encode(self, item: LoadedImage, slot: TensorRef) -> None:
         jobs = self.encode_jobs(item, slot)
