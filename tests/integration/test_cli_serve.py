@@ -59,4 +59,7 @@ def test_vlm_serve_runs_the_stack_until_sigterm(tmp_path: Path) -> None:
             process.kill()
             raise
     assert process.returncode == 0  # supervisord itself (it replaced the python process: same pid)
+    printed = (REPO / "run" / "serve-cli.log").read_text()
+    for choice in ("layout: no GPU -> ", "embedding pool: host shared memory (auto", "SM split: off", "CUDA MPS: off"):
+        assert choice in printed, f"the start-up output names no {choice!r} line"
     assert [name for name, pid in children.items() if not gone(pid)] == []
