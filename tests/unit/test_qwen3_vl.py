@@ -8,20 +8,27 @@ equal transformers' within the tolerances the Qwen2-VL parity tests use.
 from __future__ import annotations
 
 import json
+import random
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import (
     AutoImageProcessor,
     AutoTokenizer,
+    GenerationConfig,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
 )
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from workers.models import qwen3_vl_synth
+from workers.models.language import KVCache, merge_media_embeddings
+from workers.models.mrope import decode_positions, rope_positions
 from workers.models.qwen3_vl_spec import Qwen3VLSpec
+from workers.models.qwen3_vl_text import DeepStack, Qwen3LanguageModel, interleaved_mrope_axis
 from workers.models.qwen3_vl_vision import Qwen3VisionTower, position_interpolation
 from workers.models.weights import CheckpointWeights
 
@@ -154,3 +161,189 @@ def test_vision_tower_validates_inputs(tower: Qwen3VisionTower, spec: Qwen3VLSpe
         tower(torch.zeros(9, spec.vision.patch_dim), torch.tensor([[1, 3, 3]]))
     with pytest.raises(ValueError, match="covers"):
         tower(torch.zeros(5, spec.vision.patch_dim), torch.tensor([[1, 2, 2]]))
+
+
+# --- text model and the whole model -----------------------------------------------------------------
+
+IM_START, IM_END, NEWLINE = 151644, 151645, 198
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    grids: list[Grid]
+    pixels: torch.Tensor | None
+
+
+def _prompt(spec: Qwen3VLSpec, grids: list[Grid], seed: int = 0) -> Prompt:
+    """A chat-shaped prompt with each image's placeholders expanded, random text between."""
+    rng = random.Random(seed)
+    merge = spec.vision.spatial_merge_size
+
+    def text(n: int) -> list[int]:
+        return [rng.randrange(0, 151643) for _ in range(n)]
+
+    ids = [IM_START, *text(1), NEWLINE]
+    for t, h, w in grids:
+        ids += [spec.vision_start_token_id, *[spec.image_token_id] * (t * h * w // merge**2), spec.vision_end_token_id]
+        ids += text(4)
+    ids += [IM_END, NEWLINE, IM_START, *text(1), NEWLINE]
+    return Prompt(ids, grids, _pixels(grids, spec, seed) if grids else None)
+
+
+def _token_types(spec: Qwen3VLSpec, ids: list[int]) -> torch.Tensor:
+    return torch.tensor([[1 if i == spec.image_token_id else 0 for i in ids]], dtype=torch.int32)
+
+
+def _hf_kwargs(spec: Qwen3VLSpec, prompt: Prompt) -> dict[str, torch.Tensor]:
+    if prompt.pixels is None:
+        return {}
+    return {
+        "pixel_values": prompt.pixels,
+        "image_grid_thw": torch.tensor(prompt.grids),
+        "mm_token_type_ids": _token_types(spec, prompt.ids),
+    }
+
+
+def _hf_positions(
+    reference: Qwen3VLForConditionalGeneration, spec: Qwen3VLSpec, prompt: Prompt
+) -> tuple[torch.Tensor, int]:
+    if not prompt.grids:
+        return torch.arange(len(prompt.ids)).expand(3, -1), 0
+    positions, deltas = reference.model.get_rope_index(
+        torch.tensor([prompt.ids]),
+        mm_token_type_ids=_token_types(spec, prompt.ids),
+        image_grid_thw=torch.tensor(prompt.grids),
+    )
+    return positions[:, 0], int(deltas.item())
+
+
+def _prefill(
+    language: Qwen3LanguageModel, tower: Qwen3VisionTower, spec: Qwen3VLSpec, prompt: Prompt, positions: torch.Tensor
+) -> tuple[torch.Tensor, KVCache]:
+    embeds = language.embed(prompt.ids)
+    deepstack = None
+    if prompt.pixels is not None:
+        features = tower(prompt.pixels, torch.tensor(prompt.grids))
+        embeds = merge_media_embeddings(embeds, prompt.ids, features.merged, [spec.image_token_id])
+        deepstack = DeepStack.at_placeholders(prompt.ids, [spec.image_token_id], features.deepstack)
+    cache = language.new_cache()
+    return language(embeds, positions, cache, deepstack, all_logits=True), cache
+
+
+@pytest.fixture(scope="module")
+def language(tiny_path: Path) -> Qwen3LanguageModel:
+    return Qwen3LanguageModel.from_checkpoint(tiny_path, dtype=torch.float32)
+
+
+CASES: dict[str, list[Grid]] = {
+    "text": [],
+    "one_image": [(1, 6, 8)],
+    "two_images": [(1, 4, 10), (1, 8, 6)],
+}
+
+
+def test_interleaved_mrope_axis_is_transformers_layout() -> None:
+    # transformers: slot 3i+1 from h for i < section[1], 3i+2 from w for i < section[2], t elsewhere.
+    assert interleaved_mrope_axis([24, 20, 20]).tolist() == [0, 1, 2] * 20 + [0] * 4
+    assert interleaved_mrope_axis([4, 2, 2]).tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
+
+
+def test_rope_cos_sin_match_transformers(
+    language: Qwen3LanguageModel, reference: Qwen3VLForConditionalGeneration
+) -> None:
+    positions = torch.stack([torch.arange(20), torch.arange(20) // 3, torch.arange(20) % 5 + 7])
+    cos, sin = language.rope_cos_sin(positions)
+    ref_cos, ref_sin = reference.model.language_model.rotary_emb(
+        torch.zeros(1, dtype=torch.float32), positions[:, None]
+    )
+    torch.testing.assert_close(cos, ref_cos[0], rtol=0, atol=0)
+    torch.testing.assert_close(sin, ref_sin[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_image_positions_are_the_qwen2_rules(
+    reference: Qwen3VLForConditionalGeneration, spec: Qwen3VLSpec, case: str
+) -> None:
+    # For images get_rope_index is Qwen2-VL's, so mrope.rope_positions (which reads only these fields) serves.
+    prompt = _prompt(spec, CASES[case])
+    fields = SimpleNamespace(vision=spec.vision, image_token_id=spec.image_token_id, video_token_id=spec.video_token_id)
+    positions, delta = rope_positions(prompt.ids, prompt.grids, [], fields)  # type: ignore[arg-type]
+    want, want_delta = _hf_positions(reference, spec, prompt)
+    torch.testing.assert_close(positions, want, rtol=0, atol=0)
+    assert delta == want_delta
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers(
+    language: Qwen3LanguageModel,
+    tower: Qwen3VisionTower,
+    reference: Qwen3VLForConditionalGeneration,
+    spec: Qwen3VLSpec,
+    case: str,
+) -> None:
+    prompt = _prompt(spec, CASES[case])
+    positions, _ = _hf_positions(reference, spec, prompt)
+    ours, _ = _prefill(language, tower, spec, prompt, positions)
+    reference.model.rope_deltas = None
+    with torch.no_grad():
+        ref = reference(input_ids=torch.tensor([prompt.ids]), use_cache=False, **_hf_kwargs(spec, prompt)).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)
+
+
+def test_deepstack_changes_the_logits(
+    language: Qwen3LanguageModel, tower: Qwen3VisionTower, reference: Qwen3VLForConditionalGeneration, spec: Qwen3VLSpec
+) -> None:
+    # The parity above would hold vacuously if the adds were no-ops; without them the logits must move.
+    prompt = _prompt(spec, CASES["one_image"])
+    positions, _ = _hf_positions(reference, spec, prompt)
+    with_deepstack, _ = _prefill(language, tower, spec, prompt, positions)
+    features = tower(prompt.pixels, torch.tensor(prompt.grids))
+    embeds = merge_media_embeddings(language.embed(prompt.ids), prompt.ids, features.merged, [spec.image_token_id])
+    without = language(embeds, positions, language.new_cache(), None, all_logits=True)
+    assert (with_deepstack - without).abs().max() > 1e-2
+
+
+def _greedy(
+    language: Qwen3LanguageModel,
+    tower: Qwen3VisionTower,
+    reference: Qwen3VLForConditionalGeneration,
+    spec: Qwen3VLSpec,
+    prompt: Prompt,
+    max_new_tokens: int,
+) -> list[int]:
+    """Our eager loop: the prompt in one prefill, then one token a step at position index + delta."""
+    positions, delta = _hf_positions(reference, spec, prompt)
+    logits, cache = _prefill(language, tower, spec, prompt, positions)
+    eos = set(reference.generation_config.eos_token_id)
+    out = [int(logits[-1].argmax())]
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        index = len(prompt.ids) + len(out) - 1
+        step = language(language.embed([out[-1]]), decode_positions(index, 1, delta), cache)
+        out.append(int(step.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_generation_matches_transformers(
+    language: Qwen3LanguageModel,
+    tower: Qwen3VisionTower,
+    reference: Qwen3VLForConditionalGeneration,
+    spec: Qwen3VLSpec,
+    case: str,
+) -> None:
+    prompt = _prompt(spec, CASES[case], seed=3)
+    ours = _greedy(language, tower, reference, spec, prompt, max_new_tokens=8)
+    reference.model.rope_deltas = None
+    ids = torch.tensor([prompt.ids])
+    plain = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=8,
+        eos_token_id=reference.generation_config.eos_token_id,
+        pad_token_id=reference.generation_config.pad_token_id,
+    )
+    with torch.no_grad():
+        ref = reference.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=plain, **_hf_kwargs(spec, prompt)
+        )
+    assert ours == ref[0, ids.shape[1] :].tolist()
