@@ -91,8 +91,8 @@ _TINY: SizeShape = {
     },
 }
 
-# Qwen3-VL-2B and -4B share their vision tower (24 blocks of 1024); 8B has the 27-block 1152-wide one (the
-# config class's defaults). Published values, see the module's report notes for which were confirmed.
+# The shapes of Qwen/Qwen3-VL-{2B,4B,8B}-Instruct: 2B and 4B share their vision tower (24 blocks of 1024), 8B has
+# the 27-block 1152-wide one (transformers' Qwen3VLVisionConfig defaults); parameter counts 2.13B, 4.44B, 8.77B.
 _VISION_SMALL: VisionShape = {
     "depth": 24,
     "hidden_size": 1024,
