@@ -24,7 +24,8 @@ from typing import Protocol
 import torch
 
 from common.config import Config
-from workers.models.spec import ModelSpec, VisionSpec
+from workers.models.registry import checkpoint_family, read_spec
+from workers.models.spec import VisionSpec
 from workers.models.vision import VisionTower
 
 
@@ -42,11 +43,11 @@ class VisionBackend(Protocol):
 
 def load_vision_backend(cfg: Config, device: torch.device, dtype: torch.dtype) -> VisionBackend:
     if cfg.encoder.backend == "torch":
-        tower = VisionTower.from_checkpoint(cfg.model_path(), device=device, dtype=dtype)
+        tower = checkpoint_family(cfg.model_path()).vision_tower(cfg.model_path(), device=device, dtype=dtype)
         tower.tune_attention()
         tower.warm_up()
         return tower
-    spec = ModelSpec.from_dir(cfg.model_path()).vision
+    spec = read_spec(cfg.model_path()).vision
     onnx_path = exported_onnx(cfg.model_path(), engine_dir(cfg))
     if cfg.encoder.backend == "onnxruntime":
         from workers.encoder.onnx_backend import OnnxVisionEncoder
