@@ -16,6 +16,7 @@ from typing import Any
 # `workers.models.registry` implements (a unit test keeps the two lists equal).
 FAMILIES: dict[str, tuple[str, ...]] = {
     "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLModel"),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel"),
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 

@@ -395,7 +395,9 @@ class FetcherWorker:
             self.finish_error(call.request_id, msg.status, msg.message, msg.code)
             return
         for index, item in enumerate(call.items):
-            state.prepared[index] = PreparedMedia(item.kind, item.content_hash, list(item.grid_thw), item.num_tokens)
+            state.prepared[index] = PreparedMedia(
+                item.kind, item.content_hash, list(item.grid_thw), item.num_tokens, item.second_per_grid_t
+            )
         self.forward(state)
 
     def decode_again(self, item: LoadedImage, slot: TensorRef) -> None:

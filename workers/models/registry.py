@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # model_type -> the module whose FAMILY implements it.
 FAMILY_MODULES: dict[str, str] = {
     "qwen2_vl": "workers.models.qwen2_vl",
+    "qwen2_5_vl": "workers.models.qwen2_5_vl",
 }
 
 

@@ -274,7 +274,7 @@ def config_dict(size: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- weights
 
 
-def _text_shapes(spec: SizeSpec) -> dict[str, tuple[int, ...]]:
+def text_shapes(spec: SizeSpec) -> dict[str, tuple[int, ...]]:
     hidden, inter = spec["hidden_size"], spec["intermediate_size"]
     head_dim = hidden // spec["num_attention_heads"]
     q_dim, kv_dim = spec["num_attention_heads"] * head_dim, spec["num_key_value_heads"] * head_dim
@@ -338,7 +338,7 @@ def _vision_shapes(spec: SizeSpec) -> dict[str, tuple[int, ...]]:
 def weight_shapes(size: str) -> dict[str, tuple[int, ...]]:
     """Every tensor of the checkpoint, under the hub's names, in file order."""
     spec = _spec(size)
-    return _text_shapes(spec) | _vision_shapes(spec)
+    return text_shapes(spec) | _vision_shapes(spec)
 
 
 def parameter_count(size: str) -> int:
@@ -758,7 +758,7 @@ def write_tokenizer(out_dir: Path) -> None:
 # --------------------------------------------------------------------------- processor
 
 
-def _vision_processing(min_pixels: int, max_pixels: int) -> dict[str, Any]:
+def vision_processing(min_pixels: int, max_pixels: int) -> dict[str, Any]:
     # transformers 5 reads `size`; min/max_pixels are the hub's spelling of the same bounds.
     return {
         "do_resize": True,
@@ -780,13 +780,13 @@ def _vision_processing(min_pixels: int, max_pixels: int) -> dict[str, Any]:
 
 
 def preprocessor_config(size: str) -> dict[str, Any]:
-    config = _vision_processing(MIN_PIXELS, _spec(size)["max_pixels"])
+    config = vision_processing(MIN_PIXELS, _spec(size)["max_pixels"])
     return {"image_processor_type": "Qwen2VLImageProcessor", **config}
 
 
 def video_preprocessor_config(size: str) -> dict[str, Any]:
     spec = _spec(size)
-    config = _vision_processing(spec["video_min_pixels"], spec["video_max_pixels"])
+    config = vision_processing(spec["video_min_pixels"], spec["video_max_pixels"])
     # cap_pixels_per_frame: qwen-vl-utils' total-video pixel budget, transformers' default from 5.22 on.
     return {
         "video_processor_type": "Qwen2VLVideoProcessor",
