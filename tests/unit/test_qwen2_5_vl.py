@@ -259,3 +259,15 @@ def test_decoder_places_a_video_in_the_time_the_fetcher_sent(ckpt: Checkpoint) -
     assert torch.equal(seq.positions, expected) and seq.delta == delta
     untimed, _ = rope_positions(seq.prompt_ids, [], [[4, 4, 4]], spec)
     assert not torch.equal(seq.positions, untimed)
+
+
+def test_exported_backends_are_refused_before_start_up(ckpt: Checkpoint) -> None:
+    """The ONNX export has no window attention yet: the launcher's preflight says so, not a restarting encoder."""
+    from common.config import Config
+    from ops.deploy import preflight
+
+    cfg = Config()
+    cfg.model.path = str(ckpt.path)
+    cfg.encoder.backend = "onnxruntime"
+    with pytest.raises(ValueError, match=r"backend = 'onnxruntime' exports only Qwen2-VL's vision tower"):
+        preflight(cfg)

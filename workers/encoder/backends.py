@@ -48,6 +48,7 @@ def load_vision_backend(cfg: Config, device: torch.device, dtype: torch.dtype) -
         tower.warm_up()
         return tower
     spec = read_spec(cfg.model_path()).vision
+    check_backend(cfg, spec)
     onnx_path = exported_onnx(cfg.model_path(), engine_dir(cfg))
     if cfg.encoder.backend == "onnxruntime":
         from workers.encoder.onnx_backend import OnnxVisionEncoder
@@ -56,6 +57,16 @@ def load_vision_backend(cfg: Config, device: torch.device, dtype: torch.dtype) -
     from workers.encoder.tensorrt_backend import TensorRTVisionEncoder
 
     return TensorRTVisionEncoder(onnx_path, engine_dir(cfg), spec, device, max_patches=cfg.encoder.max_batch_patches)
+
+
+def check_backend(cfg: Config, spec: VisionSpec) -> None:
+    """ValueError where the configured backend cannot run this tower: the exported ones (onnxruntime, tensorrt)
+    have no window attention yet (Qwen2.5-VL's). The launcher's preflight asks too, before any worker starts."""
+    if cfg.encoder.backend != "torch" and spec.windowed:
+        raise ValueError(
+            f"[encoder] backend = {cfg.encoder.backend!r} exports only Qwen2-VL's vision tower, not this "
+            'checkpoint\'s windowed one; set [encoder] backend = "torch"'
+        )
 
 
 def engine_dir(cfg: Config) -> Path:
