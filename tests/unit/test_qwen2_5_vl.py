@@ -271,3 +271,31 @@ def test_exported_backends_are_refused_before_start_up(ckpt: Checkpoint) -> None
     cfg.encoder.backend = "onnxruntime"
     with pytest.raises(ValueError, match=r"backend = 'onnxruntime' exports only Qwen2-VL's vision tower"):
         preflight(cfg)
+
+
+@pytest.mark.parametrize("size", ["tiny", "3b", "7b"])
+def test_every_tensor_is_where_transformers_puts_it(size: str) -> None:
+    """Each size's tensors, named as the hub repositories name them, are exactly those of transformers' model built
+    from the written config.json (on the meta device: no memory), shape for shape."""
+    from transformers import Qwen2_5_VLConfig
+
+    config = Qwen2_5_VLConfig(**synth_qwen2_5_vl.config_dict(size))
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    tied = config.tie_word_embeddings
+    expected = {
+        name: tuple(p.shape) for name, p in model.state_dict().items() if not (tied and name == "lm_head.weight")
+    }
+    ours = {
+        name.replace("visual.", "model.visual.", 1)
+        if name.startswith("visual.")
+        else name.replace("model.", "model.language_model.", 1): shape
+        for name, shape in synth_qwen2_5_vl.weight_shapes(size).items()
+    }
+    assert ours == expected
+
+
+def test_cli_writes_the_family(tmp_path: Path) -> None:
+    assert synth.main(["--family", "qwen2_5_vl", "--size", "tiny", "--out", str(tmp_path / "q")]) == 0
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["model_type"] == "qwen2_5_vl"
+    assert json.loads((tmp_path / "q" / synth.META_FILE).read_text())["family"] == "qwen2_5_vl"
