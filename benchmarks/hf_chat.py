@@ -1,4 +1,5 @@
-"""The reference: transformers' own Qwen2-VL model and processor on the same checkpoint and messages."""
+"""The reference: transformers' own model (of the checkpoint's family: Qwen2-VL, Qwen2.5-VL) and processor on the
+same checkpoint and messages."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 from PIL import Image
-from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+from transformers import AutoModelForImageTextToText, AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 
@@ -41,7 +42,9 @@ class HfChat:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.chat_template = processor_template(model_dir, self.tokenizer)
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
-        self.model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+        # The class of the checkpoint's model_type (Qwen2VL..., Qwen2_5_VL...ForConditionalGeneration).
+        model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype)
+        self.model = model.to(device).eval()
 
     def inputs(self, messages: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """OpenAI-style messages -> the processor's tensors (images as the processor expects them)."""

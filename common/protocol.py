@@ -195,6 +195,9 @@ class PreparedMedia(Message):
     content_hash: str
     grid_thw: list[int]
     num_tokens: int
+    # Videos: the seconds one temporal grid step spans (temporal patch size / the sampled frames' fps), which
+    # Qwen2.5-VL's M-RoPE turns into absolute time; None for images.
+    second_per_grid_t: float | None = None
 
 
 # --------------------------------------------------------------------------- liveness

@@ -7,6 +7,7 @@ from aiohttp import web
 
 from common.checkpoint import require_checkpoint
 from common.lifecycle import freeze_startup_heap, parse_args, start_process
+from common.model_files import check_model_files
 from gateway.app import Gateway
 
 
@@ -38,6 +39,11 @@ def main() -> None:
         except FileNotFoundError as exc:
             logging.getLogger("gateway").error("%s", exc)
             raise SystemExit(2) from exc
+    try:  # the same check as the workers' (the model's family is the checkpoint's, never a flag)
+        check_model_files(cfg.model_path())
+    except ValueError as exc:
+        logging.getLogger("gateway").error("%s", exc)
+        raise SystemExit(2) from exc
     gateway = Gateway(cfg)
     freeze_startup_heap()
     logging.getLogger("gateway").info(

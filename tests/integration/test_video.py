@@ -10,12 +10,13 @@ import openai
 import pytest
 import torch
 from openai import OpenAI
+from transformers.video_utils import VideoMetadata
 
 from benchmarks.hf_chat import HfChat
 from benchmarks.media import data_url, jpeg_bytes, mjpeg_avi, video_frames
 from common.config import FetcherConfig, load_config
 from tests.integration.conftest import MediaServer, Stack
-from workers.fetcher.video import VideoProcessorSpec, decode_video, preprocess_video
+from workers.fetcher.video import VideoProcessorSpec, decode_video, frame_indices, preprocess_video
 
 NEW_TOKENS = 16
 CLIP_FPS = 8  # 16 frames at 8 fps: 2 seconds, so fps 2 samples 4 frames and fps 4 samples 8
@@ -63,7 +64,7 @@ def hf_generate(hf: HfChat, spec: VideoProcessorSpec, messages: list[dict[str, A
     """transformers' generate on the frames our fetcher samples and preprocesses (transformers'
     own video processor needs torchvision), with the <|video_pad|> expansion its processor does."""
     rules = FetcherConfig()
-    pixels, grids, converted = [], [], []
+    pixels, grids, converted, seconds = [], [], [], []
     for message in messages:
         parts = []
         for part in message["content"]:
@@ -73,6 +74,12 @@ def hf_generate(hf: HfChat, spec: VideoProcessorSpec, messages: list[dict[str, A
                 values, grid, _ = preprocess_video(video, spec, rules.max_video_tokens)
                 pixels.append(torch.from_numpy(values))
                 grids.append(list(grid))
+                # Qwen2.5-VL's processor: second_per_grid_ts = temporal patch size / the sampled frames' fps
+                sampled = frame_indices(video.total_frames, len(video.frames))
+                metadata = VideoMetadata(
+                    total_num_frames=video.total_frames, fps=video.video_fps, frames_indices=sampled
+                )
+                seconds.append(spec.frames.temporal_patch_size / metadata.sampled_fps)
                 parts.append({"type": "video"})
             else:
                 parts.append({"type": "text", "text": part["text"]})
@@ -86,6 +93,7 @@ def hf_generate(hf: HfChat, spec: VideoProcessorSpec, messages: list[dict[str, A
     text = pieces[0] + "".join("<|video_pad|>" * n + rest for n, rest in zip(counts, pieces[1:], strict=True))
     ids = hf.tokenizer([text], return_tensors="pt", add_special_tokens=False)["input_ids"]
     types = 2 * (ids == hf.tokenizer.convert_tokens_to_ids("<|video_pad|>")).long()
+    timed = {"second_per_grid_ts": torch.tensor(seconds)} if hf.model.config.model_type == "qwen2_5_vl" else {}
     with torch.inference_mode():
         out = hf.model.generate(
             input_ids=ids,
@@ -96,6 +104,7 @@ def hf_generate(hf: HfChat, spec: VideoProcessorSpec, messages: list[dict[str, A
             max_new_tokens=NEW_TOKENS,
             min_new_tokens=NEW_TOKENS,
             do_sample=False,
+            **timed,
         )
     return out[0, ids.shape[1] :].tolist(), ids.shape[1]
 

@@ -195,7 +195,10 @@ def test_a_media_replica_on_the_text_replicas_gpu_runs_as_vision_work(tmp_path: 
 def test_preflight_refuses_what_workers_would_fail_on_for_ever(tmp_path: Path) -> None:
     cfg = Config()
     cfg.model.path = str(tmp_path / "no-such-model")
-    with pytest.raises(ValueError, match=r"no-such-model has no config\.json; is it a Qwen2-VL checkpoint"):
+    with pytest.raises(ValueError, match=r"the model directory .*no-such-model does not exist"):
+        preflight(cfg)
+    (tmp_path / "no-such-model").mkdir()
+    with pytest.raises(ValueError, match=r"no-such-model/config\.json is missing"):
         preflight(cfg)
     cfg.model.path = ""  # the demo checkpoint
     with socket.socket() as holder:

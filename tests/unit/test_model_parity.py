@@ -250,7 +250,7 @@ def test_spec_token_ids_come_from_files(hub_checkpoint: Checkpoint) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model_type": "qwen2_5_vl"}, "unsupported model_type"),
+        ({"model_type": "llava"}, "model_type .llava. in config.json is not supported"),
         ({"rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 2]}}, "mrope_section"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"rope_scaling": {"type": "yarn", "mrope_section": [2, 3, 3]}}, "rope type"),

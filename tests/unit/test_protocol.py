@@ -91,6 +91,9 @@ SAMPLING = SamplingParams(
 )
 MEDIA = MediaInput(kind="video", url="https://example.com/cat.avi", min_pixels=3136, max_pixels=1_000_000, fps=2.5)
 PREPARED = PreparedMedia(kind="image", content_hash="ab" * 32, grid_thw=[1, 14, 20], num_tokens=70)
+PREPARED_VIDEO = PreparedMedia(
+    kind="video", content_hash="cd" * 32, grid_thw=[4, 14, 20], num_tokens=280, second_per_grid_t=0.75
+)
 DELTA = TokenDelta(
     request_id="r1",
     token_ids=[1, 2, 3],
@@ -109,7 +112,7 @@ def one_of_each() -> list[Message]:
     return [
         SAMPLING,
         MEDIA,
-        PREPARED,
+        PREPARED_VIDEO,
         WorkerStatus(
             role="fetcher", worker_id="fetcher.0", incarnation="99-1", credits=4, workers_live=2, workers_known=3
         ),
@@ -122,7 +125,9 @@ def one_of_each() -> list[Message]:
             replica=1,
         ),
         FetchDone(request_id="req-1"),
-        PreparedRequest(request_id="req-2", prompt_ids=[1, 151655, 2], media=[PREPARED, PREPARED], sampling=SAMPLING),
+        PreparedRequest(
+            request_id="req-2", prompt_ids=[1, 151655, 2], media=[PREPARED, PREPARED_VIDEO], sampling=SAMPLING
+        ),
         Abort(request_id="req-3"),
         EncodeJob(
             job_id="job-1",

@@ -176,6 +176,14 @@ def test_load_video_grid_tokens_and_hash() -> None:
     assert smaller.grid_thw == (2, 2, 4) and smaller.content_hash != two.content_hash
 
 
+def test_load_video_sends_the_seconds_one_grid_step_spans() -> None:
+    """Qwen2.5-VL's second_per_grid_ts: the temporal patch size over the sampled frames' rate (a 2-second clip
+    of 16 frames: 4 frames sampled at fps 2, 8 at fps 4)."""
+    url = data_url(clip())
+    assert load_video(MediaInput("video", url, fps=2), SPEC, RULES, "m").second_per_grid_t == pytest.approx(1.0)
+    assert load_video(MediaInput("video", url, fps=4), SPEC, RULES, "m").second_per_grid_t == pytest.approx(0.5)
+
+
 def test_hash_covers_frames_and_fps() -> None:
     frames = np.zeros((2, 28, 28, 3), np.uint8)
     base = video_hash("m", SPEC, 2.0, frames)

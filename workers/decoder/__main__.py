@@ -22,7 +22,10 @@ def main() -> None:
             f"--replica {args.replica} --rank {args.rank}: the config has {cfg.decoder.replicas} replica(s) of "
             f"{cfg.decoder.tensor_parallel} rank(s) ([decoder] replicas, tensor_parallel)"
         )
-    prepared_model(cfg)
+    try:
+        prepared_model(cfg)
+    except ValueError as exc:  # a model of no supported family, or a file missing: stop, not restart for ever
+        raise SystemExit(f"decoder: {exc}") from None
     if args.rank:
         from workers.decoder.tp import DecoderRank
 

@@ -22,7 +22,8 @@ from workers.decoder.batch import Scheduled, Sequence
 from workers.decoder.blocks import BlockManager, BlockTable, media_token_keys
 from workers.decoder.config import EngineConfig
 from workers.decoder.sampling import Sampled, sampling_row, stop_ids
-from workers.models.mrope import expand_media_placeholders, rope_positions
+from workers.models.mrope import expand_media_placeholders
+from workers.models.registry import family
 from workers.models.spec import ModelSpec
 
 
@@ -37,6 +38,7 @@ class PromptError(ValueError):
 class Scheduler:
     def __init__(self, config: EngineConfig, spec: ModelSpec, counters: dict[str, float]) -> None:
         self.config, self.spec, self.counters = config, spec, counters
+        self.rope_positions = family(spec.model_type).rope_positions  # the family's M-RoPE index rule
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.prefix_cache)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # insertion order = admission order
@@ -72,7 +74,8 @@ class Scheduler:
             raise PromptError(f"the request needs {needed} KV blocks but the cache has {self.blocks.num_blocks}")
         images = [m.grid_thw for m in request.media if m.kind == "image"]
         videos = [m.grid_thw for m in request.media if m.kind == "video"]
-        rope, delta = rope_positions(ids, images, videos, spec)
+        seconds = [m.second_per_grid_t for m in request.media if m.kind == "video"]
+        rope, delta = self.rope_positions(ids, images, videos, spec, video_seconds=seconds)
         mask = torch.isin(torch.tensor(ids), torch.tensor([spec.image_token_id, spec.video_token_id]))
         return Sequence(request, ids, self._keys(ids, request), rope, delta, mask)
 

@@ -34,8 +34,8 @@ from workers.decoder.config import EngineConfig
 from workers.decoder.graphs import StepGraphs, StepInputs, engine_graphs
 from workers.models.language import LanguageModel
 from workers.models.paged import BatchLayout, FusedLayer, PagedAttention, PagedKVCache, fuse_layers, paged_forward
+from workers.models.registry import read_spec
 from workers.models.runtime import claim_device, resolve_dtype, upload
-from workers.models.spec import ModelSpec
 from workers.models.tensor_parallel import TensorParallel, load_shard
 
 log = logging.getLogger(__name__)
@@ -280,7 +280,7 @@ class DecoderRank:
     def __init__(self, cfg: Config, replica: int, rank: int) -> None:
         incarnation = f"{os.getpid()}-{time.time_ns() % 10**9}"
         device = claim_device(cfg, cfg.decoder_gpu(replica, rank), vision=replica in vision_replicas(cfg))
-        spec = ModelSpec.from_dir(cfg.model_path())
+        spec = read_spec(cfg.model_path())
         tp = TensorParallel(rank, cfg.decoder.tensor_parallel, spec.vocab_size)
         model = load_shard(cfg.model_path(), spec, tp, device, resolve_dtype(cfg, device))
         setup = follower_rendezvous(cfg, replica, rank, incarnation, device)

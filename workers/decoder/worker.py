@@ -46,8 +46,8 @@ from workers.decoder.scheduler import PromptError
 from workers.decoder.tp import StepBroadcast, leader_rendezvous, leave_group
 from workers.models.language import LanguageModel
 from workers.models.paged import PagedKVCache
+from workers.models.registry import checkpoint_family, read_spec
 from workers.models.runtime import claim_device, resolve_dtype
-from workers.models.spec import ModelSpec
 from workers.models.tensor_parallel import TensorParallel, load_shard
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class DecoderWorker:
         self.name = decoder_name(replica)
         self.incarnation, _ = worker_identity(self.name)
         path = cfg.model_path()
-        self.spec = ModelSpec.from_dir(path)
+        self.spec = read_spec(path)
         device = claim_device(cfg, cfg.decoder_gpu(replica), vision=replica in vision_replicas(cfg))
         started = time.monotonic()
         dtype = resolve_dtype(cfg, device)
@@ -120,7 +120,7 @@ class DecoderWorker:
             leader_rendezvous(cfg, replica, self.incarnation, num_blocks, device)
             tp_steps = StepBroadcast(tp, self.spec.hidden_size, model.dtype, device)
         else:
-            model = LanguageModel.from_checkpoint(path, device=device, dtype=dtype)
+            model = checkpoint_family(path).language_model(path, device=device, dtype=dtype, spec=self.spec)
             num_blocks = kv_cache_blocks(cfg, model)
         max_len = cfg.decoder.max_model_len or self.spec.max_position_embeddings
         config = EngineConfig.from_settings(cfg.decoder, device, num_blocks, max_len)

@@ -9,7 +9,10 @@ from workers.models.synth import prepared_model
 def main() -> None:
     args = parse_args("workers.encoder", lambda p: p.add_argument("--gpu", type=int, default=0))
     cfg = start_process(f"encoder.{args.gpu}", args)
-    prepared_model(cfg)
+    try:
+        prepared_model(cfg)
+    except ValueError as exc:  # a model of no supported family, or a file missing: stop, not restart for ever
+        raise SystemExit(f"encoder: {exc}") from None
     worker = EncoderWorker(cfg, args.gpu)
     on_terminate(worker.loop.stop)
     freeze_startup_heap()

@@ -24,7 +24,8 @@ from typing import Protocol
 import torch
 
 from common.config import Config
-from workers.models.spec import ModelSpec, VisionSpec
+from workers.models.registry import checkpoint_family, read_spec
+from workers.models.spec import VisionSpec
 from workers.models.vision import VisionTower
 
 
@@ -42,11 +43,12 @@ class VisionBackend(Protocol):
 
 def load_vision_backend(cfg: Config, device: torch.device, dtype: torch.dtype) -> VisionBackend:
     if cfg.encoder.backend == "torch":
-        tower = VisionTower.from_checkpoint(cfg.model_path(), device=device, dtype=dtype)
+        tower = checkpoint_family(cfg.model_path()).vision_tower(cfg.model_path(), device=device, dtype=dtype)
         tower.tune_attention()
         tower.warm_up()
         return tower
-    spec = ModelSpec.from_dir(cfg.model_path()).vision
+    spec = read_spec(cfg.model_path()).vision
+    check_backend(cfg, spec)
     onnx_path = exported_onnx(cfg.model_path(), engine_dir(cfg))
     if cfg.encoder.backend == "onnxruntime":
         from workers.encoder.onnx_backend import OnnxVisionEncoder
@@ -55,6 +57,16 @@ def load_vision_backend(cfg: Config, device: torch.device, dtype: torch.dtype) -
     from workers.encoder.tensorrt_backend import TensorRTVisionEncoder
 
     return TensorRTVisionEncoder(onnx_path, engine_dir(cfg), spec, device, max_patches=cfg.encoder.max_batch_patches)
+
+
+def check_backend(cfg: Config, spec: VisionSpec) -> None:
+    """ValueError where the configured backend cannot run this tower: the exported ones (onnxruntime, tensorrt)
+    have no window attention yet (Qwen2.5-VL's). The launcher's preflight asks too, before any worker starts."""
+    if cfg.encoder.backend != "torch" and spec.windowed:
+        raise ValueError(
+            f"[encoder] backend = {cfg.encoder.backend!r} exports only Qwen2-VL's vision tower, not this "
+            'checkpoint\'s windowed one; set [encoder] backend = "torch"'
+        )
 
 
 def engine_dir(cfg: Config) -> Path:

@@ -10,7 +10,10 @@ INDEX_HELP = "this fetcher's number among several (its name in /metrics: fetcher
 def main() -> None:
     args = parse_args("workers.fetcher", lambda p: p.add_argument("--index", type=int, default=0, help=INDEX_HELP))
     cfg = start_process("fetcher", args)
-    prepared_model(cfg)
+    try:
+        prepared_model(cfg)
+    except ValueError as exc:  # a model of no supported family, or a file missing: stop, not restart for ever
+        raise SystemExit(f"fetcher: {exc}") from None
     worker = FetcherWorker(cfg, args.index)
     on_terminate(worker.loop.stop)
     freeze_startup_heap()

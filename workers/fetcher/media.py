@@ -27,6 +27,7 @@ from workers.fetcher.video import (
     VideoProcessorSpec,
     decode_video,
     preprocess_video,
+    second_per_grid,
     validated_fps,
     video_hash,
     with_client_limits,
@@ -47,6 +48,7 @@ class LoadedImage:
     kind: str = "image"
     normalization: Normalization | None = None  # set for uint8 patches: the encoder's step to pixel values
     decode_again: Callable[[], LoadedImage] | None = None
+    second_per_grid_t: float | None = None  # videos: `workers.fetcher.video.second_per_grid`
 
 
 @dataclass(frozen=True)
@@ -144,4 +146,7 @@ def load_video(item: MediaInput, spec: VideoProcessorSpec, rules: FetcherConfig,
     video = decode_video(data, fps, spec, rules.max_video_frames, rules.max_image_pixels)
     pixel_values, grid, resized = preprocess_video(video, spec, rules.max_video_tokens)
     content_hash = video_hash(model_key, spec, fps, resized)
-    return LoadedImage(content_hash, pixel_values, grid, num_image_tokens(grid, spec.frames.merge_size), "video")
+    tokens = num_image_tokens(grid, spec.frames.merge_size)
+    return LoadedImage(
+        content_hash, pixel_values, grid, tokens, "video", second_per_grid_t=second_per_grid(video, spec)
+    )

@@ -88,6 +88,14 @@ class DecodedVideo:
     video_fps: float
 
 
+def second_per_grid(video: DecodedVideo, spec: VideoProcessorSpec) -> float:
+    """Seconds one temporal grid step spans: the temporal patch size over the sampled frames' rate (qwen-vl-utils'
+    ``video_sample_fps``: frames sampled over the video's duration), as Qwen2.5-VL's processor computes
+    ``second_per_grid_ts``."""
+    sampled_fps = len(video.frames) / max(video.total_frames, 1e-6) * video.video_fps
+    return spec.frames.temporal_patch_size / sampled_fps
+
+
 # --------------------------------------------------------------------------- frame sampling
 
 

@@ -52,7 +52,7 @@ from workers.fetcher.errors import MediaError
 from workers.fetcher.image import ImageProcessorSpec
 from workers.fetcher.media import DecodedMemo, LoadedImage, load_media
 from workers.fetcher.video import VideoProcessorSpec
-from workers.models.spec import ModelSpec
+from workers.models.registry import read_spec
 
 log = logging.getLogger(__name__)
 # Images whose bytes a fetcher remembers the patchified form of (a few hundred bytes each): see DecodedMemo.
@@ -105,7 +105,7 @@ class FetcherWorker:
         self.name = f"fetcher.{index}"
         self.incarnation, identity = worker_identity("fetcher")
         model_path = cfg.model_path()
-        self.spec = ModelSpec.from_dir(model_path)
+        self.spec = read_spec(model_path)
         self.image_spec = ImageProcessorSpec.from_dir(model_path)
         self.video_spec = VideoProcessorSpec.from_dir(model_path)
         self.model_key = str(model_path.resolve())
@@ -395,7 +395,9 @@ class FetcherWorker:
             self.finish_error(call.request_id, msg.status, msg.message, msg.code)
             return
         for index, item in enumerate(call.items):
-            state.prepared[index] = PreparedMedia(item.kind, item.content_hash, list(item.grid_thw), item.num_tokens)
+            state.prepared[index] = PreparedMedia(
+                item.kind, item.content_hash, list(item.grid_thw), item.num_tokens, item.second_per_grid_t
+            )
         self.forward(state)
 
     def decode_again(self, item: LoadedImage, slot: TensorRef) -> None:

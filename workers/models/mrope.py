@@ -6,7 +6,8 @@ three axes, counting up by one. A vision item occupying ``t*h*w / merge**2`` pla
 ``max(all ids so far) + 1``. That makes positions smaller than sequence indices, so after the prompt
 every later token's position is ``sequence index + delta`` with ``delta = max_position + 1 - length``.
 
-Qwen2-VL (unlike Qwen2.5-VL) uses a plain temporal index per frame group, with no absolute time.
+Qwen2-VL uses a plain temporal index per frame group. Qwen2.5-VL (``vision.tokens_per_second`` set) puts a
+video's temporal ids in absolute time: grid step i is at ``int(i * second_per_grid_t * tokens_per_second)``.
 """
 
 from __future__ import annotations
@@ -62,11 +63,24 @@ def expand_media_placeholders(
     return out
 
 
-def vision_positions(start: int, grid_thw: Sequence[int], merge: int) -> torch.Tensor:
-    """[3, t*h*w/merge**2] (t, h, w) ids of one vision item, offset by ``start``, row-major over (t, h, w)."""
+def vision_positions(
+    start: int, grid_thw: Sequence[int], merge: int, time_interval: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[3, t*h*w/merge**2] (t, h, w) ids of one vision item, offset by ``start``, row-major over (t, h, w).
+    ``time_interval``: the temporal ids' step (a float32 scalar, truncated as the reference does), else one."""
     t, h, w = (int(x) for x in grid_thw)
-    tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h // merge), torch.arange(w // merge), indexing="ij")
+    steps = torch.arange(t) if time_interval is None else (torch.arange(t) * time_interval).long()
+    tt, hh, ww = torch.meshgrid(steps, torch.arange(h // merge), torch.arange(w // merge), indexing="ij")
     return torch.stack([tt, hh, ww]).reshape(3, -1) + start
+
+
+def video_time_interval(spec: ModelSpec, second_per_grid_t: float | None) -> torch.Tensor | None:
+    """A video's temporal id step where the family counts time (Qwen2.5-VL): tokens_per_second x seconds per
+    grid step, in float32 as transformers multiplies them (its processor's seconds, one where none is given)."""
+    if not spec.vision.tokens_per_second:
+        return None
+    seconds = torch.tensor(1.0 if second_per_grid_t is None else second_per_grid_t, dtype=torch.float32)
+    return spec.vision.tokens_per_second * seconds
 
 
 def rope_positions(
@@ -76,6 +90,7 @@ def rope_positions(
     spec: ModelSpec,
     past_length: int = 0,
     past_delta: int = 0,
+    video_seconds: Sequence[float | None] | None = None,
 ) -> tuple[torch.Tensor, int]:
     """M-RoPE position ids [3, len(input_ids)] and the delta for decoding after these tokens.
 
@@ -83,6 +98,7 @@ def rope_positions(
     order as image / video placeholder runs are met. To extend a sequence whose first ``past_length``
     tokens are already in the KV cache (e.g. a new user turn with new images), pass that length and the
     delta returned for it; positions then continue exactly as if the whole sequence were computed at once.
+    ``video_seconds``: each video's seconds per temporal grid step (`video_time_interval`), in order.
     """
     ids = _as_list(input_ids)
     merge = spec.vision.spatial_merge_size
@@ -90,6 +106,7 @@ def rope_positions(
         spec.image_token_id: iter(image_grids),
         spec.video_token_id: iter(video_grids),
     }
+    seconds = iter(video_seconds or [])
     chunks: list[torch.Tensor] = []
     next_pos = past_length + past_delta  # position of the next text token = max position so far + 1
     i = 0
@@ -105,7 +122,8 @@ def rope_positions(
                     f"{_kind(tok, spec)} grid {tuple(grid)} needs {count} consecutive placeholder tokens at "
                     f"index {i}; were the placeholders expanded?"
                 )
-            chunk = vision_positions(next_pos, grid, merge)
+            interval = video_time_interval(spec, next(seconds, None)) if tok == spec.video_token_id else None
+            chunk = vision_positions(next_pos, grid, merge, interval)
             # transformers 5 (the reference we are checked against) resumes text after the spatial extent
             # only; for images that is also the largest id, for long videos it is below the last frames'.
             next_pos += max(int(grid[1]), int(grid[2])) // merge

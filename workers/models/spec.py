@@ -1,4 +1,4 @@
-"""Model dimensions and special token ids of a Qwen2-VL checkpoint, read from its directory.
+"""Model dimensions and special token ids of a Qwen2-VL or Qwen2.5-VL checkpoint, read from its directory.
 
 Two config layouts exist in the wild and both are accepted:
 
@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-# Only the original Qwen2-VL architecture is implemented; Qwen2.5-VL and later change the vision
-# tower (window attention, RMSNorm, SwiGLU) and would silently produce garbage here.
-SUPPORTED_MODEL_TYPES = ("qwen2_vl",)
+from common.model_files import model_family
+
+# The families whose config this spec reads; others (Qwen3-VL) read their own.
+SPEC_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -35,7 +36,9 @@ _DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class VisionSpec:
-    """Dimensions of the Qwen2-VL vision tower (ViT + patch merger)."""
+    """Dimensions of the vision tower (ViT + patch merger). Qwen2.5-VL's adds a gated MLP of
+    ``intermediate_size``, windows of ``window_size`` pixels and full attention only in
+    ``fullatt_block_indexes``; Qwen2-VL's leaves those at their zero values."""
 
     depth: int
     embed_dim: int
@@ -48,6 +51,20 @@ class VisionSpec:
     temporal_patch_size: int
     hidden_act: str = "quick_gelu"
     rope_theta: float = 10000.0
+    intermediate_size: int = 0  # gated MLP's width (Qwen2.5-VL); 0: embed_dim * mlp_ratio, ungated
+    window_size: int = 0  # pixels a side of an attention window (Qwen2.5-VL); 0: every block attends per frame
+    fullatt_block_indexes: tuple[int, ...] = ()
+    # Video M-RoPE in time (Qwen2.5-VL): temporal ids step by seconds per grid step x this; 0: by one
+    tokens_per_second: float = 0.0
+
+    def __post_init__(self) -> None:
+        # A tuple whichever sequence it was built from (a JSON round trip, as in an ONNX export's metadata, gives
+        # a list), so that specs of one checkpoint compare equal.
+        object.__setattr__(self, "fullatt_block_indexes", tuple(self.fullatt_block_indexes))
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_size > 0
 
     @property
     def head_dim(self) -> int:
@@ -55,7 +72,7 @@ class VisionSpec:
 
     @property
     def mlp_hidden_dim(self) -> int:
-        return int(self.embed_dim * self.mlp_ratio)
+        return self.intermediate_size or int(self.embed_dim * self.mlp_ratio)
 
     @property
     def patch_dim(self) -> int:
@@ -68,7 +85,9 @@ class VisionSpec:
         return self.embed_dim * self.spatial_merge_size**2
 
     @classmethod
-    def from_config(cls, vision: dict[str, Any]) -> VisionSpec:
+    def from_config(cls, vision: dict[str, Any], model_type: str = "qwen2_vl") -> VisionSpec:
+        if model_type == "qwen2_5_vl":
+            return cls.from_qwen2_5_vl(vision)
         rope = vision.get("rope_parameters") or {}
         spec = cls(
             depth=int(_require(vision, "depth", "vision_config")),
@@ -87,7 +106,36 @@ class VisionSpec:
         spec.validate()
         return spec
 
+    @classmethod
+    def from_qwen2_5_vl(cls, vision: dict[str, Any]) -> VisionSpec:
+        """Qwen2.5-VL's vision_config: ``hidden_size`` is the tower's width, ``out_hidden_size`` the merger's."""
+        rope = vision.get("rope_parameters") or {}
+        spec = cls(
+            depth=int(_require(vision, "depth", "vision_config")),
+            embed_dim=int(_require(vision, "hidden_size", "vision_config")),
+            num_heads=int(_first(vision, ("num_heads", "num_attention_heads"), "vision_config")),
+            mlp_ratio=0.0,
+            in_chans=int(vision.get("in_chans", vision.get("in_channels", 3))),
+            out_hidden_size=int(_require(vision, "out_hidden_size", "vision_config")),
+            patch_size=int(_scalar(vision.get("patch_size", vision.get("spatial_patch_size", 14)))),
+            spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
+            temporal_patch_size=int(_scalar(vision.get("temporal_patch_size", 2))),
+            hidden_act=str(vision.get("hidden_act", "silu")),
+            rope_theta=float(rope.get("rope_theta", vision.get("rope_theta", 10000.0))),
+            # transformers' defaults where the config names none
+            intermediate_size=int(vision.get("intermediate_size", 3420)),
+            window_size=int(vision.get("window_size", 112)),
+            fullatt_block_indexes=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+            tokens_per_second=float(vision.get("tokens_per_second", 4)),
+        )
+        spec.validate()
+        return spec
+
     def validate(self) -> None:
+        if self.windowed and self.window_size % (self.patch_size * self.spatial_merge_size):
+            raise ValueError(
+                f"vision window_size {self.window_size} is not a multiple of patch_size x spatial_merge_size"
+            )
         if self.embed_dim % self.num_heads:
             raise ValueError(f"vision embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
         if self.head_dim % 4:
@@ -136,7 +184,7 @@ class ModelSpec:
         root = Path(path)
         config_path = root / "config.json"
         if not config_path.is_file():
-            raise ValueError(f"{root} has no config.json; is it a Qwen2-VL checkpoint directory?")
+            raise ValueError(f"{root} has no config.json; is it a model checkpoint directory?")
         config = json.loads(config_path.read_text())
         generation_path = root / "generation_config.json"
         generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
@@ -145,11 +193,11 @@ class ModelSpec:
     @classmethod
     def from_config(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelSpec:
         """Build a spec from already-parsed config dicts (either layout)."""
-        model_type = str(config.get("model_type", "qwen2_vl"))
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        model_type = model_family(config) if config.get("model_type") or config.get("architectures") else "qwen2_vl"
+        if model_type not in SPEC_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not read by ModelSpec (only {SPEC_MODEL_TYPES})")
         if "vision_config" not in config:
-            raise ValueError("config has no vision_config; not a Qwen2-VL config")
+            raise ValueError(f"config has no vision_config; not a {model_type} config")
 
         text = _text_fields(config)
         if text.get("use_sliding_window"):
@@ -177,7 +225,7 @@ class ModelSpec:
             vocab_size=int(_require(text, "vocab_size", "text config")),
             tie_word_embeddings=_tie_word_embeddings(config),
             max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-            vision=VisionSpec.from_config(config["vision_config"]),
+            vision=VisionSpec.from_config(config["vision_config"], model_type),
             image_token_id=int(_token_id(config, "image_token_id")),
             video_token_id=int(_token_id(config, "video_token_id")),
             vision_start_token_id=int(_token_id(config, "vision_start_token_id")),

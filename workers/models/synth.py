@@ -1,4 +1,4 @@
-"""Synthetic Qwen2-VL checkpoints with seeded random weights.
+"""Synthetic checkpoints of each model family with seeded random weights (the Qwen2-VL tables live here).
 
 The server, its tests and its benchmarks need a model that looks exactly like a real
 Hugging Face Qwen2-VL checkpoint (same config layout, tensor names, tokenizer special ids,
@@ -7,6 +7,10 @@ directory from scratch: weights are streamed tensor by tensor straight into safe
 files from a (name -> shape) table, so even the 7b size never has to exist in memory.
 
     python -m workers.models.synth --size tiny --out /tmp/qwen2-vl-tiny --seed 0
+    python -m workers.models.synth --family qwen2_5_vl --size tiny
+
+Each family's tables (config.json, tensor shapes, processor configs) are its `workers.models.registry.SynthTables`;
+the tokenizer, the weight streaming and the atomic write are shared.
 """
 
 from __future__ import annotations
@@ -34,9 +38,13 @@ from tokenizers.trainers import BpeTrainer
 
 from common.checkpoint import DEMO_SEED, DEMO_SIZE, demo_checkpoint_path
 from common.config import Config
+from common.model_files import SUPPORTED_MODEL_TYPES
+from workers.models.registry import SynthTables
 
 if TYPE_CHECKING:  # torch is imported where weights are made: finding the demo checkpoint made needs none of it
     import torch
+
+QWEN2_VL = "qwen2_vl"
 
 # Bump when the bytes written for a given (size, seed) change, so cached demo models regenerate.
 GENERATOR_VERSION = 2
@@ -266,7 +274,7 @@ def config_dict(size: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- weights
 
 
-def _text_shapes(spec: SizeSpec) -> dict[str, tuple[int, ...]]:
+def text_shapes(spec: SizeSpec) -> dict[str, tuple[int, ...]]:
     hidden, inter = spec["hidden_size"], spec["intermediate_size"]
     head_dim = hidden // spec["num_attention_heads"]
     q_dim, kv_dim = spec["num_attention_heads"] * head_dim, spec["num_key_value_heads"] * head_dim
@@ -330,7 +338,7 @@ def _vision_shapes(spec: SizeSpec) -> dict[str, tuple[int, ...]]:
 def weight_shapes(size: str) -> dict[str, tuple[int, ...]]:
     """Every tensor of the checkpoint, under the hub's names, in file order."""
     spec = _spec(size)
-    return _text_shapes(spec) | _vision_shapes(spec)
+    return text_shapes(spec) | _vision_shapes(spec)
 
 
 def parameter_count(size: str) -> int:
@@ -425,10 +433,16 @@ def _write_tensor(f: BinaryIO, name: str, numel: int, seed: int, dtype: torch.dt
         f.write(chunk.view(torch.uint8).numpy().data)
 
 
-def write_weights(out_dir: Path, size: str, seed: int) -> list[Path]:
+def storage(size: str) -> tuple[str, float]:
+    """(dtype name, init std) of a Qwen2-VL size's weights."""
+    return _spec(size)["dtype"], _spec(size)["init_std"]
+
+
+def write_weights(out_dir: Path, size: str, seed: int, tables: SynthTables | None = None) -> list[Path]:
     """Write model.safetensors, or 4 GB shards plus their index when it does not fit (2b, 7b)."""
-    dtype_name, std = _spec(size)["dtype"], _spec(size)["init_std"]
-    shapes = weight_shapes(size)
+    tables = tables or family_tables(QWEN2_VL)
+    dtype_name, std = tables.storage(size)
+    shapes = tables.shapes(size)
     itemsize = _itemsize(dtype_name)
     shards = _plan_shards(shapes, itemsize, MAX_SHARD_BYTES)
     if len(shards) == 1:  # like save_pretrained: no index for a single file
@@ -744,7 +758,7 @@ def write_tokenizer(out_dir: Path) -> None:
 # --------------------------------------------------------------------------- processor
 
 
-def _vision_processing(min_pixels: int, max_pixels: int) -> dict[str, Any]:
+def vision_processing(min_pixels: int, max_pixels: int) -> dict[str, Any]:
     # transformers 5 reads `size`; min/max_pixels are the hub's spelling of the same bounds.
     return {
         "do_resize": True,
@@ -766,13 +780,13 @@ def _vision_processing(min_pixels: int, max_pixels: int) -> dict[str, Any]:
 
 
 def preprocessor_config(size: str) -> dict[str, Any]:
-    config = _vision_processing(MIN_PIXELS, _spec(size)["max_pixels"])
+    config = vision_processing(MIN_PIXELS, _spec(size)["max_pixels"])
     return {"image_processor_type": "Qwen2VLImageProcessor", **config}
 
 
 def video_preprocessor_config(size: str) -> dict[str, Any]:
     spec = _spec(size)
-    config = _vision_processing(spec["video_min_pixels"], spec["video_max_pixels"])
+    config = vision_processing(spec["video_min_pixels"], spec["video_max_pixels"])
     # cap_pixels_per_frame: qwen-vl-utils' total-video pixel budget, transformers' default from 5.22 on.
     return {
         "video_processor_type": "Qwen2VLVideoProcessor",
@@ -799,15 +813,25 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _write_all(out_dir: Path, size: str, seed: int) -> None:
-    _write_json(out_dir / "config.json", config_dict(size))
+def family_tables(family: str) -> SynthTables:
+    """The generator's tables of a model family (its module in `workers.models.registry`)."""
+    from workers.models.registry import family as registered  # (the family modules import this one)
+
+    return registered(family).synth
+
+
+def _write_all(out_dir: Path, size: str, seed: int, family: str) -> None:
+    tables = family_tables(family)
+    _write_json(out_dir / "config.json", tables.config(size))
     _write_json(out_dir / "generation_config.json", generation_config())
-    _write_json(out_dir / "preprocessor_config.json", preprocessor_config(size))
-    _write_json(out_dir / "video_preprocessor_config.json", video_preprocessor_config(size))
-    _write_json(out_dir / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+    _write_json(out_dir / "preprocessor_config.json", tables.preprocessor(size))
+    _write_json(out_dir / "video_preprocessor_config.json", tables.video_preprocessor(size))
+    _write_json(out_dir / "chat_template.json", {"chat_template": tables.chat_template})
     write_tokenizer(out_dir)
-    write_weights(out_dir, size, seed)
+    write_weights(out_dir, size, seed, tables)
     meta = {"generator": "vlm-serve synth", "version": GENERATOR_VERSION, "size": size, "seed": seed}
+    if family != QWEN2_VL:  # (a Qwen2-VL checkpoint's meta is unchanged, so cached demo models stay current)
+        meta["family"] = family
     _write_json(out_dir / META_FILE, meta)
 
 
@@ -826,18 +850,20 @@ def _swap_into_place(tmp_dir: Path, out_dir: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def generate_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
-    """Write a complete Qwen2-VL checkpoint directory to out_dir and return its path.
+def generate_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0, family: str = "qwen2_vl") -> Path:
+    """Write a complete checkpoint directory of the family (its model_type) to out_dir and return its path.
 
     Readers never see a half-written directory: everything is built in a sibling temp dir
-    and renamed into place. The same (size, seed) always gives byte-identical weight files.
+    and renamed into place. The same (family, size, seed) always gives byte-identical weight files.
     """
-    _spec(size)
+    sizes = family_tables(family).sizes
+    if size not in sizes:
+        raise ValueError(f"unknown {family} size {size!r}; expected one of {sorted(sizes)}")
     out_dir = Path(out_dir).expanduser().absolute()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        _write_all(tmp_dir, size, seed)
+        _write_all(tmp_dir, size, seed, family)
         tmp_dir.chmod(0o755)  # mkdtemp makes it 0700
         _swap_into_place(tmp_dir, out_dir)
     except BaseException:
@@ -851,7 +877,8 @@ def _is_current(path: Path, size: str, seed: int) -> bool:
         meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return meta.get("version") == GENERATOR_VERSION and meta.get("size") == size and meta.get("seed") == seed
+    same = meta.get("size") == size and meta.get("seed") == seed and meta.get("family", QWEN2_VL) == QWEN2_VL
+    return meta.get("version") == GENERATOR_VERSION and same
 
 
 @contextlib.contextmanager
@@ -882,8 +909,14 @@ def demo_checkpoint() -> Path:
 def prepared_model(cfg: Config) -> Path:
     """The configured checkpoint's directory (`Config.model_path`), the demo checkpoint generated first when it
     is the one configured: every process that loads the model calls this at start-up, so that each one started
-    alone with the default config still finds it (one generates, the others wait on its lock)."""
-    return cfg.model_path() if cfg.model.path else demo_checkpoint()
+    alone with the default config still finds it (one generates, the others wait on its lock). Raises ValueError
+    naming the model type or the file at fault where the checkpoint is of no supported family or lacks a file
+    (`workers.models.registry.checkpoint_family`)."""
+    from workers.models.registry import checkpoint_family  # (the family modules import this one)
+
+    path = cfg.model_path() if cfg.model.path else demo_checkpoint()
+    checkpoint_family(path)
+    return path
 
 
 def _remove_leftovers(path: Path) -> None:
@@ -899,16 +932,21 @@ def _disk_size(path: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--out", required=True, type=Path, help="checkpoint directory to create")
+    parser.add_argument("--family", choices=SUPPORTED_MODEL_TYPES, default=QWEN2_VL, help="the model_type")
+    parser.add_argument("--size", default="tiny", help="tiny or a real shape (qwen2_vl: 2b, 7b; qwen2_5_vl: 3b, 7b)")
+    parser.add_argument("--out", type=Path, help="checkpoint directory to create (default: <family>-<size>-seed<S>)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    tables = family_tables(args.family)
+    if args.size not in tables.sizes:
+        parser.error(f"--size: {args.family} has sizes {', '.join(tables.sizes)}")
+    out = args.out or Path(f"{tables.dir_name}-{args.size}-seed{args.seed}")
     start = time.monotonic()
-    path = generate_checkpoint(args.out, args.size, args.seed)
+    path = generate_checkpoint(out, args.size, args.seed, args.family)
     elapsed = time.monotonic() - start
-    params = parameter_count(args.size)
+    params = sum(math.prod(shape) for shape in tables.shapes(args.size).values())
     print(
-        f"wrote {path} ({args.size}, seed {args.seed}, {params / 1e9:.3f}B params, "
+        f"wrote {path} ({args.family} {args.size}, seed {args.seed}, {params / 1e9:.3f}B params, "
         f"{_disk_size(path) / 1e9:.2f} GB) in {elapsed:.1f}s",
         file=sys.stderr,
     )
