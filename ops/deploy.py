@@ -198,13 +198,16 @@ def memory_plan(cfg: Config) -> PoolPlan:
 
 def preflight(cfg: Config) -> None:
     """What would otherwise fail only inside the workers, after supervisord has started them (and would restart
-    them for ever): a model directory that is no checkpoint of a supported family (or lacks a file), and a port
-    another program holds. The demo
+    them for ever): a model directory that is no checkpoint of a supported family (or lacks a file), a backend or
+    tensor_parallel the model cannot run with, and a port another program holds. The demo
     checkpoint, if it is the model, is made here: once, before the processes start (they would race to make it)."""
     from workers.encoder.backends import check_backend
     from workers.models.registry import read_spec
+    from workers.models.tensor_parallel import check_tensor_parallel
 
-    check_backend(cfg, read_spec(prepared_model(cfg)).vision)
+    spec = read_spec(prepared_model(cfg))
+    check_backend(cfg, spec.vision)
+    check_tensor_parallel(spec, cfg.decoder.tensor_parallel)
     host, port = cfg.server.host, cfg.server.port
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
         # SO_REUSEADDR as aiohttp binds: a port in TIME_WAIT after the last stop is free to it

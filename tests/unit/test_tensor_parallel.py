@@ -1,8 +1,10 @@
 """Tensor parallelism's math, two gloo ranks on this CPU: every rank's sharded forward (prefill, then a
-decode step over its half of the KV cache) gives the unsharded model's logits."""
+decode step over its half of the KV cache) gives the unsharded model's logits, for each family whose language
+model it shards (`Family.tensor_parallel`); the others are refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -19,6 +21,7 @@ from workers.decoder.config import EngineConfig
 from workers.decoder.engine import Engine
 from workers.decoder.graphs import engine_graphs
 from workers.decoder.tp import EAGER, RankForward, StepBroadcast, StepPayload, leave_group
+from workers.models import tensor_parallel
 from workers.models.language import LanguageModel
 from workers.models.paged import (
     BatchLayout,
@@ -28,6 +31,7 @@ from workers.models.paged import (
     paged_attention_reference,
     paged_forward,
 )
+from workers.models.registry import Family, checkpoint_family, read_spec
 from workers.models.spec import ModelSpec
 from workers.models.synth import generate_checkpoint
 from workers.models.tensor_parallel import TensorParallel, check_shardable, load_shard
@@ -67,7 +71,7 @@ def steps() -> list[StepPayload]:
 
 def run_rank(rank: int, world: int, path: str, store: str, out: str, fuse: bool) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    spec = ModelSpec.from_dir(path)
+    spec = read_spec(path)
     tp = TensorParallel(rank, world, spec.vocab_size)
     model = load_shard(Path(path), spec, tp, torch.device("cpu"), torch.float32)
     kv = PagedKVCache.for_model(model, 4, 4)
@@ -90,7 +94,7 @@ def exit_spawned_rank() -> None:
 
 
 def unsharded(path: Path) -> torch.Tensor:
-    model = LanguageModel.from_checkpoint(path, dtype=torch.float32)
+    model = checkpoint_family(path).language_model(path, dtype=torch.float32)
     kv = PagedKVCache.for_model(model, 4, 4)
     out = []
     for payload in steps():
@@ -105,13 +109,27 @@ def unsharded(path: Path) -> torch.Tensor:
 SHAPES = {2: "tiny", 4: "tiny-4kv"}
 
 
+def tiny(tmp_path: Path, family: str, world: int = 2) -> Path:
+    """The family's synthetic checkpoint shaped for ``world`` ranks (Qwen2-VL's alone has tiny-4kv)."""
+    return generate_checkpoint(tmp_path / f"{family}-{SHAPES[world]}", SHAPES[world], seed=4, family=family)
+
+
 @pytest.mark.parametrize(
-    ("world", "fuse"), [(2, False), (2, True), (4, True)], ids=["two-plain", "two-fused", "four-fused"]
+    ("family", "world", "fuse"),
+    [
+        ("qwen2_vl", 2, False),
+        ("qwen2_vl", 2, True),
+        ("qwen2_vl", 4, True),
+        ("qwen2_5_vl", 2, False),
+        ("qwen2_5_vl", 2, True),
+    ],
+    ids=["two-plain", "two-fused", "four-fused", "qwen2_5_vl-two-plain", "qwen2_5_vl-two-fused"],
 )
-def test_ranks_give_the_unsharded_logits(tmp_path: Path, world: int, fuse: bool) -> None:
+def test_ranks_give_the_unsharded_logits(tmp_path: Path, family: str, world: int, fuse: bool) -> None:
     """Plain layers, and the fused ones (concatenated projections of the rank's shard, the fused norm and
-    activation paths) with the all-reduces between them."""
-    path = generate_checkpoint(tmp_path / SHAPES[world], SHAPES[world], seed=4)
+    activation paths) with the all-reduces between them; each rank's shard is its family's language model,
+    loaded through the registry."""
+    path = tiny(tmp_path, family, world)
     args = (world, str(path), str(tmp_path / "store"), str(tmp_path / "logits"), fuse)
     mp.start_processes(run_rank, args=args, nprocs=world, start_method="spawn")
     expected = unsharded(path)
@@ -125,6 +143,50 @@ def test_unshardable_models_are_refused(tmp_path: Path) -> None:
     spec = ModelSpec.from_dir(generate_checkpoint(tmp_path / "tiny", "tiny", seed=4))
     with pytest.raises(ValueError, match="does not divide the model's"):
         check_shardable(spec, 3)
+
+
+def refusing(monkeypatch: pytest.MonkeyPatch, model_type: str) -> None:
+    """The registry answering as though tensor parallelism did not shard ``model_type``'s language model (as for
+    Qwen3-VL's, whose q/k norm and DeepStack the split does not cover yet)."""
+    registered = tensor_parallel.family
+
+    def family(name: str) -> Family:
+        found = registered(name)
+        return dataclasses.replace(found, tensor_parallel=False) if name == model_type else found
+
+    monkeypatch.setattr(tensor_parallel, "family", family)
+
+
+def test_a_family_whose_language_model_is_not_sharded_is_refused_at_start_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By the launcher's preflight and by every rank's load, naming the types that can be sharded; one rank
+    needs no sharding."""
+    from common.config import Config
+    from ops.deploy import preflight
+
+    path = tiny(tmp_path, "qwen2_5_vl")
+    spec = read_spec(path)
+    refusing(monkeypatch, "qwen2_5_vl")
+    message = (
+        r"^\[decoder\] tensor_parallel = 2: tensor parallelism does not shard the qwen2_5_vl language model yet; "
+        r"set tensor_parallel = 1, or serve a model of a type it shards: qwen2_vl$"
+    )
+    for rank in range(2):
+        with pytest.raises(ValueError, match=message):
+            load_shard(path, spec, TensorParallel(rank, 2, spec.vocab_size), torch.device("cpu"), torch.float32)
+    cfg = Config()
+    cfg.model.path = str(path)
+    cfg.decoder.tensor_parallel = 2
+    with pytest.raises(ValueError, match=message):
+        preflight(cfg)
+    tensor_parallel.check_tensor_parallel(spec, 1)
+
+
+def test_tensor_parallelism_shards_the_qwen2_text_models_only() -> None:
+    """A family is sharded once its text model's every part is (`Family.tensor_parallel`, off unless set): Qwen3-VL's
+    q/k norm and DeepStack are not yet, so its family leaves it off and is refused."""
+    assert tensor_parallel.sharded_model_types() == ["qwen2_vl", "qwen2_5_vl"]
 
 
 ENGINE = {"max_model_len": 256, "max_running": 4, "prefill_budget": 24, "num_blocks": 64, "block_size": 4}
@@ -160,7 +222,7 @@ def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlap:
     """Rank 0 runs the engine (static graphs: the padded, staged path CUDA graphs replay, uncaptured);
     the other ranks run rank 0's steps through their own graphs, as `DecoderRank` does."""
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    spec = ModelSpec.from_dir(path)
+    spec = read_spec(path)
     tp = TensorParallel(rank, world, spec.vocab_size)
     model = load_shard(Path(path), spec, tp, torch.device("cpu"), torch.float32)
     steps = StepBroadcast(tp, spec.hidden_size, model.dtype, torch.device("cpu"))
@@ -182,34 +244,35 @@ def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlap:
 
 
 @pytest.mark.parametrize(
-    ("world", "overlap"),
-    [(2, False), (2, True), (4, True)],
-    ids=["two-synchronous", "two-overlapped", "four-overlapped"],
+    ("family", "world", "overlap"),
+    [("qwen2_vl", 2, False), ("qwen2_vl", 2, True), ("qwen2_vl", 4, True), ("qwen2_5_vl", 2, True)],
+    ids=["two-synchronous", "two-overlapped", "four-overlapped", "qwen2_5_vl-two-overlapped"],
 )
 def test_an_engine_over_ranks_with_graph_steps_generates_what_one_rank_does(
-    tmp_path: Path, world: int, overlap: bool
+    tmp_path: Path, family: str, world: int, overlap: bool
 ) -> None:
     """Decode and mixed graph steps (static mode), fused layers, broadcast to the other ranks — with
     overlap, steps whose decodes' input ids follow as a tensor (decode graphs, and mixed steps with prefill
     chunks beside them): the same greedy tokens as one rank."""
-    path = generate_checkpoint(tmp_path / SHAPES[world], SHAPES[world], seed=4)
+    path = tiny(tmp_path, family, world)
     out = tmp_path / "tokens.json"
     args = (world, str(path), str(tmp_path / "store"), str(out), overlap)
     mp.start_processes(engine_rank, args=args, nprocs=world, start_method="spawn")
-    model, spec = LanguageModel.from_checkpoint(path, dtype=torch.float32), ModelSpec.from_dir(path)
+    model, spec = checkpoint_family(path).language_model(path, dtype=torch.float32), read_spec(path)
     options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS}
     alone = generate(Engine(model, spec, EngineConfig(**ENGINE, **options)))  # type: ignore[arg-type]
     assert json.loads(out.read_text()) == alone
 
 
-def test_a_shard_read_from_the_files_is_the_slice_of_the_whole_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_shard_read_from_the_files_is_the_slice_of_the_whole_model(tmp_path: Path, family: str) -> None:
     """`load_shard` reads only its slices (safetensors slices) and gets exactly what slicing the fully
     loaded weights gives, the last vocabulary shard zero-padded to the others' size."""
     from workers.models.tensor_parallel import shard_state
     from workers.models.weights import load_language_state
 
-    path = generate_checkpoint(tmp_path / "tiny", "tiny", seed=4)
-    spec = ModelSpec.from_dir(path)
+    path = tiny(tmp_path, family)
+    spec = read_spec(path)
     full = load_language_state(path, spec.tie_word_embeddings, "cpu", torch.float32)
     world, rows_seen = 2, 0  # the tiny model's 2 kv heads allow 2
     for rank in range(world):
@@ -226,8 +289,6 @@ def test_a_shard_read_from_the_files_is_the_slice_of_the_whole_model(tmp_path: P
 
 
 def test_an_uneven_vocabulary_is_padded_on_the_last_rank(tmp_path: Path) -> None:
-    import dataclasses
-
     from workers.models.tensor_parallel import shard_state
     from workers.models.weights import load_language_state
 

@@ -184,4 +184,5 @@ FAMILY = Family(
     language_model=LanguageModel.from_checkpoint,
     rope_positions=rope_positions,
     synth=TABLES,
+    tensor_parallel=True,
 )

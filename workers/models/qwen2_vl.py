@@ -27,4 +27,5 @@ FAMILY = Family(
     language_model=LanguageModel.from_checkpoint,
     rope_positions=rope_positions,
     synth=SYNTH,
+    tensor_parallel=True,
 )

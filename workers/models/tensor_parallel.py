@@ -12,7 +12,7 @@ rotary tables are replicated. The KV cache of a rank holds its kv heads only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from workers.models.language import LanguageModel
+from workers.models.registry import FAMILY_MODULES, family
 from workers.models.spec import ModelSpec
-from workers.models.weights import LANGUAGE_PREFIX, LM_HEAD_KEY, CheckpointWeights
+from workers.models.weights import EMBED_KEY, LANGUAGE_PREFIX, LM_HEAD_KEY, CheckpointWeights
 
 
 @dataclass(frozen=True)
@@ -124,21 +125,62 @@ def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
     )
 
 
+class ShardWeights(CheckpointWeights):
+    """A checkpoint as one rank reads it, handed to its family's language-model loader in place of the whole:
+    of each language-model weight only the rank's slice (read from the file without the rest), the vocabulary
+    shards zero-padded to equal rows. Vision weights are read whole."""
+
+    def __init__(self, path: str | Path, spec: ModelSpec, tp: TensorParallel) -> None:
+        super().__init__(path)
+        self.spec, self.tp = spec, tp
+
+    def load(
+        self,
+        names: Iterable[str],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        part: Callable[[str], tuple[slice, ...] | None] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        state = super().load(names, device, dtype, part or self.part)
+        _, rows = self.tp.vocab_shard()
+        for name in (EMBED_KEY, LM_HEAD_KEY):
+            if name in state and state[name].shape[0] < rows:
+                state[name] = F.pad(state[name], (0, 0, 0, rows - state[name].shape[0]))
+        return state
+
+    def part(self, name: str) -> tuple[slice, ...] | None:
+        """The rank's index into canonical weight ``name`` (`shard_index`); None outside the language model."""
+        if name == LM_HEAD_KEY:
+            return shard_index(name, self.spec, self.tp)
+        if name.startswith(LANGUAGE_PREFIX):
+            return shard_index(name[len(LANGUAGE_PREFIX) :], self.spec, self.tp)
+        return None  # (a vision tower's MLP has gate_proj / up_proj too)
+
+
+def sharded_model_types() -> list[str]:
+    """The model types whose language model tensor parallelism shards (`Family.tensor_parallel`)."""
+    return [model_type for model_type in FAMILY_MODULES if family(model_type).tensor_parallel]
+
+
+def check_tensor_parallel(spec: ModelSpec, world: int) -> None:
+    """ValueError unless ``world`` ranks can shard this checkpoint's language model: its family's (some families'
+    text models have parts the split does not cover yet), then its heads, kv heads and MLP."""
+    if world > 1 and not family(spec.model_type).tensor_parallel:
+        raise ValueError(
+            f"[decoder] tensor_parallel = {world}: tensor parallelism does not shard the {spec.model_type} language "
+            f"model yet; set tensor_parallel = 1, or serve a model of a type it shards: "
+            f"{', '.join(sharded_model_types())}"
+        )
+    check_shardable(spec, world)
+
+
 def load_shard(
     path: Path, spec: ModelSpec, tp: TensorParallel, device: torch.device, dtype: torch.dtype
 ) -> LanguageModel:
-    """This rank's part of the language model, reading only its slices from the checkpoint files."""
-    check_shardable(spec, tp.world)
-    weights = CheckpointWeights(path)
-    names = weights.keys(LANGUAGE_PREFIX)
-    state = weights.load(names, device, dtype, part=lambda n: shard_index(n[len(LANGUAGE_PREFIX) :], spec, tp))
-    state = {name[len(LANGUAGE_PREFIX) :]: tensor for name, tensor in state.items()}
-    tied = spec.tie_word_embeddings or LM_HEAD_KEY not in weights
-    if tied:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    else:
-        state.update(weights.load([LM_HEAD_KEY], device, dtype, part=lambda n: shard_index(n, spec, tp)))
-    with torch.device("meta"):
-        model = LanguageModel(local_spec(spec, tp.world))
-    model.load_state(_padded_vocab(state, spec, tp, tied))
-    return model.eval()
+    """This rank's part of the checkpoint family's language model, reading only its slices from the files."""
+    check_tensor_parallel(spec, tp.world)
+    load = family(spec.model_type).language_model
+    model = load(ShardWeights(path, spec, tp), device=device, dtype=dtype, spec=local_spec(spec, tp.world))
+    if not isinstance(model, LanguageModel):  # the sharded forward (`workers.models.paged`) runs Qwen2's layers
+        raise TypeError(f"the {spec.model_type} family sets tensor_parallel; its language model is no LanguageModel")
+    return model
