@@ -1,6 +1,7 @@
 """Tensor parallel size 2 with gloo on this CPU, through the whole stack: rank 0 (the decoder worker)
 and rank 1 (``decoder-rank-1``) each hold half of the heads, the MLP and the vocabulary, and the answers
-are transformers' own — the same greedy tokens as size 1 gives (tests/integration/test_chat_parity.py)."""
+are transformers' own — the same greedy tokens as size 1 gives (tests/integration/test_chat_parity.py), on the
+Qwen2-VL demo checkpoint and on the tiny Qwen2.5-VL one."""
 
 from __future__ import annotations
 
@@ -16,17 +17,37 @@ from tests.integration.conftest import Stack, serve
 from tests.integration.test_chat_parity import check_parity, image_part
 from tests.integration.test_faults import ANSWER_BOUND_S, one_request, requests_through_a_kill, wait_restarted
 from tests.media import data_url, make_image
+from workers.models.synth import generate_checkpoint
+
+TP2 = "[decoder]\ntensor_parallel = 2\ntp_timeout_s = 30.0\n"
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from serve(tmp_path_factory, "tp2", "[decoder]\ntensor_parallel = 2\ntp_timeout_s = 30.0\n")
+    yield from serve(tmp_path_factory, "tp2", TP2)
+
+
+@pytest.fixture  # (up and down before the module's Qwen2-VL stack starts: one stack at a time)
+def tp2_qwen2_5_vl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    model = generate_checkpoint(tmp_path_factory.mktemp("qwen2_5_vl") / "tiny", "tiny", 0, family="qwen2_5_vl")
+    yield from serve(tmp_path_factory, "tp2-qwen2_5_vl", f'[model]\npath = "{model}"\n{TP2}')
+
+
+def test_tensor_parallel_2_answers_like_transformers_on_qwen2_5_vl(tp2_qwen2_5_vl: Stack) -> None:
+    """Each rank's shard is the Qwen2.5-VL family's language model; the windowed tower runs on the encoder."""
+    answers_like_transformers(tp2_qwen2_5_vl, "qwen2_5_vl")
 
 
 def test_tensor_parallel_2_answers_like_transformers(tp2: Stack) -> None:
-    assert tp2.pid("decoder-rank-1") > 0
-    client = OpenAI(base_url=tp2.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    hf = HfChat(load_config(tp2.config_path).model_path())
+    answers_like_transformers(tp2, "qwen2_vl")
+
+
+def answers_like_transformers(stack: Stack, model_type: str) -> None:
+    """A text prompt, then two images of different sizes: greedy tokens equal transformers' generate."""
+    assert stack.pid("decoder-rank-1") > 0
+    client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    hf = HfChat(load_config(stack.config_path).model_path())
+    assert hf.model.config.model_type == model_type
     check_parity(client, hf, [{"role": "user", "content": "Write a haiku about the sea."}])
     pictures = [
         image_part(data_url(make_image(200, 60, seed=22))),
