@@ -462,7 +462,12 @@ class FetcherWorker:
         jobs = []
         for start, end in chunks:
             first_row, rows = start * h * w // merge, (end - start) * h * w // merge
-            part = dataclasses.replace(slot, offset=slot.offset + first_row * row_bytes, shape=[rows, *slot.shape[1:]])
+            # (a whole item is its whole slot, whatever its layout: with DeepStack, [1 + K, rows, hidden])
+            part = slot
+            if len(chunks) > 1:
+                part = dataclasses.replace(
+                    slot, offset=slot.offset + first_row * row_bytes, shape=[rows, *slot.shape[1:]]
+                )
             pixels = item.pixel_values[start * h * w : end * h * w]
             job = EncodeJob(
                 uuid.uuid4().hex,
