@@ -17,6 +17,7 @@ from typing import Any
 FAMILIES: dict[str, tuple[str, ...]] = {
     "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLModel"),
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel"),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLModel"),
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 

@@ -181,12 +181,13 @@ def read_tensor(ref: TensorRef, attachments: ShmAttachments | None = None) -> to
     raise ValueError(f"unsupported tensor ref kind {ref.kind!r}")
 
 
-def gather_rows(refs: list[TensorRef], attachments: ShmAttachments) -> torch.Tensor:
+def gather_rows(refs: list[TensorRef], attachments: ShmAttachments, dim: int = 0) -> torch.Tensor:
     """The rows of several refs as one new tensor (a copy: the pools may reuse their bytes once it is
     made), on the GPU if any ref is in a GPU pool: with a spill tier, one request's embeddings can be
-    partly in the GPU pool and partly in host memory."""
+    partly in the GPU pool and partly in host memory. ``dim``: the rows' axis (1 for entries of several
+    feature sets, [sets, rows, hidden])."""
     import torch
 
     parts = [read_tensor(ref, attachments) for ref in refs]
     device = next((part.device for part in parts if part.is_cuda), parts[0].device)
-    return torch.cat([part.to(device) for part in parts])
+    return torch.cat([part.to(device) for part in parts], dim=dim)

@@ -20,6 +20,7 @@ from workers.decoder.graphs import StepInputs
 from workers.decoder.sampling import SamplingRow, sampling_row, stop_ids
 from workers.decoder.tp import StepPayload
 from workers.models.language import LanguageModel
+from workers.models.paged import StepDeepStack
 from workers.models.runtime import upload
 
 
@@ -32,6 +33,8 @@ class Sequence:
     delta: int  # position of token i (past the prompt) is i + delta
     media_mask: torch.Tensor  # [prompt_len] bool: rows filled from media_embeds, in order
     media_embeds: torch.Tensor | None = None
+    # [K, media rows, hidden]: the DeepStack sets of the same rows (Qwen3-VL), added after decoder layers 0..K-1
+    deepstack_embeds: torch.Tensor | None = None
     output_ids: list[int] = field(default_factory=list)
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0  # tokens whose KV is in the table
@@ -102,11 +105,12 @@ def slots(seq: Sequence, start: int, end: int, block_size: int) -> np.ndarray:
     return np.asarray(seq.table.blocks, dtype=np.int64)[at // block_size] * block_size + at % block_size
 
 
-def media_rows(seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Which of tokens [start, end) are media placeholders (bool [end - start]) and their embeddings; None
-    where the span holds no placeholder (most spans of a step: decodes, text)."""
+def media_span(seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, slice] | None:
+    """Which of tokens [start, end) are media placeholders (bool [end - start]) and which media rows fill them
+    (the rows before ``start`` are those of earlier chunks, or of a cached prefix); None where the span holds no
+    placeholder (most spans of a step: decodes, text)."""
     prompt_end = min(end, len(seq.prompt_ids))
-    if seq.media_embeds is None or start >= prompt_end:
+    if start >= prompt_end:
         return None
     part = seq.media_mask[start:prompt_end]
     if not part.any():
@@ -114,7 +118,15 @@ def media_rows(seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch
     mask = torch.zeros(end - start, dtype=torch.bool)
     mask[: prompt_end - start] = part
     first = int(seq.media_mask[:start].sum())
-    return mask, seq.media_embeds[first : first + int(part.sum())]
+    return mask, slice(first, first + int(part.sum()))
+
+
+def media_rows(seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Which of tokens [start, end) are media placeholders (bool [end - start]) and their embeddings; None
+    where the span holds no placeholder (most spans of a step: decodes, text)."""
+    if seq.media_embeds is None or (found := media_span(seq, start, end)) is None:
+        return None
+    return found[0], seq.media_embeds[found[1]]
 
 
 Span = tuple[Sequence, int, int]  # a sequence and the tokens [start, end) it computes this step
@@ -142,6 +154,23 @@ def step_embeddings(model: LanguageModel, spans: list[Span]) -> torch.Tensor:
     index = upload(torch.cat(at), embeds.device)  # (a boolean index on the device would sync)
     rows = torch.cat([upload(part, embeds.device) for part in media]).to(embeds.dtype)
     return embeds.index_copy(0, index, rows)
+
+
+def step_deepstack(spans: list[Span]) -> StepDeepStack | None:
+    """The DeepStack input of a step's tokens, span after span as `step_embeddings` lays them out: the flat
+    indices of the visual tokens and their sets' rows. A chunk takes only its own rows of each set, and a span
+    past the visual rows (a decode, a prefix-cache hit's rest) none; None where no span has any."""
+    at: list[torch.Tensor] = []
+    sets: list[torch.Tensor] = []
+    offset = 0
+    for seq, start, end in spans:
+        if seq.deepstack_embeds is not None and (found := media_span(seq, start, end)) is not None:
+            at.append(found[0].nonzero().squeeze(1) + offset)
+            sets.append(seq.deepstack_embeds[:, found[1]])
+        offset += end - start
+    if not at:
+        return None
+    return StepDeepStack(torch.cat(at), torch.cat([part.to(sets[0].device) for part in sets], dim=1))
 
 
 def step_inputs(batch: list[Scheduled], rows: list[int], block_size: int) -> StepInputs:

@@ -15,7 +15,15 @@ import time
 import numpy as np
 import torch
 
-from workers.decoder.batch import Scheduled, decode_inputs, positions, step_embeddings, step_inputs, tp_payload
+from workers.decoder.batch import (
+    Scheduled,
+    decode_inputs,
+    positions,
+    step_deepstack,
+    step_embeddings,
+    step_inputs,
+    tp_payload,
+)
 from workers.decoder.config import EngineConfig
 from workers.decoder.graphs import engine_graphs
 from workers.decoder.sampling import SampleFuture, sample_async
@@ -23,6 +31,17 @@ from workers.decoder.tp import DECODE_GRAPH, EAGER, MIXED_GRAPH, RankForward, St
 from workers.models.language import LanguageModel
 from workers.models.paged import BatchLayout, PagedKVCache, fuse_layers, paged_forward
 from workers.models.spec import ModelSpec
+
+
+def check_eager_only(spec: ModelSpec, config: EngineConfig, tensor_parallel: bool) -> None:
+    """ValueError where a Qwen3-VL model (q/k norm, DeepStack) would run a path that lacks them: the fused layers
+    and the CUDA graphs (`EngineConfig.from_settings` turns both off for it, saying why), tensor parallelism."""
+    if not spec.qk_norm and not spec.num_deepstack:
+        return
+    if config.fuse or config.graphs != "off":
+        raise ValueError(f"{spec.model_type} runs eagerly and unfused only (fuse=False, graphs='off')")
+    if tensor_parallel:
+        raise ValueError(f"{spec.model_type}: tensor parallelism carries no q/k norm nor DeepStack adds yet")
 
 
 class ModelRunner:
@@ -36,6 +55,7 @@ class ModelRunner:
     ) -> None:
         """``tp_steps``: this is rank 0 of a tensor-parallel group; each step is broadcast, then run."""
         self.model, self.spec, self.config, self.counters, self.tp_steps = model, spec, config, counters, tp_steps
+        check_eager_only(spec, config, tp_steps is not None)
         self.fused = fuse_layers(model) if config.fuse else None
         # The graphs' padding tokens need a block that no sequence owns: one more than the manager hands out.
         graphs = config.graphs != "off"
@@ -125,4 +145,5 @@ class ModelRunner:
             logits_for,
             self.config.attention,
             self.fused,
+            deepstack=step_deepstack(spans) if self.spec.num_deepstack else None,
         )

@@ -36,7 +36,7 @@ from common.protocol import (
     TokenBatch,
     WorkerStatus,
 )
-from common.tensor_ref import ShmAttachments, gather_rows
+from common.tensor_ref import ShmAttachments, TensorRef, gather_rows
 from common.topology import vision_replicas
 from common.transport import Channel, EventLoop, worker_identity
 from workers.decoder.batch import Sequence
@@ -123,7 +123,7 @@ class DecoderWorker:
             model = checkpoint_family(path).language_model(path, device=device, dtype=dtype, spec=self.spec)
             num_blocks = kv_cache_blocks(cfg, model)
         max_len = cfg.decoder.max_model_len or self.spec.max_position_embeddings
-        config = EngineConfig.from_settings(cfg.decoder, device, num_blocks, max_len)
+        config = EngineConfig.from_settings(cfg.decoder, device, num_blocks, max_len, self.spec)
         self.engine = Engine(model, self.spec, config, tp_steps)
         self.ctx = zmq.Context()
         self.inbox = Channel(self.ctx, zmq.PULL, cfg.decoder_endpoint(replica), bind=True)
@@ -290,7 +290,7 @@ class DecoderWorker:
                     self.fail(rid, msg.status, "media_unavailable", msg.message)
                     return
                 try:
-                    waiting.seq.media_embeds = gather_rows(msg.refs, self.pools)
+                    self.take_embeddings(waiting.seq, msg.refs)
                 except (OSError, ValueError, RuntimeError) as exc:  # (RuntimeError: a GPU pool that cannot be mapped)
                     self.fail(rid, 503, "media_unavailable", f"cannot read media embeddings: {exc}")
                     return
@@ -336,6 +336,17 @@ class DecoderWorker:
         for rid in list(self.waiting):
             del self.waiting[rid]
             self.fail(rid, 503, "media_unavailable", f"{why}; retry the request")
+
+    def take_embeddings(self, seq: Sequence, refs: list[TensorRef]) -> None:
+        """A copy of the request's embeddings, items in prompt order. A Qwen3-VL entry is [1 + K, rows, hidden]
+        (merged, then the DeepStack sets): items join along the rows, and the sets go apart."""
+        if not self.spec.num_deepstack:
+            seq.media_embeds = gather_rows(refs, self.pools)
+            return
+        sets = gather_rows(refs, self.pools, dim=1)
+        if sets.ndim != 3 or sets.shape[0] != self.spec.embedding_sets:
+            raise ValueError(f"expected {self.spec.embedding_sets} feature sets an entry, got {list(sets.shape)}")
+        seq.media_embeds, seq.deepstack_embeds = sets[0], sets[1:]
 
     def fail(self, request_id: str, status: int, code: str, message: str) -> None:
         self.results.send(RequestError(request_id, status, code, message))

@@ -61,11 +61,13 @@ def load_vision_backend(cfg: Config, device: torch.device, dtype: torch.dtype) -
 
 def check_backend(cfg: Config, spec: VisionSpec) -> None:
     """ValueError where the configured backend cannot run this tower: the exported ones (onnxruntime, tensorrt)
-    have no window attention yet (Qwen2.5-VL's). The launcher's preflight asks too, before any worker starts."""
-    if cfg.encoder.backend != "torch" and spec.windowed:
+    have no window attention (Qwen2.5-VL's) nor DeepStack outputs (Qwen3-VL's) yet. The launcher's preflight asks
+    too, before any worker starts."""
+    if cfg.encoder.backend != "torch" and (spec.windowed or spec.num_position_embeddings):
+        kind = "windowed" if spec.windowed else "Qwen3-VL (DeepStack)"
         raise ValueError(
             f"[encoder] backend = {cfg.encoder.backend!r} exports only Qwen2-VL's vision tower, not this "
-            'checkpoint\'s windowed one; set [encoder] backend = "torch"'
+            f'checkpoint\'s {kind} one; set [encoder] backend = "torch"'
         )
 
 

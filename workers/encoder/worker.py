@@ -270,7 +270,8 @@ def job_patches(job: EncodeJob) -> int:
 
 
 def encode_images(tower: VisionBackend, pixels: list[torch.Tensor], grids: list[list[int]]) -> list[torch.Tensor]:
-    """Embeddings of several images (or videos) in one forward, one tensor each: [t*h*w / merge², hidden].
+    """Embeddings of several images (or videos) in one forward, one tensor each: [t*h*w / merge², hidden]
+    (or [1 + K, t*h*w / merge², hidden] with DeepStack).
 
     Attention never crosses an image (the tower's segments are per frame), so each image's rows equal
     what encoding it alone gives, up to the float rounding of batched matrix products."""
@@ -279,4 +280,6 @@ def encode_images(tower: VisionBackend, pixels: list[torch.Tensor], grids: list[
     grid = torch.tensor(grids, dtype=torch.int64)  # the towers read it on the host (no device round trip)
     with torch.inference_mode():
         embeds = tower(flat, grid)
-    return list(embeds.split([t * h * w // merge**2 for t, h, w in grids]))
+    # Rows are the second-last axis: a tower with DeepStack (Qwen3-VL) gives [1 + K, rows, hidden], each
+    # item's slice of it one cache entry.
+    return list(embeds.split([t * h * w // merge**2 for t, h, w in grids], dim=-2))

@@ -221,6 +221,12 @@ class FetcherWorker:
                         f"{self.cfg.fetcher.max_images_per_request}",
                     )
                     return
+                if self.spec.num_deepstack and any(media.kind == "video" for media in msg.media):
+                    # Qwen3-VL's videos need the processor's timestamps in the prompt and their own M-RoPE rule.
+                    self.finish_error(
+                        rid, 400, f"videos are not served yet for {self.spec.model_type} checkpoints; send images"
+                    )
+                    return
                 if not msg.media:
                     self.forward(state)
                 for index, media in enumerate(msg.media):
@@ -313,10 +319,17 @@ class FetcherWorker:
         self.calls[call_id] = CacheCall(state.request.request_id, state.loaded, time.monotonic(), tries)
         lookups = []
         for index, item in enumerate(state.loaded):
-            shape = [item.num_tokens, self.spec.hidden_size]
+            shape = self.embedding_shape(item.num_tokens)
             nbytes = nbytes_of(self.embed_dtype, shape)
             lookups.append(CacheLookup(str(index), item.content_hash, nbytes, self.embed_dtype, shape))
         self.cache.send(CacheReserve(call_id, state.request.request_id, lookups))
+
+    def embedding_shape(self, tokens: int) -> list[int]:
+        """An item's cache entry: [tokens, hidden], or with DeepStack (Qwen3-VL) every feature set of the item in
+        one entry, [1 + K, tokens, hidden], so that the sets are found, leased and evicted together."""
+        if self.spec.num_deepstack:
+            return [self.spec.embedding_sets, tokens, self.spec.hidden_size]
+        return [tokens, self.spec.hidden_size]
 
     def retry_cache_calls(self) -> None:
         """Ask again when the cache does not answer; the first call is kept, so that a late answer that
@@ -449,7 +462,12 @@ class FetcherWorker:
         jobs = []
         for start, end in chunks:
             first_row, rows = start * h * w // merge, (end - start) * h * w // merge
-            part = dataclasses.replace(slot, offset=slot.offset + first_row * row_bytes, shape=[rows, *slot.shape[1:]])
+            # (a whole item is its whole slot, whatever its layout: with DeepStack, [1 + K, rows, hidden])
+            part = slot
+            if len(chunks) > 1:
+                part = dataclasses.replace(
+                    slot, offset=slot.offset + first_row * row_bytes, shape=[rows, *slot.shape[1:]]
+                )
             pixels = item.pixel_values[start * h * w : end * h * w]
             job = EncodeJob(
                 uuid.uuid4().hex,

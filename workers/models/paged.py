@@ -30,6 +30,7 @@ from workers.kernels.layout import AttentionMetadata, BatchLayout
 from workers.kernels.norm import fused_add_rms_norm, rms_norm
 from workers.kernels.rotary import apply_mrope
 from workers.models.language import DecoderLayer, LanguageModel, apply_rotary, mrope_cos_sin
+from workers.models.qwen3_vl_text import Qwen3LanguageModel, Qwen3SelfAttention, qk_norm
 from workers.models.spec import ModelSpec
 from workers.models.tensor_parallel import TensorParallel
 
@@ -136,6 +137,8 @@ class FusedLayer:
 def fuse_layers(model: LanguageModel) -> list[FusedLayer]:
     """Concatenate every layer's q/k/v and gate/up weights and point the modules' own parameters at
     views of the result, so the model's memory does not grow and both forward paths keep working."""
+    if isinstance(model, Qwen3LanguageModel):
+        raise ValueError("the fused layers have no q/k norm nor DeepStack adds yet; run a Qwen3-VL model unfused")
     fused = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -161,6 +164,28 @@ def _point_at_parts(whole: torch.Tensor, modules: Sequence[torch.nn.Module], nam
 # --- forward ------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class StepDeepStack:
+    """A step's DeepStack input (Qwen3-VL): the flat indices of its tokens that are visual, and the feature sets
+    to add there, ``features[k]`` [len(rows), hidden] after decoder layer k."""
+
+    rows: torch.Tensor  # [R] int64
+    features: torch.Tensor  # [K, R, hidden]
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> StepDeepStack:
+        return StepDeepStack(self.rows.to(device), self.features.to(device=device, dtype=dtype))
+
+
+def rope_cos_sin(
+    model: LanguageModel | Qwen3LanguageModel, position_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own cos/sin [T, head_dim] of position_ids [3, T] (on its device): Qwen3's interleaved M-RoPE,
+    or Qwen2's sections with the frequencies it cached on the CPU, so that they match its forward bit for bit."""
+    if isinstance(model, Qwen3LanguageModel):
+        return model.rope_cos_sin(position_ids)
+    return mrope_cos_sin(position_ids, model._rope_inv_freq(), model.spec.mrope_section, model.dtype)
+
+
 @torch.inference_mode()
 def paged_forward(
     model: LanguageModel,
@@ -172,6 +197,7 @@ def paged_forward(
     attention: PagedAttention = paged_attention_reference,
     fused: Sequence[FusedLayer] | None = None,
     tp: TensorParallel | None = None,
+    deepstack: StepDeepStack | None = None,
 ) -> torch.Tensor:
     """Run a batch of sequences' new tokens through the decoder, writing their k/v into ``kv``.
 
@@ -179,19 +205,19 @@ def paged_forward(
     [len(logits_for), vocab] of the given flat token indices (default: each sequence's last token).
     ``attention`` is the one place a paged kernel plugs in; with ``fused`` (from `fuse_layers`) the
     layers run the fused projections and the fused norm / activation / rotary / cache-write kernels.
+    ``deepstack``: the step's visual rows and their DeepStack sets (Qwen3-VL; eager layers only).
     """
     _validate(model, inputs_embeds, position_ids, layout, kv)
     device = model.device
     layout = layout.to(device)
-    # The model's own cached frequencies (computed on the CPU), so cos/sin match its forward bit for bit.
-    inv_freq = model._rope_inv_freq()
-    cos, sin = mrope_cos_sin(position_ids.to(device), inv_freq, model.spec.mrope_section, model.dtype)
+    cos, sin = rope_cos_sin(model, position_ids.to(device))
     x = inputs_embeds.to(device=device, dtype=model.dtype)
     rows = layout.last_token_indices if logits_for is None else [int(i) for i in logits_for]
     if any(not 0 <= i < x.shape[0] for i in rows):
         raise ValueError(f"logits_for indices must lie in [0, {x.shape[0]}), got {rows}")
     picked = None if rows == list(range(x.shape[0])) else torch.tensor(rows, dtype=torch.int64).to(device)
-    step = StepContext(cos, sin, layout.slot_mapping, layout, kv, attention, tp)
+    staged = deepstack.to(device, model.dtype) if deepstack is not None and deepstack.rows.numel() else None
+    step = StepContext(cos, sin, layout.slot_mapping, layout, kv, attention, tp, staged)
     return forward_logits(model, x, step, picked, fused)
 
 
@@ -207,6 +233,7 @@ class StepContext:
     kv: PagedKVCache
     attention: PagedAttention
     tp: TensorParallel | None = None  # a rank's share of the heads and MLP; its partial sums are all-reduced
+    deepstack: StepDeepStack | None = None  # Qwen3-VL's adds after the first layers, where the step has visual rows
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.tp is None else self.tp.all_reduce(partial)
@@ -226,9 +253,13 @@ def forward_logits(
     if fused is None:
         for index, layer in enumerate(model.layers):
             x = _decoder_layer(layer, index, x, step)
+            if step.deepstack is not None and index < step.deepstack.features.shape[0]:
+                x = x.index_add(0, step.deepstack.rows, step.deepstack.features[index])
         x = x if rows is None else x.index_select(0, rows)
         logits = model.lm_head(model.norm(x))
         return logits if step.tp is None else step.tp.gather_logits(logits)
+    if step.deepstack is not None:
+        raise ValueError("the fused layers have no DeepStack adds; run a Qwen3-VL model unfused")
     h, residual = _fused_layers(model, x, step, fused)
     if rows is not None:
         h, residual = h.index_select(0, rows), residual.index_select(0, rows)
@@ -245,8 +276,11 @@ def _decoder_layer(layer: DecoderLayer, index: int, x: torch.Tensor, step: StepC
 
 def _self_attention(layer: DecoderLayer, index: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:
     attn, t = layer.self_attn, x.shape[0]
-    q = apply_rotary(attn.q_proj(x).view(t, attn.num_heads, attn.head_dim), step.cos, step.sin)
-    k = apply_rotary(attn.k_proj(x).view(t, attn.num_kv_heads, attn.head_dim), step.cos, step.sin)
+    q = attn.q_proj(x).view(t, attn.num_heads, attn.head_dim)
+    k = attn.k_proj(x).view(t, attn.num_kv_heads, attn.head_dim)
+    if isinstance(attn, Qwen3SelfAttention):  # Qwen3: each head RMS-normalised before the rotary
+        q, k = qk_norm(q, attn.q_norm.weight, attn.q_norm.eps), qk_norm(k, attn.k_norm.weight, attn.k_norm.eps)
+    q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
     v = attn.v_proj(x).view(t, attn.num_kv_heads, attn.head_dim)
     step.kv.write(index, step.slots, k, v)
     return attn.o_proj(_attend(q, index, attn.head_dim, step).reshape(t, -1))

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 FAMILY_MODULES: dict[str, str] = {
     "qwen2_vl": "workers.models.qwen2_vl",
     "qwen2_5_vl": "workers.models.qwen2_5_vl",
+    "qwen3_vl": "workers.models.qwen3_vl",
 }
 
 
@@ -74,6 +75,8 @@ class SynthTables:
     video_preprocessor: Callable[[str], dict[str, Any]]  # video_preprocessor_config.json
     chat_template: str
     dir_name: str  # e.g. "qwen2-vl": generated checkpoints are named <dir_name>-<size>-seed<seed>
+    # The tokenizer files, where the family's differ from Qwen2-VL's (Qwen3's added tokens); None: synth's own
+    write_tokenizer: Callable[[Path], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Model dimensions and special token ids of a Qwen2-VL or Qwen2.5-VL checkpoint, read from its directory.
+"""Model dimensions and special token ids of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint, read from its directory.
 
 Two config layouts exist in the wild and both are accepted:
 
@@ -22,8 +22,8 @@ import torch
 
 from common.model_files import model_family
 
-# The families whose config this spec reads; others (Qwen3-VL) read their own.
-SPEC_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# The families whose config this spec reads.
+SPEC_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -56,11 +56,15 @@ class VisionSpec:
     fullatt_block_indexes: tuple[int, ...] = ()
     # Video M-RoPE in time (Qwen2.5-VL): temporal ids step by seconds per grid step x this; 0: by one
     tokens_per_second: float = 0.0
+    # Qwen3-VL: the learned position table's size, and the blocks whose outputs are DeepStack feature sets
+    num_position_embeddings: int = 0
+    deepstack_visual_indexes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # A tuple whichever sequence it was built from (a JSON round trip, as in an ONNX export's metadata, gives
         # a list), so that specs of one checkpoint compare equal.
         object.__setattr__(self, "fullatt_block_indexes", tuple(self.fullatt_block_indexes))
+        object.__setattr__(self, "deepstack_visual_indexes", tuple(self.deepstack_visual_indexes))
 
     @property
     def windowed(self) -> bool:
@@ -88,6 +92,8 @@ class VisionSpec:
     def from_config(cls, vision: dict[str, Any], model_type: str = "qwen2_vl") -> VisionSpec:
         if model_type == "qwen2_5_vl":
             return cls.from_qwen2_5_vl(vision)
+        if model_type == "qwen3_vl":
+            return cls.from_qwen3_vl(vision)
         rope = vision.get("rope_parameters") or {}
         spec = cls(
             depth=int(_require(vision, "depth", "vision_config")),
@@ -127,6 +133,30 @@ class VisionSpec:
             window_size=int(vision.get("window_size", 112)),
             fullatt_block_indexes=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
             tokens_per_second=float(vision.get("tokens_per_second", 4)),
+        )
+        spec.validate()
+        return spec
+
+    @classmethod
+    def from_qwen3_vl(cls, vision: dict[str, Any]) -> VisionSpec:
+        """Qwen3-VL's vision_config: as Qwen2.5-VL's widths, an ungated MLP of ``intermediate_size``, learned
+        position embeddings and DeepStack (the tower itself reads `qwen3_vl_spec.Qwen3VisionSpec`)."""
+        rope = vision.get("rope_parameters") or {}
+        spec = cls(
+            depth=int(_require(vision, "depth", "vision_config")),
+            embed_dim=int(_require(vision, "hidden_size", "vision_config")),
+            num_heads=int(_first(vision, ("num_heads", "num_attention_heads"), "vision_config")),
+            mlp_ratio=0.0,
+            in_chans=int(vision.get("in_chans", vision.get("in_channels", 3))),
+            out_hidden_size=int(_require(vision, "out_hidden_size", "vision_config")),
+            patch_size=int(_scalar(vision.get("patch_size", 16))),
+            spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
+            temporal_patch_size=int(_scalar(vision.get("temporal_patch_size", 2))),
+            hidden_act=str(vision.get("hidden_act", "gelu_pytorch_tanh")),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            intermediate_size=int(_require(vision, "intermediate_size", "vision_config")),
+            num_position_embeddings=int(_require(vision, "num_position_embeddings", "vision_config")),
+            deepstack_visual_indexes=tuple(int(i) for i in vision.get("deepstack_visual_indexes", ())),
         )
         spec.validate()
         return spec
@@ -173,10 +203,24 @@ class ModelSpec:
     # Dtype the checkpoint was saved in (the natural serving dtype).
     dtype: torch.dtype
     model_type: str = "qwen2_vl"
+    # Qwen3-VL's text model: q and k RMS-normalised per head before rotary, M-RoPE axes interleaved.
+    qk_norm: bool = False
+    mrope_interleaved: bool = False
 
     @property
     def num_kv_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_deepstack(self) -> int:
+        """DeepStack feature sets per visual token (Qwen3-VL), added after decoder layers 0 .. this - 1."""
+        return len(self.vision.deepstack_visual_indexes)
+
+    @property
+    def embedding_sets(self) -> int:
+        """Feature sets of one image in the embedding cache: the merged output and the DeepStack sets, one entry
+        of [embedding_sets, tokens, hidden]; 1 (an entry of [tokens, hidden]) for the families without DeepStack."""
+        return 1 + self.num_deepstack
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelSpec:
@@ -208,8 +252,9 @@ class ModelSpec:
         num_kv_heads = int(text.get("num_key_value_heads") or num_heads)
         head_dim = int(text.get("head_dim") or hidden_size // num_heads)
         rope = _rope_fields(text)
-        # transformers' own default where the config names none (made for head_dim 128; checked below)
-        mrope_section = tuple(int(s) for s in rope.get("mrope_section", (16, 24, 24)))
+        qwen3 = model_type == "qwen3_vl"
+        # transformers' own defaults where the config names none (made for head_dim 128; checked below)
+        mrope_section = tuple(int(s) for s in rope.get("mrope_section", (24, 20, 20) if qwen3 else (16, 24, 24)))
 
         spec = cls(
             hidden_size=hidden_size,
@@ -219,8 +264,8 @@ class ModelSpec:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             # transformers' default when the field is absent.
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 1_000_000.0))),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6 if qwen3 else 1e-5)),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 5_000_000.0 if qwen3 else 1_000_000.0))),
             mrope_section=mrope_section,
             vocab_size=int(_require(text, "vocab_size", "text config")),
             tie_word_embeddings=_tie_word_embeddings(config),
@@ -233,6 +278,8 @@ class ModelSpec:
             eos_token_ids=_eos_token_ids(config, generation_config),
             dtype=_dtype(config),
             model_type=model_type,
+            qk_norm=qwen3,
+            mrope_interleaved=qwen3 and bool(rope.get("mrope_interleaved", True)),
         )
         spec.validate()
         return spec
@@ -253,6 +300,10 @@ class ModelSpec:
             raise ValueError(
                 f"vision out_hidden_size {self.vision.out_hidden_size} != text hidden_size {self.hidden_size}"
             )
+        if self.qk_norm and not self.mrope_interleaved:
+            raise ValueError("only interleaved M-RoPE (mrope_interleaved) is implemented for Qwen3-VL")
+        if self.num_deepstack > self.num_layers:
+            raise ValueError(f"{self.num_deepstack} DeepStack feature sets but {self.num_layers} decoder layers")
         if not self.eos_token_ids:
             raise ValueError("no eos_token_id in generation_config.json or config.json")
 

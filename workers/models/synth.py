@@ -827,7 +827,7 @@ def _write_all(out_dir: Path, size: str, seed: int, family: str) -> None:
     _write_json(out_dir / "preprocessor_config.json", tables.preprocessor(size))
     _write_json(out_dir / "video_preprocessor_config.json", tables.video_preprocessor(size))
     _write_json(out_dir / "chat_template.json", {"chat_template": tables.chat_template})
-    write_tokenizer(out_dir)
+    (tables.write_tokenizer or write_tokenizer)(out_dir)
     write_weights(out_dir, size, seed, tables)
     meta = {"generator": "vlm-serve synth", "version": GENERATOR_VERSION, "size": size, "seed": seed}
     if family != QWEN2_VL:  # (a Qwen2-VL checkpoint's meta is unchanged, so cached demo models stay current)

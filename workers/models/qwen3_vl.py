@@ -1,0 +1,98 @@
+"""Qwen3-VL dense (``model_type: qwen3_vl``; transformers' ``qwen3_vl`` is the reference).
+
+The vision tower (`workers.models.qwen3_vl_vision`: patch 16, learned position embeddings resampled to each grid,
+GELU-tanh MLP) returns the merged embeddings and one DeepStack feature set per ``deepstack_visual_indexes`` entry;
+served, it returns them stacked, [1 + K, tokens, hidden], which is how an image's embeddings travel as one cache
+entry. The text model (`workers.models.qwen3_vl_text`) is Qwen3's: q/k RMSNorm per head, interleaved M-RoPE,
+DeepStack adds after the first K decoder layers. For images the M-RoPE index rule is Qwen2-VL's
+(`workers.models.mrope`); videos (timestamps between frames) are not served yet.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import cast
+
+import torch
+
+from workers.models import qwen3_vl_synth as tables
+from workers.models.mrope import rope_positions
+from workers.models.qwen3_vl_spec import Qwen3VLSpec
+from workers.models.qwen3_vl_text import Qwen3LanguageModel
+from workers.models.qwen3_vl_vision import Qwen3VisionTower
+from workers.models.registry import Family, SynthTables
+from workers.models.spec import ModelSpec
+from workers.models.weights import CheckpointWeights
+
+
+class StackedVisionTower(Qwen3VisionTower):
+    """The tower as the encoder runs it: one tensor [1 + K, rows, hidden] (merged, then each DeepStack set), so
+    that an item's rows of every set are one slice along the rows' axis."""
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path | CheckpointWeights,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        spec: ModelSpec | None = None,
+    ) -> StackedVisionTower:
+        # The tower reads its own spec (grid_side, the DeepStack mergers); the served ModelSpec names the same fields.
+        root = path.path if isinstance(path, CheckpointWeights) else Path(path)
+        return cast(StackedVisionTower, cls.from_checkpoint(path, device, dtype, Qwen3VLSpec.from_dir(root)))
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(pixel_values, grid_thw).stacked()
+
+    def tune_attention(self, tokens: int = 4096) -> dict[str, float]:
+        """The encoder's hook for choosing SDPA kernels: this tower keeps torch's choice."""
+        return {}
+
+    def warm_up(self) -> None:
+        """On CUDA, one forward, so that the first request does not pay for the kernels' set-up."""
+        if self.device.type != "cuda":
+            return
+        unit = self.spec.spatial_merge_size
+        grid = torch.tensor([[1, 8 * unit, 6 * unit]])
+        self(torch.zeros(int(grid.prod()), self.spec.patch_dim, device=self.device, dtype=self.dtype), grid)
+        torch.cuda.synchronize(self.device)
+
+
+def load_language_model(
+    path: str | Path | CheckpointWeights,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    spec: ModelSpec | None = None,
+) -> Qwen3LanguageModel:
+    """Qwen3's decoder, built from the served spec (it names every field the module reads)."""
+    root = path.path if isinstance(path, CheckpointWeights) else Path(path)
+    return Qwen3LanguageModel.from_checkpoint(path, device, dtype, spec or ModelSpec.from_dir(root))  # type: ignore[arg-type]
+
+
+def storage(size: str) -> tuple[str, float]:
+    """(dtype name, init std) of a size's weights."""
+    shape = tables.SIZES[size]
+    return shape["dtype"], shape["init_std"]
+
+
+SYNTH = SynthTables(
+    sizes=tuple(tables.SIZES),
+    config=tables.config_dict,
+    shapes=tables.weight_shapes,
+    storage=storage,
+    preprocessor=tables.preprocessor_config,
+    video_preprocessor=tables.video_preprocessor_config,
+    chat_template=tables.CHAT_TEMPLATE,
+    dir_name="qwen3-vl",
+    write_tokenizer=tables.write_tokenizer,
+)
+
+FAMILY = Family(
+    model_type="qwen3_vl",
+    read_spec=ModelSpec.from_config,
+    vision_tower=StackedVisionTower.load,
+    language_model=load_language_model,
+    rope_positions=rope_positions,
+    synth=SYNTH,
+)
