@@ -11,8 +11,9 @@ The math lives in small pure functions (`rms_norm`, `mrope_cos_sin`, `apply_rota
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -217,10 +218,14 @@ class Mlp(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int) -> None:
+    """A pre-norm decoder layer; ``self_attention`` is the family's (Qwen3's norms q and k per head)."""
+
+    def __init__(
+        self, spec: ModelSpec, layer: int, self_attention: Callable[[Any, int], nn.Module] = SelfAttention
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = SelfAttention(spec, layer)
+        self.self_attn = self_attention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = Mlp(spec)
 

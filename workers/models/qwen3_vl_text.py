@@ -24,7 +24,15 @@ import torch
 from torch import nn
 
 from workers.kernels.rotary import apply_rotary
-from workers.models.language import KVCache, RMSNorm, attention, mlp, mrope_cos_sin, rms_norm, rope_inv_freq
+from workers.models.language import (
+    DecoderLayer,
+    KVCache,
+    RMSNorm,
+    attention,
+    mrope_cos_sin,
+    rms_norm,
+    rope_inv_freq,
+)
 from workers.models.qwen3_vl_spec import Qwen3VLSpec
 from workers.models.weights import CheckpointWeights, check_state, load_language_state
 
@@ -98,30 +106,6 @@ class Qwen3SelfAttention(nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(t, -1))
 
 
-class Qwen3Mlp(nn.Module):
-    def __init__(self, spec: Qwen3VLSpec) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-
-
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, spec: Qwen3VLSpec, layer: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Qwen3SelfAttention(spec, layer)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = Qwen3Mlp(spec)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class Qwen3LanguageModel(nn.Module):
     """Qwen3-VL's text decoder: embeddings -> layers (DeepStack adds after the first ones) -> norm -> lm_head."""
 
@@ -129,7 +113,7 @@ class Qwen3LanguageModel(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList([Qwen3DecoderLayer(spec, i) for i in range(spec.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(spec, i, Qwen3SelfAttention) for i in range(spec.num_layers)])  # type: ignore[arg-type]
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (inv_freq, axis) on the model's device
