@@ -17,10 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.models.frame_attention import FrameAttention, attention_for, grouped_item_order
+from workers.models.frame_attention import attention_for, grouped_item_order
 from workers.models.qwen3_vl_spec import VISION_LAYER_NORM_EPS, Qwen3VisionSpec, Qwen3VLSpec
 from workers.models.runtime import upload
-from workers.models.vision import add_and_norm, rows_in_order, vision_rotary_cos_sin, vision_rotary_positions
+from workers.models.vision import (
+    VisionBlock,
+    rows_in_order,
+    vision_rotary_cos_sin,
+    vision_rotary_positions,
+)
 from workers.models.weights import CheckpointWeights, check_state, load_vision_state
 
 
@@ -94,17 +99,6 @@ class PatchEmbed(nn.Module):
         return self.proj(patches).view(-1, spec.embed_dim)
 
 
-class VisionAttention(nn.Module):
-    def __init__(self, spec: Qwen3VisionSpec) -> None:
-        super().__init__()
-        self.num_heads = spec.num_heads
-        self.qkv = nn.Linear(spec.embed_dim, 3 * spec.embed_dim, bias=True)
-        self.proj = nn.Linear(spec.embed_dim, spec.embed_dim, bias=True)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: FrameAttention) -> torch.Tensor:
-        return self.proj(attend(self.qkv(x), cos, sin, self.num_heads).reshape(x.shape[0], -1))
-
-
 class VisionMlp(nn.Module):
     def __init__(self, spec: Qwen3VisionSpec) -> None:
         super().__init__()
@@ -115,31 +109,6 @@ class VisionMlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(gelu_tanh(self.linear_fc1(x)))
-
-
-class VisionBlock(nn.Module):
-    """``x + attn(norm1(x))``, then ``+ mlp(norm2(x))``; as vision.VisionBlock, each residual add fused with the
-    LayerNorm after it (one kernel on CUDA)."""
-
-    def __init__(self, spec: Qwen3VisionSpec) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(spec.embed_dim, eps=VISION_LAYER_NORM_EPS)
-        self.norm2 = nn.LayerNorm(spec.embed_dim, eps=VISION_LAYER_NORM_EPS)
-        self.attn = VisionAttention(spec)
-        self.mlp = VisionMlp(spec)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        normed: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attend: FrameAttention,
-        next_norm: nn.LayerNorm,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, norm1(x)) -> (the block's output, next_norm of it)."""
-        x, normed = add_and_norm(self.attn(normed, cos, sin, attend), x, self.norm2)
-        return add_and_norm(self.mlp(normed), x, next_norm)
 
 
 class PatchMerger(nn.Module):
@@ -172,7 +141,7 @@ class Qwen3VisionTower(nn.Module):
         self.spec = spec
         self.patch_embed = PatchEmbed(spec)
         self.pos_embed = nn.Embedding(spec.num_position_embeddings, spec.embed_dim)
-        self.blocks = nn.ModuleList([VisionBlock(spec) for _ in range(spec.depth)])
+        self.blocks = nn.ModuleList([VisionBlock(spec, VisionMlp) for _ in range(spec.depth)])  # type: ignore[arg-type]
         self.merger = PatchMerger(spec, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(
             [PatchMerger(spec, postshuffle=True) for _ in spec.deepstack_visual_indexes]

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -150,12 +151,13 @@ class VisionBlock(nn.Module):
     """``x + attn(norm1(x))``, then ``+ mlp(norm2(x))``. Each residual add is fused with the LayerNorm after
     it, so a block takes its input already normalised by norm1 and hands on the next LayerNorm's output."""
 
-    def __init__(self, spec: VisionSpec) -> None:
+    def __init__(self, spec: VisionSpec, mlp: Callable[[Any], nn.Module] = VisionMlp) -> None:
+        """``mlp``: the family's (Qwen3-VL's is GELU-tanh under other names)."""
         super().__init__()
         self.norm1 = nn.LayerNorm(spec.embed_dim, eps=LAYER_NORM_EPS)
         self.norm2 = nn.LayerNorm(spec.embed_dim, eps=LAYER_NORM_EPS)
         self.attn = VisionAttention(spec)
-        self.mlp = VisionMlp(spec)
+        self.mlp = mlp(spec)
 
     def forward(
         self,
