@@ -122,6 +122,16 @@ class FetcherConfig:
         60.0, "An encode job not done in this many seconds fails, and its request with it."
     )
     threads: int = setting(4, "Download and preprocessing threads of each fetcher.")
+    count: int = setting(
+        1,
+        'Fetcher processes. Left out or "auto": one per encoder, at most one per 4 CPU cores (decoding, resizing and '
+        "hashing media is CPU work that grows with the encoders it feeds); the gateway sends an image to the same "
+        "fetcher each time, where it is remembered.",
+    )
+
+    def validate(self, where: str) -> None:
+        if self.count < 1:
+            raise ValueError(f"{where}.count: expected >= 1, got {self.count}")
 
 
 VISION_BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what runs the tower: workers/encoder/backends.py
@@ -592,7 +602,7 @@ PLACEMENT_KEYS = (
     "encoder.gpus",
     "encoder.count",
 )
-AUTO_KEYS = frozenset({*PLACEMENT_KEYS, "cache.device_pool", "cache.spill_bytes", "cache.pool_bytes"})
+AUTO_KEYS = frozenset({*PLACEMENT_KEYS, "cache.device_pool", "cache.spill_bytes", "cache.pool_bytes", "fetcher.count"})
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
@@ -616,7 +626,7 @@ def gpu_count(cfg: Config, env: Mapping[str, str], driver_gpus: Path = NVIDIA_GP
 
 def resolve(cfg: Config, gpus: int) -> list[str]:
     """Fill what ``cfg.auto`` names for a host of ``gpus`` GPUs; the lines that say what was chosen and why."""
-    return [place(cfg, gpus), device_pool(cfg, gpus), sm_split(cfg, gpus)]
+    return [place(cfg, gpus), device_pool(cfg, gpus), sm_split(cfg, gpus), fetchers(cfg, gpus, usable_cpus())]
 
 
 def place(cfg: Config, gpus: int) -> str:
@@ -675,6 +685,24 @@ def sm_split(cfg: Config, gpus: int) -> str:
             "[encoder] sm_split = N with routed replicas to split)"
         )
     return "SM split: off"
+
+
+def fetchers(cfg: Config, gpus: int, cpus: int) -> str:
+    """One fetcher per encoder (after the layout rule), as the images each encoder takes are decoded and resized
+    on the CPU first; at most one per 4 cores, which each fetcher's threads keep busy."""
+    if "fetcher.count" not in cfg.auto:
+        return f"fetchers: {cfg.fetcher.count} ([fetcher] count)"
+    encoders = len(cfg.encoder.gpus) or cfg.encoder.count or max(1, gpus)
+    cfg.fetcher.count = max(1, min(encoders, cpus // 4))
+    return (
+        f"fetchers: {cfg.fetcher.count} of {cfg.fetcher.threads} threads (auto: one per encoder ({encoders}), at most "
+        f"one per 4 of {cpus} CPU cores; [fetcher] count to override)"
+    )
+
+
+def usable_cpus() -> int:
+    """The CPU cores this process may run on (its affinity mask, as a container's cpuset sets it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 # ------------------------------------------------------------------ the reference

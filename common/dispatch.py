@@ -10,6 +10,7 @@ that has failed ``max_attempts`` times, or waited past its deadline, is failed t
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import deque
@@ -42,6 +43,7 @@ class Job:
     attempts: int = 0
     peer: bytes | None = None
     prefer: bytes | None = None  # the worker to give it to while that one has a free credit
+    affinity: bytes | None = None  # else: the live worker this key ranks first (`ranked_first`), while it has one
 
 
 class Dispatcher:
@@ -94,10 +96,18 @@ class Dispatcher:
                 self.queue.appendleft(job_id)
 
     # ------------------------------------------------------------------ jobs
-    def submit(self, job_id: str, payload: Message | bytes, timeout_s: float, prefer: bytes | None = None) -> None:
+    def submit(
+        self,
+        job_id: str,
+        payload: Message | bytes,
+        timeout_s: float,
+        prefer: bytes | None = None,
+        affinity: bytes | None = None,
+    ) -> None:
         """Queue a job (``prefer``: go to that worker if it is live with a free credit, as to the one holding
-        related work; to the freest otherwise)."""
-        self.jobs[job_id] = Job(job_id, payload, time.monotonic() + timeout_s, prefer=prefer)
+        related work; ``affinity``: a key whose jobs go to the same worker while the live workers stay the same,
+        as where a worker remembers what it did for the key; to the freest otherwise)."""
+        self.jobs[job_id] = Job(job_id, payload, time.monotonic() + timeout_s, prefer=prefer, affinity=affinity)
         self.queue.append(job_id)
         self.dispatch()
 
@@ -126,7 +136,7 @@ class Dispatcher:
             job = self.jobs.get(self.queue.popleft())
             if job is None or job.peer is not None:
                 continue
-            preferred = self.peers.get(job.prefer) if job.prefer is not None else None
+            preferred = self._preferred(job)
             peer = preferred if preferred is not None and preferred.free > 0 else freest
             if job.attempts >= self.max_attempts:
                 self._fail(job, f"gave up after {job.attempts} attempts: its workers kept dying")
@@ -136,6 +146,11 @@ class Dispatcher:
             peer.jobs.add(job.job_id)
             if not self.send(peer.key, job.payload):
                 self._lose_peer(peer, "is unreachable")
+
+    def _preferred(self, job: Job) -> Peer | None:
+        if job.prefer is not None and job.prefer in self.peers:
+            return self.peers[job.prefer]
+        return ranked_first(job.affinity, self.peers) if job.affinity is not None else None
 
     def tick(self) -> None:
         """Drop silent workers (re-issuing their jobs) and fail jobs past their deadline."""
@@ -153,3 +168,9 @@ class Dispatcher:
     def _fail(self, job: Job, why: str) -> None:
         self._forget(job.job_id)
         self.on_fail(job, why)
+
+
+def ranked_first(key: bytes, peers: dict[bytes, Peer]) -> Peer | None:
+    """Rendezvous hashing: the peer whose (key, peer) hash is highest. A key keeps its peer while that one lives,
+    and a peer that joins or leaves moves only the keys it ranks first for."""
+    return max(peers.values(), key=lambda peer: hashlib.blake2b(key + peer.key, digest_size=8).digest(), default=None)

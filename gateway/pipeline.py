@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import time
 import uuid
@@ -22,6 +23,7 @@ from common.protocol import (
     DecoderStats,
     FetchDone,
     GenerateRequest,
+    MediaInput,
     Message,
     PreparedRequest,
     RequestError,
@@ -159,7 +161,8 @@ class Pipeline:
         replica.routed += 1
         if frame is not None:
             tracked.stage = "fetch"
-            self.fetchers.submit(tracked.wire_id, frame, self.cfg.server.request_timeout_s, prefer)
+            affinity = media_affinity(tracked.request.media)
+            self.fetchers.submit(tracked.wire_id, frame, self.cfg.server.request_timeout_s, prefer, affinity)
         else:  # text only: straight to the decoder
             tracked.stage = "decode"
             request = tracked.request
@@ -397,3 +400,17 @@ class Pipeline:
                 self.stats_waiters.pop(call_id, None)
         answers = [f.result() for f in futures.values() if f.done() and not f.cancelled()]
         return {answer.role: answer.counters for answer in answers}
+
+
+# Enough of a data URL to tell images apart without reading megabytes on the event loop: its ends and its length.
+AFFINITY_SAMPLE = 4096
+
+
+def media_affinity(media: list[MediaInput]) -> bytes | None:
+    """The key that sends a request to the fetcher its first media item went to before (`Dispatcher.submit`):
+    a fetcher remembers what it decoded, so a conversation that resends an image is not decoded again."""
+    if not media:
+        return None
+    url = media[0].url
+    sample = f"{len(url)}:{url[:AFFINITY_SAMPLE]}:{url[-AFFINITY_SAMPLE:]}"
+    return hashlib.blake2b(sample.encode(), digest_size=16).digest()

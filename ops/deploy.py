@@ -50,19 +50,17 @@ def render(
     decoder_ranks: int = 1,
     mps: MpsPlan | None = None,
     replicas: int = 1,
+    fetchers: int = 1,
 ) -> str:
     """The configuration to run; ``mps`` adds the CUDA MPS control daemon and each GPU process's share."""
-    if encoders < 1 or decoder_ranks < 1 or replicas < 1:
+    if min(encoders, decoder_ranks, replicas, fetchers) < 1:
         raise ValueError(
-            "a deployment needs at least one encoder, one decoder replica and one rank each, got "
-            f"{encoders}, {replicas}, {decoder_ranks}"
+            "a deployment needs at least one encoder, one decoder replica, one rank each and one fetcher, got "
+            f"{encoders}, {replicas}, {decoder_ranks}, {fetchers}"
         )
     text = template.replace("%(here)s/../run/", f"{run}/").replace("%(here)s/..", str(repo))
-    encoder = _section(text, "encoder")
-    if "numprocs = 1" not in encoder.group(0):
-        raise ValueError("the template's [program:encoder] section has no 'numprocs = 1' to set")
-    body = encoder.group(0).replace("numprocs = 1", f"numprocs = {encoders}", 1)
-    text = text[: encoder.start()] + body + text[encoder.end() :]
+    text = _with_processes(text, "encoder", encoders)
+    text = _with_processes(text, "fetcher", fetchers)
     text = _add_decoders(text, replicas, decoder_ranks)
     if mps is not None:
         text = _add_mps(text, repo, run, mps)
@@ -94,6 +92,14 @@ def _add_mps(text: str, repo: Path, run: Path, plan: MpsPlan) -> str:
         body = section.group(0).rstrip("\n") + f"\nenvironment = {mps_env}{extra}\n\n"
         text = text[: section.start()] + body + text[section.end() :]
     return text.rstrip("\n") + "\n\n" + program
+
+
+def _with_processes(text: str, program: str, count: int) -> str:
+    section = _section(text, program)
+    if "numprocs = 1" not in section.group(0):
+        raise ValueError(f"the template's [program:{program}] section has no 'numprocs = 1' to set")
+    body = section.group(0).replace("numprocs = 1", f"numprocs = {count}", 1)
+    return text[: section.start()] + body + text[section.end() :]
 
 
 def _section(text: str, program: str) -> re.Match[str]:
@@ -173,7 +179,8 @@ def write_supervisord_conf(cfg: Config, out: Path) -> None:
     print(f"CUDA MPS: {'on' if wanted else 'off'} ({why})", file=sys.stderr)
     mps = MpsPlan.of(cfg) if wanted else None
     decoder = cfg.decoder
-    text = render(template, REPO, cfg.run_path, encoder_count(cfg), decoder.tensor_parallel, mps, decoder.replicas)
+    counts = {"replicas": decoder.replicas, "fetchers": cfg.fetcher.count}
+    text = render(template, REPO, cfg.run_path, encoder_count(cfg), decoder.tensor_parallel, mps, **counts)
     out.write_text(with_gpu_count(text, os.environ.get("VLM_GPU_COUNT", "")))
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from common import config as config_mod
 from common.config import (
     DEFAULT_CONFIG,
     REPO_ROOT,
@@ -460,6 +461,20 @@ def test_no_gpu_or_one_keeps_one_decoder_and_one_encoder(tmp_path: Path) -> None
     assert choices[0].startswith("layout: 1 GPU -> one decoder and one encoder share GPU 0 (auto; set")
     assert choices[1].startswith("embedding pool: GPU 0, by CUDA IPC (auto:")
     assert choices[2].startswith("SM split: off (it isolates text streams from image work but slows image requests")
+    assert choices[3].startswith("fetchers: 1 of 4 threads (auto: one per encoder (1), at most one per 4 of")
+
+
+@pytest.mark.parametrize(("gpus", "cpus", "fetchers"), [(0, 2, 1), (1, 16, 1), (2, 16, 1), (4, 8, 2), (8, 128, 7)])
+def test_fetchers_follow_the_encoders_within_the_cores(tmp_path: Path, gpus: int, cpus: int, fetchers: int) -> None:
+    """One fetcher per encoder (the layout rule's: GPUs 1..N-1 on 2+ GPUs), at most one per 4 cores."""
+    cfg = on_gpus(tmp_path, gpus)
+    line = config_mod.fetchers(cfg, gpus, cpus)
+    assert cfg.fetcher.count == fetchers and line.startswith(f"fetchers: {fetchers} of 4 threads (auto:")
+    set_by_hand = on_gpus(tmp_path, gpus, "[fetcher]\ncount = 3\n")
+    assert config_mod.fetchers(set_by_hand, gpus, cpus) == "fetchers: 3 ([fetcher] count)"
+    assert set_by_hand.fetcher.count == 3
+    with pytest.raises(ValueError, match="count: expected >= 1"):
+        on_gpus(tmp_path, gpus, "[fetcher]\ncount = 0\n")
 
 
 @pytest.mark.parametrize("gpus", [2, 3, 8])

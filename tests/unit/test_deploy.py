@@ -35,6 +35,17 @@ def test_encoder_processes_follow_the_count_and_nothing_else_changes(tmp_path: P
     assert three["program:encoder"]["command"].startswith(f"{REPO}/.venv/bin/python -m workers.encoder --gpu")
 
 
+def test_fetcher_processes_follow_their_count(tmp_path: Path) -> None:
+    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, fetchers=3)
+    parser = configparser.RawConfigParser()
+    parser.read_string(text)
+    fetcher = parser["program:fetcher"]
+    assert (fetcher["numprocs"], parser["program:encoder"]["numprocs"]) == ("3", "2")
+    assert fetcher["command"].endswith("-m workers.fetcher --index %(process_num)d")  # each its own index
+    with pytest.raises(ValueError, match="one fetcher"):
+        render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 1, fetchers=0)
+
+
 def test_encoder_count_and_bad_counts(tmp_path: Path) -> None:
     cfg = Config()
     cfg.encoder.count = 2

@@ -118,6 +118,45 @@ def test_a_preferred_worker_takes_the_job_while_it_has_credit(h: Harness) -> Non
     assert h.sent_to(b"big") == ["first", "fourth", "fifth"]
 
 
+def test_jobs_of_one_affinity_key_go_to_one_worker_while_the_workers_stay(h: Harness) -> None:
+    """A fetcher remembers the images it decoded: a request that resends an image goes where it went before,
+    whichever worker is freest; a key's worker changes only when that worker is gone."""
+    workers = [b"f0", b"f1", b"f2"]
+    for key in workers:
+        h.status(key, credits=64)
+    keys = [f"image-{i}".encode() for i in range(30)]
+    first = {}
+    for i, key in enumerate(keys):
+        h.dispatcher.submit(f"a{i}", Ping(f"a{i}"), 60.0, affinity=key)
+        first[key] = h.sent[-1][0]
+    assert set(first.values()) == set(workers)  # the keys spread over the workers
+    for i, key in enumerate(keys):  # the same keys again, later: each to the same worker
+        h.dispatcher.submit(f"b{i}", Ping(f"b{i}"), 60.0, affinity=key)
+        assert h.sent[-1] == (first[key], f"b{i}")
+    for job_id in list(h.dispatcher.jobs):
+        h.dispatcher.complete(job_id)
+    h.clock.advance(DEAD_AFTER + 1)  # all silent; f0 and f2 come back, f1 does not
+    h.dispatcher.tick()
+    h.status(b"f0", credits=64, incarnation="inc-1")
+    h.status(b"f2", credits=64, incarnation="inc-1")
+    for i, key in enumerate(keys):  # f1 is gone: only its keys move
+        h.dispatcher.submit(f"c{i}", Ping(f"c{i}"), 60.0, affinity=key)
+        assert h.sent[-1][0] == first[key] or first[key] == b"f1"
+
+
+def test_a_full_affinity_worker_does_not_hold_the_job(h: Harness) -> None:
+    h.status(b"f0", credits=1)
+    h.status(b"f1", credits=1)
+    key = next(
+        k
+        for k in (f"k{i}".encode() for i in range(100))
+        if dispatch_mod.ranked_first(k, h.dispatcher.peers).key == b"f0"
+    )
+    h.dispatcher.submit("a", Ping("a"), 60.0, affinity=key)
+    h.dispatcher.submit("b", Ping("b"), 60.0, affinity=key)  # f0 is full: the freest takes it
+    assert h.sent == [(b"f0", "a"), (b"f1", "b")]
+
+
 def test_never_beyond_credits(h: Harness) -> None:
     h.status(b"w1", credits=2)
     for i in range(5):
