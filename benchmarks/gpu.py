@@ -73,6 +73,7 @@ class Run:
     out: Path
     args: argparse.Namespace
     rows: list[dict[str, Any]] = field(default_factory=list)
+    earlier_calls: list[dict[str, Any]] = field(default_factory=list)  # calls.json of this folder's earlier calls
 
     @property
     def raw(self) -> Path:
@@ -645,24 +646,31 @@ def part_vllm_copy(run: Run, number: int) -> None:
 
 
 def write_record(run: Run, info: dict[str, Any]) -> None:
-    """machine.json and summary.md: the command, machine, revision, date and a table of what the parts wrote."""
+    """machine.json and summary.md: the command, machine, revision, date and a table of what the parts wrote; a
+    result folder used again by a later call (``hf-parity`` after ``serve``) keeps the earlier calls' sections."""
     (run.out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
-    lines = [
-        f"# {run.out.name}",
-        "",
-        f"Command: `{info['command']}`",
-        "",
-        f"Machine: {info['gpu']}; {info['software']}. Revision {info['revision']} ({info['repo']}), {info['date']}.",
-        "",
-        "| run | figures |",
-        "| --- | --- |",
-    ]
-    lines += [f"| {row['name']} | {json.dumps({k: v for k, v in row.items() if k != 'name'})} |" for row in run.rows]
-    (run.out / "summary.md").write_text("\n".join(lines) + "\n")
+    calls = [*run.earlier_calls, {"info": info, "rows": run.rows}]
+    (run.out / "calls.json").write_text(json.dumps(calls, indent=1) + "\n")
+    lines = [f"# {run.out.name}", ""]
+    for call in calls:
+        done, rows = call["info"], call["rows"]
+        lines += [
+            f"Command: `{done['command']}`",
+            "",
+            f"Machine: {done['gpu']}; {done['software']}. "
+            f"Revision {done['revision']} ({done['repo']}), {done['date']}.",
+            "",
+            "| run | figures |",
+            "| --- | --- |",
+        ]
+        lines += [f"| {row['name']} | {json.dumps({k: v for k, v in row.items() if k != 'name'})} |" for row in rows]
+        lines.append("")
+    (run.out / "summary.md").write_text("\n".join(lines))
 
 
 def ship(result_dir: Path, ship_dir: Path | None) -> None:
     if ship_dir is not None:
+        ship_dir.mkdir(parents=True, exist_ok=True)
         with tarfile.open(ship_dir / "results.tgz", "w:gz") as archive:
             archive.add(result_dir, arcname=result_dir.name)
 
@@ -761,6 +769,8 @@ def main(argv: list[str] | None = None) -> None:
     runs = [Run(repo, result_dir / repo.name if len(repos) > 1 else result_dir, args) for repo in repos]
     for run in runs:
         run.raw.mkdir(parents=True, exist_ok=True)
+        if (run.out / "calls.json").exists():
+            run.earlier_calls = json.loads((run.out / "calls.json").read_text())
     for part in args.parts:
         for run in runs:  # part by part, the checkouts alternating: the same machine state for both
             log(f"{part} on {run.repo}")

@@ -79,3 +79,17 @@ def test_hf_parity_part_compares_transformers_with_a_recorded_server(
     summary = (tmp_path / "res" / "summary.md").read_text()
     assert "parity-vs-hf" in summary and "vllm-parity-vs-hf" in summary
     assert (tmp_path / "res" / "hf-parity.json").exists()
+
+
+def test_a_result_folder_used_again_keeps_the_earlier_calls_record(tmp_path: Path) -> None:
+    """serve and vllm in one call, hf-parity into the same folder in the next: summary.md keeps both."""
+    info = {"gpu": "H200", "software": "torch", "revision": "abc1234", "repo": "/r", "date": "today"}
+    args = gpu.parse_args(["serve", "--result-dir", str(tmp_path)])
+    first = gpu.Run(tmp_path, tmp_path, args, rows=[{"name": "vllm-seed3img-c32", "completed": 64}])
+    gpu.write_record(first, {**info, "command": "python3 -m benchmarks.gpu vllm serve"})
+    earlier = json.loads((tmp_path / "calls.json").read_text())
+    second = gpu.Run(tmp_path, tmp_path, args, rows=[{"name": "parity-vs-hf", "exit": 0}], earlier_calls=earlier)
+    gpu.write_record(second, {**info, "command": "python3 -m benchmarks.gpu hf-parity"})
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.index("gpu vllm serve") < summary.index("vllm-seed3img-c32") < summary.index("gpu hf-parity")
+    assert "parity-vs-hf" in summary and len(json.loads((tmp_path / "calls.json").read_text())) == 2
