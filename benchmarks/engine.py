@@ -1,7 +1,11 @@
 """Engine-level timings without HTTP: decode steps, prefills and the whole engine loop, beside
 transformers on the same checkpoint and the H200's roofline.
 
-    python -m benchmarks.engine --model DIR --out engine.json [--quick]
+    python -m benchmarks.engine --model DIR --out engine.json [--quick] [--device cpu]
+
+The checkpoint's family (`workers.models.registry`) gives the language model, and `EngineConfig.from_settings`
+(the decoder's own choice for that model on that device) whether its steps run fused and from CUDA graphs; the
+decode and prefill timings need both, so a model the server runs eagerly gets ``engine_tpot`` alone.
 
 - ``decode``: one decode step (the model forward, no sampling) for batch x context, through the CUDA
   graphs the engine replays and eagerly with the same kernels; timed with CUDA events over many steps.
@@ -12,7 +16,8 @@ transformers on the same checkpoint and the H200's roofline.
   and the same prefills.
 - ``roofline``: weight bytes (+ KV bytes read) / 4.8 TB/s for decode; 2 * params * tokens / 790 TFLOP/s
   (+ attention) for prefill — the ANCHORS.md figures.
-Needs a CUDA GPU (it says so and exits 2 otherwise).
+Needs a CUDA GPU (it says so and exits 2 otherwise); ``--device cpu`` is a smoke run of ``engine_tpot`` alone
+(a few tokens, float32), for the CPU tests.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from workers.decoder.graphs import StepGraphs, StepInputs
 from workers.kernels import attention_triton, paged_attention
 from workers.models.language import LanguageModel
 from workers.models.paged import BatchLayout, FusedLayer, PagedKVCache, fuse_layers, paged_forward
+from workers.models.registry import checkpoint_family, read_spec
 from workers.models.spec import ModelSpec
 
 HBM_BYTES_PER_S = 4.8e12
@@ -186,8 +192,16 @@ def bench_prefill(model: LanguageModel, lengths: list[int], layers: list[FusedLa
 
 
 def bench_engine(
-    model: LanguageModel, spec: ModelSpec, batch: int, prompt: int, new: int, overlap: bool = True
+    model: LanguageModel,
+    spec: ModelSpec,
+    batch: int,
+    prompt: int,
+    new: int,
+    overlap: bool = True,
+    server: EngineConfig | None = None,
 ) -> dict[str, Any]:
+    """The real engine's wall time per decode step; its kernels, fusion and graphs are ``server``'s (the
+    decoder's choice for this model, `EngineConfig.from_settings`), Triton with fused layers and graphs if None."""
     block_size = 16
     blocks = batch * (-(-(prompt + new) // block_size) + 1) + 1
     config = EngineConfig(
@@ -197,9 +211,9 @@ def bench_engine(
         num_blocks=blocks,
         block_size=block_size,
         prefix_cache=False,
-        attention=paged_attention,
-        fuse=True,
-        graphs="cuda",
+        attention=server.attention if server else paged_attention,
+        fuse=server.fuse if server else True,
+        graphs=server.graphs if server else "cuda",
         graph_tokens=2048,
         overlap=overlap,
     )
@@ -222,6 +236,7 @@ def bench_engine(
         "graph_steps": engine.counters["graph_steps"],
         "overlap": overlap,
         "overlapped_steps": engine.counters["overlapped_steps"],
+        "fused": config.fuse,
         "mean_step_ms": 1e3 * sum(gaps) / len(gaps),
         "p50_step_ms": 1e3 * gaps[len(gaps) // 2],
         "p99_step_ms": 1e3 * gaps[int(len(gaps) * 0.99)],
@@ -236,9 +251,10 @@ def bench_engine(
 
 
 def bench_hf(model_dir: Path, decode_grid: list[tuple[int, int]], prefills: list[int]) -> dict[str, Any]:
-    from transformers import DynamicCache, Qwen2VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, DynamicCache
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda().eval()
+    # The class of the checkpoint's model_type (Qwen2VL..., Qwen2_5_VL..., Qwen3VLForConditionalGeneration).
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda().eval()
     out: dict[str, Any] = {"decode": [], "prefill": []}
     with torch.inference_mode():
         for batch, context in decode_grid:
@@ -362,21 +378,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--block-size", type=int, default=DecoderConfig().block_size, help="KV block size of --time/profile-decode"
     )
+    parser.add_argument("--device", default="cuda", help="cuda; cpu: a smoke run of engine_tpot alone (tests)")
     add_decode_kernel_options(parser)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         print("benchmarks.engine needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
     use_decode_kernel_options(args)
-    grid = (
-        [(1, 1000), (32, 1000), (64, 3000)]
-        if args.quick
-        else [(1, 1000), (1, 3000), (8, 1000), (32, 1000), (32, 3000), (64, 1000), (64, 3000)]
-    )
-    prefills = [820, 2800]
-    spec = ModelSpec.from_dir(args.model)
-    results: dict[str, Any] = {"model": str(args.model), "device": torch.cuda.get_device_name()}
-    model = LanguageModel.from_checkpoint(args.model, device="cuda", dtype=torch.bfloat16)
+    spec = read_spec(args.model)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = checkpoint_family(args.model).language_model(args.model, device=device, dtype=dtype, spec=spec)
+    # What the decoder process would run this model with on this device (fused layers, graphs, attention).
+    server = EngineConfig.from_settings(DecoderConfig(), device, 1, 1, spec)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    results: dict[str, Any] = {"model": str(args.model), "model_type": spec.model_type, "device": name}
+    results["server_kernels"] = {"fuse": server.fuse, "graphs": server.graphs}
+    if device.type != "cuda":
+        results["engine_tpot"] = [bench_engine(model, spec, b, 24, 4, True, server) for b in (1, 2)]
+        args.out.write_text(json.dumps(results, indent=1))
+        print(f"wrote {args.out}")
+        return
     if args.profile:
         profile_prefill(model, 820)
         return
@@ -386,14 +408,24 @@ def main(argv: list[str] | None = None) -> None:
             print(f"split target: {per_sm} programs per SM", flush=True)
             time_decode_graph(model, mix, args.graph_max_context, args.profile_decode, args.block_size)
         return
+    grid = (
+        [(1, 1000), (32, 1000), (64, 3000)]
+        if args.quick
+        else [(1, 1000), (1, 3000), (8, 1000), (32, 1000), (32, 3000), (64, 1000), (64, 3000)]
+    )
+    prefills = [820, 2800]
     results["language_weight_bytes"] = language_bytes(model)
-    results["prefill_unfused"] = bench_prefill(model, prefills, None)
-    fused = fuse_layers(model)
-    results["prefill"] = bench_prefill(model, prefills, fused)
-    results["decode"] = bench_decode(model, fused, grid, repeats=20 if args.quick else 50)
+    if server.fuse and server.graphs == "cuda":
+        results["prefill_unfused"] = bench_prefill(model, prefills, None)
+        fused = fuse_layers(model)
+        results["prefill"] = bench_prefill(model, prefills, fused)
+        results["decode"] = bench_decode(model, fused, grid, repeats=20 if args.quick else 50)
+    else:
+        results["skipped"] = f"decode graphs and prefills: the decoder runs {spec.model_type} unfused, without graphs"
+        print(results["skipped"], flush=True)
     new = 64 if args.quick else 256
     runs = [(1, True), (32, True), (1, False), (32, False)]
-    results["engine_tpot"] = [bench_engine(model, spec, b, 820, new, overlap) for b, overlap in runs]
+    results["engine_tpot"] = [bench_engine(model, spec, b, 820, new, overlap, server) for b, overlap in runs]
     del model
     torch.cuda.empty_cache()
     if not args.skip_hf:

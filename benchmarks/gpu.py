@@ -10,6 +10,8 @@ Parts (run in the order given, each against every ``--repo``):
 - ``serve``: the stack under supervisord, the ``--workloads`` at each of ``--clients`` (`benchmarks.serve`); with
   ``--url`` against a server already running instead.
 - ``hf``: the transformers baseline on seed3img's prompts (`benchmarks.baseline_hf`).
+- ``hf-parity``: transformers' bf16 answers to `benchmarks.parity`'s prompts, compared with those the ``parity``
+  workload recorded from each server before it (ours, vLLM's) within ``--parity-tolerance``.
 - ``vllm``: vLLM 0.22 (`--peer-dir`, a copy of ../shared/tools/vllm-peer) on the same checkpoint with the same
   workloads, then stopped; ``vllm-part1`` and ``vllm-part2`` copy the carried tarball parts first (one device
   call each, see that folder's README).
@@ -17,6 +19,9 @@ Parts (run in the order given, each against every ``--repo``):
 Workloads (``--workloads``, for ``serve`` and ``vllm`` alike): `benchmarks.serve`'s ``seed3img``, ``seed3img-anchor``,
 ``multiturn``, ``text``, ``mixed`` (with its text-only control), ``parity``, and ``vllm-bench``: vLLM's own client
 (`vllm bench serve`, ANCHORS' 3 x 768x1024 images) from the carried peer, against whichever server is measured.
+
+The checkpoint is ``--model``, else the synthetic one of ``--family`` and ``--size`` (`workers.models.synth`),
+generated into ``--checkpoint-dir`` the first time a part needs it and reused while the machine stays warm.
 
 Each part writes its summary (JSON without per-request records, `benchmarks.prune_results.summarise_json`)
 into the result folder and everything raw (full JSONs, logs, /metrics, `nvidia-smi dmon`) under its ``raw/``,
@@ -46,14 +51,18 @@ from pathlib import Path
 from typing import IO, Any
 
 from benchmarks.prune_results import load_json, summarise_json
+from common.model_files import SUPPORTED_MODEL_TYPES
 
 HERE = Path(__file__).resolve().parents[1]  # this checkout: the client, the wheels, gpu.toml
 PORT = 8000
 PEER_PORT = 8100
-PARTS = ("tests", "kernels", "engine", "vision", "serve", "hf", "vllm", "vllm-part1", "vllm-part2")
+PARTS = ("tests", "kernels", "engine", "vision", "serve", "hf", "hf-parity", "vllm", "vllm-part1", "vllm-part2")
 SERVE_WORKLOADS = ("seed3img", "seed3img-anchor", "multiturn", "text", "mixed")  # benchmarks.serve's
 WORKLOADS = ("parity", *SERVE_WORKLOADS, "vllm-bench")
 GPU_TESTS = ["tests/gpu", "tests/unit/test_paged.py", "tests/unit/test_sampling.py", "tests/unit/test_model_parity.py"]
+# bf16 against transformers' bf16 (`benchmarks.parity compare`): the one-GPU engine's own gap on the 7b-shaped
+# Qwen2-VL checkpoint, three bf16 ulps of its logits (results/2026-11-30-h200x2-tp-parity-d674b44).
+PARITY_TOLERANCE = 0.1875
 
 
 @dataclass
@@ -64,6 +73,7 @@ class Run:
     out: Path
     args: argparse.Namespace
     rows: list[dict[str, Any]] = field(default_factory=list)
+    earlier_calls: list[dict[str, Any]] = field(default_factory=list)  # calls.json of this folder's earlier calls
 
     @property
     def raw(self) -> Path:
@@ -179,12 +189,16 @@ def venv_wrapper(repo: Path) -> None:
 
 
 def checkpoint(args: argparse.Namespace) -> Path:
-    """The synthetic checkpoint of ``--size`` (generated once) or ``--model``."""
-    model = args.model or Path(f"/tmp/qwen2-vl-{args.size}-synth")
-    if not (model / "config.json").exists():
-        log(f"generating the {args.size} synthetic checkpoint at {model}")
+    """``--model``, else the synthetic checkpoint of ``--family`` and ``--size`` in ``--checkpoint-dir``, generated
+    the first time a part needs it and reused by every later part and call while the machine stays warm."""
+    if args.model:
+        return Path(args.model)
+    model = Path(args.checkpoint_dir) / f"{args.family}-{args.size}-seed0"
+    if not (model / "config.json").exists():  # (the generator renames a finished directory into place)
+        log(f"generating the {args.family} {args.size} synthetic checkpoint at {model}")
+        command = [sys.executable, "-m", "workers.models.synth", "--family", args.family, "--size", args.size]
         subprocess.run(
-            [sys.executable, "-m", "workers.models.synth", "--size", args.size, "--out", str(model), "--seed", "0"],
+            [*command, "--out", str(model), "--seed", "0"],
             cwd=HERE,
             env={**os.environ, "PYTHONPATH": str(HERE)},
             check=True,
@@ -380,6 +394,34 @@ def part_hf(run: Run) -> None:
         timeout=run.args.timeout,
     )
     run.keep("hf-seed3img", run.raw / "hf-seed3img.json")
+
+
+def part_hf_parity(run: Run) -> None:
+    """transformers' bf16 answers to `benchmarks.parity`'s prompts on the checkpoint, compared with each server's
+    answers recorded before (the ``parity`` workload of ``serve`` and ``vllm``) within ``--parity-tolerance``."""
+    reference = run.raw / "hf-parity.json"
+    argv = ["reference", "--model", str(checkpoint(run.args)), "--out", str(reference), "--device", run.args.hf_device]
+    if run.python("hf-parity", "benchmarks.parity", *argv, timeout=run.args.timeout, cwd=HERE):
+        run.rows.append({"name": "hf-parity", "failed": "benchmarks.parity reference (raw/hf-parity.log)"})
+        return
+    shutil.copy(reference, run.out / "hf-parity.json")
+    compared = 0
+    for server in ("", "vllm-"):
+        answers = run.raw / f"{server}parity.json"
+        if not answers.exists():
+            continue
+        compared += 1
+        name = f"{server}parity-vs-hf"
+        verdict = run.raw / f"{name}.json"
+        argv = ["compare", str(reference), str(answers), "--tolerance", str(run.args.parity_tolerance)]
+        code = run.python(name, "benchmarks.parity", *argv, "--out", str(verdict), timeout=120, cwd=HERE)
+        shutil.copy(answers, run.out / answers.name)
+        if verdict.exists():
+            shutil.copy(verdict, run.out / verdict.name)
+        lines = (run.raw / f"{name}.log").read_text().strip().splitlines()
+        run.rows.append({"name": name, "exit": code, "verdict": lines[-1] if lines else ""})
+    if not compared:
+        run.rows.append({"name": "hf-parity", "note": "no server answers to compare: run serve/vllm with parity first"})
 
 
 def workload_argv(workload: str, clients: int, requests: int | None) -> list[tuple[str, list[str]]]:
@@ -604,24 +646,31 @@ def part_vllm_copy(run: Run, number: int) -> None:
 
 
 def write_record(run: Run, info: dict[str, Any]) -> None:
-    """machine.json and summary.md: the command, machine, revision, date and a table of what the parts wrote."""
+    """machine.json and summary.md: the command, machine, revision, date and a table of what the parts wrote; a
+    result folder used again by a later call (``hf-parity`` after ``serve``) keeps the earlier calls' sections."""
     (run.out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
-    lines = [
-        f"# {run.out.name}",
-        "",
-        f"Command: `{info['command']}`",
-        "",
-        f"Machine: {info['gpu']}; {info['software']}. Revision {info['revision']} ({info['repo']}), {info['date']}.",
-        "",
-        "| run | figures |",
-        "| --- | --- |",
-    ]
-    lines += [f"| {row['name']} | {json.dumps({k: v for k, v in row.items() if k != 'name'})} |" for row in run.rows]
-    (run.out / "summary.md").write_text("\n".join(lines) + "\n")
+    calls = [*run.earlier_calls, {"info": info, "rows": run.rows}]
+    (run.out / "calls.json").write_text(json.dumps(calls, indent=1) + "\n")
+    lines = [f"# {run.out.name}", ""]
+    for call in calls:
+        done, rows = call["info"], call["rows"]
+        lines += [
+            f"Command: `{done['command']}`",
+            "",
+            f"Machine: {done['gpu']}; {done['software']}. "
+            f"Revision {done['revision']} ({done['repo']}), {done['date']}.",
+            "",
+            "| run | figures |",
+            "| --- | --- |",
+        ]
+        lines += [f"| {row['name']} | {json.dumps({k: v for k, v in row.items() if k != 'name'})} |" for row in rows]
+        lines.append("")
+    (run.out / "summary.md").write_text("\n".join(lines))
 
 
 def ship(result_dir: Path, ship_dir: Path | None) -> None:
     if ship_dir is not None:
+        ship_dir.mkdir(parents=True, exist_ok=True)
         with tarfile.open(ship_dir / "results.tgz", "w:gz") as archive:
             archive.add(result_dir, arcname=result_dir.name)
 
@@ -634,6 +683,7 @@ def run_part(run: Run, part: str) -> None:
         "vision": part_vision,
         "serve": part_serve,
         "hf": part_hf,
+        "hf-parity": part_hf_parity,
         "vllm": part_vllm,
         "vllm-part1": lambda r: part_vllm_copy(r, 1),
         "vllm-part2": lambda r: part_vllm_copy(r, 2),
@@ -661,8 +711,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="this checkout's revision to record (its git metadata may lag on the device); "
         "another checkout's comes from its .revision file",
     )
-    p.add_argument("--model", type=Path, help="a checkpoint (default: the synthetic one of --size)")
-    p.add_argument("--size", default="2b", help="the synthetic checkpoint's shape (workers.models.synth)")
+    p.add_argument("--model", type=Path, help="a checkpoint (default: the synthetic one of --family and --size)")
+    p.add_argument(
+        "--family", default="qwen2_vl", choices=SUPPORTED_MODEL_TYPES, help="the synthetic checkpoint's model_type"
+    )
+    p.add_argument(
+        "--size", default="2b", help="the synthetic checkpoint's shape (workers.models.synth: 2b, 7b, 3b, 8b...)"
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=Path("/tmp/vlm-checkpoints"),
+        help="where synthetic checkpoints are generated once and kept for later parts and calls",
+    )
+    p.add_argument(
+        "--parity-tolerance",
+        type=float,
+        default=PARITY_TOLERANCE,
+        help="hf-parity: nats (the bound used for Qwen2-VL)",
+    )
+    p.add_argument("--hf-device", default="cuda", help="hf-parity: transformers' device (cpu: fp32, for the tests)")
     p.add_argument(
         "--workloads",
         type=lambda s: s.split(","),
@@ -701,6 +769,8 @@ def main(argv: list[str] | None = None) -> None:
     runs = [Run(repo, result_dir / repo.name if len(repos) > 1 else result_dir, args) for repo in repos]
     for run in runs:
         run.raw.mkdir(parents=True, exist_ok=True)
+        if (run.out / "calls.json").exists():
+            run.earlier_calls = json.loads((run.out / "calls.json").read_text())
     for part in args.parts:
         for run in runs:  # part by part, the checkouts alternating: the same machine state for both
             log(f"{part} on {run.repo}")

@@ -2,7 +2,7 @@
 
     python -m benchmarks.parity record --url http://127.0.0.1:8000 --out tp1.json
     python -m benchmarks.parity reference --model DIR --out hf.json     # transformers, bf16 on CUDA
-    python -m benchmarks.parity compare tp1.json tp2.json [--tolerance 0.1]
+    python -m benchmarks.parity compare tp1.json tp2.json [--tolerance 0.1] [--out verdict.json]
 
 ``record`` sends fixed prompts (text of the ``text`` workload, and 3-image requests of ``seed3img`` at half
 scale) with temperature 0 and the top-2 logprobs of every token; ``reference`` has transformers answer
@@ -105,7 +105,8 @@ def compare_answer(ref: list[dict[str, Any]], other: list[dict[str, Any]], toler
     return {"identical": parted is None, "parted_at": parted, "tie_margin": margin, "max_logprob_gap": worst, "ok": ok}
 
 
-def compare(ref_path: Path, other_path: Path, tolerance: float) -> bool:
+def compare(ref_path: Path, other_path: Path, tolerance: float, out: Path | None = None) -> bool:
+    """Prints each prompt's verdict (and writes them to ``out``); True when every one is within tolerance."""
     ref, other = (json.loads(p.read_text())["answers"] for p in (ref_path, other_path))
     if len(ref) != len(other):
         raise SystemExit(f"{ref_path} has {len(ref)} answers and {other_path} {len(other)}: not the same prompts")
@@ -117,8 +118,16 @@ def compare(ref_path: Path, other_path: Path, tolerance: float) -> bool:
         )
         print(f"prompt {i} ({kind}): {where}, max logprob gap before {r['max_logprob_gap']:.4f}, ok {r['ok']}")
     same = sum(r["identical"] for r in results)
-    print(f"{same}/{len(results)} answers identical; all within tolerance {tolerance}: {all(r['ok'] for r in results)}")
-    return all(r["ok"] for r in results)
+    ok = all(r["ok"] for r in results)
+    worst = max(r["max_logprob_gap"] for r in results)
+    if out is not None:
+        verdict = {"reference": str(ref_path), "other": str(other_path), "tolerance": tolerance, "ok": ok}
+        out.write_text(json.dumps({**verdict, "max_logprob_gap": worst, "prompts": results}, indent=1) + "\n")
+    print(
+        f"{same}/{len(results)} answers identical; largest logprob gap {worst:.4f}; "
+        f"all within tolerance {tolerance}: {ok}"
+    )
+    return ok
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,12 +144,13 @@ def main(argv: list[str] | None = None) -> None:
     cmp.add_argument("reference", type=Path)
     cmp.add_argument("other", type=Path)
     cmp.add_argument("--tolerance", type=float, default=0.1, help="nats (bf16 logits: a few hundredths)")
+    cmp.add_argument("--out", type=Path, help="the verdicts as JSON")
     args = parser.parse_args(argv)
     if args.verb == "record":
         record(args.url, args.out)
     elif args.verb == "reference":
         reference(args.model, args.out, args.device)
-    elif not compare(args.reference, args.other, args.tolerance):
+    elif not compare(args.reference, args.other, args.tolerance, args.out):
         sys.exit(1)
 
 

@@ -1,0 +1,95 @@
+"""The GPU driver's paths for every model family, run end to end on the CPU with tiny checkpoints, so that what the
+H200 runs for Qwen2.5-VL and Qwen3-VL (`benchmarks.gpu --family F --size S`: the checkpoint, `benchmarks.engine`'s
+batch-1 TPOT, the ``hf-parity`` part's transformers reference and verdict) has run once before it gets there."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks import engine, gpu, parity
+
+FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+def driver_args(checkpoints: Path, family: str, *argv: str) -> list[str]:
+    return ["--family", family, "--size", "tiny", "--checkpoint-dir", str(checkpoints), *argv]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_of_a_family_is_generated_once_and_reused(checkpoints: Path, family: str) -> None:
+    args = gpu.parse_args(["engine", "--result-dir", str(checkpoints / "unused"), *driver_args(checkpoints, family)])
+    path = gpu.checkpoint(args)
+    assert path == checkpoints / f"{family}-tiny-seed0"
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == family
+    written = (path / "config.json").stat().st_mtime_ns
+    assert gpu.checkpoint(args) == path and (path / "config.json").stat().st_mtime_ns == written  # not again
+
+
+def test_unknown_family_is_refused_by_the_driver(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["engine", "--result-dir", str(tmp_path), "--family", "llava"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_benchmark_runs_the_family_as_the_decoder_would(checkpoints: Path, family: str) -> None:
+    args = gpu.parse_args(["engine", "--result-dir", str(checkpoints / "unused"), *driver_args(checkpoints, family)])
+    out = checkpoints / f"engine-{family}.json"
+    engine.main(["--model", str(gpu.checkpoint(args)), "--out", str(out), "--device", "cpu"])
+    result = json.loads(out.read_text())
+    assert result["model_type"] == family
+    assert result["server_kernels"] == {"fuse": False, "graphs": "off"}  # (the CPU's choice for any family)
+    batch_one = result["engine_tpot"][0]
+    assert batch_one["batch"] == 1 and batch_one["mean_step_ms"] > 0
+    assert batch_one["steps"] == 1 + 4  # the prefill, then a step per further token (4 new tokens)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_parity_part_compares_transformers_with_a_recorded_server(
+    checkpoints: Path, tmp_path: Path, family: str
+) -> None:
+    """The part's transformers reference (the family's own model class, fp32 on the CPU here) against answers
+    as a server records them: identical answers pass, and a logprob moved beyond the tolerance fails."""
+    args = gpu.parse_args(["hf-parity", "--result-dir", str(tmp_path), *driver_args(checkpoints, family)])
+    model = gpu.checkpoint(args)
+    server = tmp_path / "server.json"
+    parity.reference(model, server, "cpu")
+    answers = json.loads(server.read_text())
+    assert len(answers["answers"]) == parity.TEXT_PROMPTS + parity.IMAGE_PROMPTS
+    raw = tmp_path / "res" / "raw"
+    raw.mkdir(parents=True)
+    shutil.copy(server, raw / "parity.json")  # our stack's, as the serve part's parity workload leaves it
+    answers["answers"][0][3]["logprob"] -= 1.0
+    (raw / "vllm-parity.json").write_text(json.dumps(answers))  # a server out of tolerance
+    argv = ["hf-parity", "--result-dir", str(tmp_path / "res"), "--hf-device", "cpu"]
+    gpu.main([*argv, *driver_args(checkpoints, family)])
+    ours = json.loads((tmp_path / "res" / "parity-vs-hf.json").read_text())
+    assert ours["ok"] and ours["tolerance"] == gpu.PARITY_TOLERANCE
+    assert all(prompt["identical"] for prompt in ours["prompts"])
+    assert not json.loads((tmp_path / "res" / "vllm-parity-vs-hf.json").read_text())["ok"]
+    summary = (tmp_path / "res" / "summary.md").read_text()
+    assert "parity-vs-hf" in summary and "vllm-parity-vs-hf" in summary
+    assert (tmp_path / "res" / "hf-parity.json").exists()
+
+
+def test_a_result_folder_used_again_keeps_the_earlier_calls_record(tmp_path: Path) -> None:
+    """serve and vllm in one call, hf-parity into the same folder in the next: summary.md keeps both."""
+    info = {"gpu": "H200", "software": "torch", "revision": "abc1234", "repo": "/r", "date": "today"}
+    args = gpu.parse_args(["serve", "--result-dir", str(tmp_path)])
+    first = gpu.Run(tmp_path, tmp_path, args, rows=[{"name": "vllm-seed3img-c32", "completed": 64}])
+    gpu.write_record(first, {**info, "command": "python3 -m benchmarks.gpu vllm serve"})
+    earlier = json.loads((tmp_path / "calls.json").read_text())
+    second = gpu.Run(tmp_path, tmp_path, args, rows=[{"name": "parity-vs-hf", "exit": 0}], earlier_calls=earlier)
+    gpu.write_record(second, {**info, "command": "python3 -m benchmarks.gpu hf-parity"})
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.index("gpu vllm serve") < summary.index("vllm-seed3img-c32") < summary.index("gpu hf-parity")
+    assert "parity-vs-hf" in summary and len(json.loads((tmp_path / "calls.json").read_text())) == 2
