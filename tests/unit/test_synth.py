@@ -190,6 +190,24 @@ def test_determinism(tiny_dir: Path, tmp_path: Path) -> None:
     assert (again / "tokenizer.json").read_bytes() == (tiny_dir / "tokenizer.json").read_bytes()
 
 
+def test_shards_written_side_by_side_hold_the_single_files_tensors(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards are written in processes at once (7B: 4 GB each); every tensor is the one the single file holds,
+    and the index names the shard of each."""
+    monkeypatch.setattr(synth, "MAX_SHARD_BYTES", 64 * 1024)
+    paths = synth.write_weights(tmp_path, "tiny", 0)
+    assert len(paths) > 2
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    whole = load_file(tiny_dir / "model.safetensors")
+    seen: dict[str, torch.Tensor] = {}
+    for path in paths:
+        part = load_file(path)
+        assert all(index["weight_map"][name] == path.name for name in part)
+        seen |= part
+    assert seen.keys() == whole.keys() and all(torch.equal(seen[name], whole[name]) for name in whole)
+
+
 def test_safetensors_header_is_standard(tiny_dir: Path) -> None:
     with safe_open(tiny_dir / "model.safetensors", framework="pt") as f:
         assert f.metadata() == {"format": "pt"}

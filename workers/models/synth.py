@@ -22,6 +22,8 @@ import functools
 import hashlib
 import json
 import math
+import multiprocessing
+import os
 import random
 import shutil
 import struct
@@ -29,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypedDict
 
@@ -449,12 +452,18 @@ def write_weights(out_dir: Path, size: str, seed: int, tables: SynthTables | Non
         path = out_dir / "model.safetensors"
         _write_safetensors(path, shards[0], shapes, seed, dtype_name, std)
         return [path]
-    paths, weight_map = [], {}
-    for i, names in enumerate(shards, start=1):
-        path = out_dir / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        _write_safetensors(path, names, shapes, seed, dtype_name, std)
-        weight_map |= dict.fromkeys(names, path.name)
-        paths.append(path)
+    paths = [out_dir / f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    # Each tensor has its own seed, so the shards are written side by side, in processes (the normal draws hold
+    # one core each): a 7B checkpoint in a fraction of the time, the same bytes.
+    workers = max(1, min(len(shards), (os.cpu_count() or 1) // 2))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        written = [
+            pool.submit(_write_safetensors, path, names, shapes, seed, dtype_name, std)
+            for path, names in zip(paths, shards, strict=True)
+        ]
+        for future in written:
+            future.result()
+    weight_map = {name: path.name for path, names in zip(paths, shards, strict=True) for name in names}
     total = sum(math.prod(s) for s in shapes.values()) * itemsize
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     _write_json(out_dir / "model.safetensors.index.json", index)
