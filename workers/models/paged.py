@@ -38,6 +38,7 @@ from workers.models.language import (
     rope_inv_freq,
 )
 from workers.models.qwen3_vl_text import Qwen3LanguageModel, Qwen3SelfAttention, interleaved_mrope_axis, qk_norm
+from workers.models.runtime import upload
 from workers.models.spec import ModelSpec
 from workers.models.tensor_parallel import TensorParallel
 
@@ -183,7 +184,8 @@ class StepDeepStack:
     features: torch.Tensor  # [K, R, hidden]
 
     def to(self, device: torch.device, dtype: torch.dtype) -> StepDeepStack:
-        return StepDeepStack(self.rows.to(device), self.features.to(device=device, dtype=dtype))
+        """On ``device`` without the host waiting for the queued work (a step staged ahead must not)."""
+        return StepDeepStack(upload(self.rows, device), self.features.to(device=device, dtype=dtype))
 
     @property
     def num_sets(self) -> int:
