@@ -81,6 +81,9 @@ def other_launches(name: str, heads: int, kv_heads: int, head_dim: int, hidden: 
     cos = torch.empty((tokens, head_dim), dtype=bf16, device=META)
     q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
     yield f"{name} apply_mrope", rotary_triton.plan(q, k, cos, cos, inplace=True)[2]
+    head_weight = torch.empty(head_dim, dtype=bf16, device=META)
+    norm = (head_weight, head_weight, 1e-6)
+    yield f"{name} apply_qk_norm_mrope", rotary_triton.plan(q, k, cos, cos, inplace=True, norm=norm)[2]
 
 
 def vision_launches() -> Iterator[tuple[str, Launch]]:

@@ -679,6 +679,78 @@ def test_apply_mrope_rejects_mismatches() -> None:
         rotary.apply_mrope_triton(q, k, cos.double(), sin.double())
 
 
+# --- Qwen3's q/k norm fused with the rotary ---------------------------------------------------------------
+
+QK_NORM_GEOMETRIES = [  # (heads, kv_heads, head_dim, mrope_section): the tiny Qwen3-VL, 8b, a half not a power of 2
+    pytest.param(4, 2, 16, (4, 2, 2), id="tiny"),
+    pytest.param(32, 8, 128, (24, 20, 20), id="8b"),
+    pytest.param(6, 2, 40, (8, 6, 6), id="head40"),
+]
+
+
+def qk_norm_rope_inputs(
+    heads: int, kv_heads: int, head_dim: int, section: tuple[int, int, int], dtype: torch.dtype, tokens: int = 9
+) -> tuple[torch.Tensor, ...]:
+    """q, k (strided views of one qkv, as the fused layer has them, at several scales per head), their norm
+    weights and Qwen3's interleaved M-RoPE tables of positions that differ per axis."""
+    from workers.models.qwen3_vl_text import interleaved_mrope_axis
+
+    g = torch.Generator().manual_seed(31)
+    positions = torch.randint(0, 4000, (3, tokens), generator=g)
+    axis = interleaved_mrope_axis(section)
+    cos, sin = mrope_cos_sin(positions, rope_inv_freq(head_dim, 5_000_000.0), section, dtype, axis)
+    scale = torch.rand(tokens, heads + 2 * kv_heads, 1, generator=g) * 20 + 0.05
+    qkv = (torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=g) * scale).to(dtype)
+    q_weight = (torch.rand(head_dim, generator=g) + 0.5).to(dtype)
+    k_weight = (torch.rand(head_dim, generator=g) * 2 - 0.5).to(dtype)
+    return qkv[:, :heads], qkv[:, heads : heads + kv_heads], q_weight, k_weight, cos, sin
+
+
+def assert_qk_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32 to a few ulps of unit-scale values; bf16/fp16 to one ulp, and nearly every element exact (the
+    kernel rounds where the reference does; only the mean square's summation order differs)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        return
+    ulp = 2.0 ** -(7 if expected.dtype == torch.bfloat16 else 10)
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=ulp, atol=ulp)
+    assert (actual == expected).float().mean().item() >= 0.98
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "section"), QK_NORM_GEOMETRIES)
+def test_apply_qk_norm_mrope(
+    heads: int, kv_heads: int, head_dim: int, section: tuple[int, int, int], dtype: torch.dtype
+) -> None:
+    q, k, q_weight, k_weight, cos, sin = qk_norm_rope_inputs(heads, kv_heads, head_dim, section, dtype)
+    got = rotary.apply_qk_norm_mrope_triton(q, k, q_weight, k_weight, 1e-6, cos, sin)
+    expected = rotary.apply_qk_norm_mrope_reference(q, k, q_weight, k_weight, 1e-6, cos, sin)
+    for actual, wanted in zip(got, expected, strict=True):
+        assert_qk_close(actual, wanted)
+
+
+def test_apply_qk_norm_mrope_in_place_leaves_v() -> None:
+    q, k, q_weight, k_weight, cos, sin = qk_norm_rope_inputs(4, 2, 16, (4, 2, 2), torch.bfloat16)
+    qkv = q._base
+    assert qkv is not None
+    v_before = qkv[:, 6:].clone()
+    expected = rotary.apply_qk_norm_mrope_reference(q, k, q_weight, k_weight, 1e-6, cos, sin)
+    q_out, k_out = rotary.apply_qk_norm_mrope_triton(q, k, q_weight, k_weight, 1e-6, cos, sin, inplace=True)
+    assert q_out is q and k_out is k
+    assert_qk_close(q, expected[0])
+    assert_qk_close(k, expected[1])
+    assert torch.equal(qkv[:, 6:], v_before)
+
+
+def test_apply_qk_norm_mrope_rejects_mismatched_weights() -> None:
+    q, k, q_weight, k_weight, cos, sin = qk_norm_rope_inputs(4, 2, 16, (4, 2, 2), torch.float32)
+    with pytest.raises(ValueError, match="k_weight must be"):
+        rotary.apply_qk_norm_mrope_triton(q, k, q_weight, k_weight[:-1], 1e-6, cos, sin)
+    with pytest.raises(ValueError, match="q_weight must be"):
+        rotary.apply_qk_norm_mrope_triton(q, k, q_weight.double(), k_weight, 1e-6, cos, sin)
+
+
 # --- compiled for the GPU -----------------------------------------------------------------------------
 
 

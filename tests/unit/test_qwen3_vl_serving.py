@@ -15,14 +15,15 @@ from transformers import AutoImageProcessor
 
 from common.config import DecoderConfig
 from common.protocol import PreparedMedia, PreparedRequest, SamplingParams
-from workers.decoder.batch import Sequence, step_deepstack
+from workers.decoder.batch import Sequence, positions, step_deepstack, step_embeddings
 from workers.decoder.config import EngineConfig
 from workers.decoder.engine import Engine
-from workers.decoder.runner import check_eager_only
+from workers.decoder.graphs import StepGraphs, StepInputs
+from workers.decoder.runner import check_tensor_parallel
 from workers.fetcher.image import ImageProcessorSpec, decode_image, preprocess_image
 from workers.models.language import merge_media_embeddings
 from workers.models.mrope import decode_positions
-from workers.models.paged import fuse_layers
+from workers.models.paged import BatchLayout, PagedKVCache, fuse_layers, paged_attention_reference, paged_forward
 from workers.models.qwen3_vl_text import DeepStack, Qwen3LanguageModel
 from workers.models.registry import checkpoint_family, read_spec
 from workers.models.spec import ModelSpec
@@ -66,17 +67,14 @@ def test_served_tower_stacks_the_merged_output_and_deepstack_sets(tiny_path: Pat
     torch.testing.assert_close(stacked, torch.stack([features.merged, *features.deepstack]), rtol=0, atol=0)
 
 
-def test_eager_only_on_the_gpu_paths(parts: Parts) -> None:
-    model, spec = parts
+def test_the_gpu_fast_paths_but_not_tensor_parallelism(parts: Parts) -> None:
+    _, spec = parts
     settings = DecoderConfig(kernels="triton", cuda_graphs=True)
-    config = EngineConfig.from_settings(settings, torch.device("cuda"), 64, 4096, spec)
-    assert not config.fuse and config.graphs == "off"
-    with pytest.raises(ValueError, match="eagerly and unfused"):
-        check_eager_only(spec, EngineConfig(4096, 4, 64, 64, 4, graphs="static"), False)
+    config = EngineConfig.from_settings(settings, torch.device("cuda"), 64, 4096)
+    assert config.fuse and config.graphs == "cuda"
+    check_tensor_parallel(spec, False)
     with pytest.raises(ValueError, match="tensor parallelism"):
-        check_eager_only(spec, EngineConfig(4096, 4, 64, 64, 4), True)
-    with pytest.raises(ValueError, match="unfused"):
-        fuse_layers(model)  # type: ignore[arg-type]
+        check_tensor_parallel(spec, True)
 
 
 # --- the fetcher's image processing -----------------------------------------------------------------------------
@@ -247,3 +245,137 @@ def test_step_deepstack_rows_and_sets_of_each_span(parts: Parts) -> None:
     assert step_deepstack([(seq, 0, start)]) is None  # before the image
     assert step_deepstack([(seq, start + IMAGE_TOKENS, start + IMAGE_TOKENS + 3)]) is None  # past it
     assert step_deepstack([(text, 0, 3)]) is None
+
+
+# --- the fast path: fused layers (q/k norm + rotary in one pass) and the graphs' static buffers ---------------
+
+
+@pytest.fixture(scope="module")
+def fused_parts(tiny_path: Path) -> Parts:
+    """A model of its own: `fuse_layers` points its parameters at the concatenated weights."""
+    spec = read_spec(tiny_path)
+    model = checkpoint_family(tiny_path).language_model(tiny_path, dtype=torch.float32, spec=spec)
+    assert isinstance(model, Qwen3LanguageModel)
+    return model, spec
+
+
+FAST_FP32 = {"rtol": 1e-5, "atol": 1e-5}  # the same math; only the fused GEMMs' and adds' roundings differ
+BLOCKS = {"a": list(range(0, 16)), "b": list(range(16, 32))}  # each sequence's block table (block size 4)
+
+
+def _two_image_sequences(parts: Parts) -> tuple[Sequence, Sequence]:
+    """Two image prompts (27 and 19 tokens) with their sets, and the tokens each will have decoded."""
+    _, spec = parts
+    engine = _engine(parts)
+    a = _prepare(engine, _image_request("a", spec, "hash-A", SYSTEM, [31, 32, 33]), _features(spec, 1))
+    b = _prepare(engine, _image_request("b", spec, "hash-B", SYSTEM[:3], [41, 42]), _features(spec, 2))
+    a.output_ids, b.output_ids = [78], [77, 79]
+    return a, b
+
+
+def _steps(a: Sequence, b: Sequence) -> list[list[tuple[Sequence, int, int]]]:
+    """Step 1: a's first chunk (visual rows at its end) beside b's whole prompt (an image); step 2: a's second
+    chunk (the rest of its image) beside b's first decode; step 3: both decode (no visual row)."""
+    la, lb = len(a.prompt_ids), len(b.prompt_ids)
+    return [[(a, 0, 16), (b, 0, lb)], [(a, 16, la), (b, lb, lb + 1)], [(a, la, la + 1), (b, lb + 1, lb + 2)]]
+
+
+def _layout(spans: list[tuple[Sequence, int, int]]) -> BatchLayout:
+    return BatchLayout.build(
+        [end - start for _, start, end in spans],
+        [end for _, _, end in spans],
+        [BLOCKS[s.request_id] for s, _, _ in spans],
+        4,
+    )
+
+
+def _paged_logits(model: Qwen3LanguageModel, steps: list, fused: bool) -> list[torch.Tensor]:
+    """Every token's logits of each step through `paged_forward`, eager layers or fused ones."""
+    kv = PagedKVCache.for_model(model, 32, 4)  # type: ignore[arg-type]
+    layers = fuse_layers(model) if fused else None
+    out = []
+    for spans in steps:
+        embeds = step_embeddings(model, spans)  # type: ignore[arg-type]
+        step_positions = torch.cat([positions(seq, start, end) for seq, start, end in spans], dim=1)
+        rows = list(range(embeds.shape[0]))
+        deepstack = step_deepstack(spans)
+        out.append(
+            paged_forward(model, embeds, step_positions, _layout(spans), kv, rows, fused=layers, deepstack=deepstack)
+        )  # type: ignore[arg-type]
+    return out
+
+
+def test_fused_layers_equal_the_eager_layers_with_deepstack(parts: Parts, fused_parts: Parts) -> None:
+    a, b = _two_image_sequences(parts)
+    steps = _steps(a, b)
+    assert [step_deepstack(spans) is not None for spans in steps] == [True, True, False]
+    eager = _paged_logits(parts[0], steps, fused=False)
+    fused = _paged_logits(fused_parts[0], steps, fused=True)
+    for ours, expected in zip(fused, eager, strict=True):
+        torch.testing.assert_close(ours, expected, **FAST_FP32)
+
+
+def test_static_graphs_add_deepstack_on_mixed_steps_only_where_rows_are(parts: Parts, fused_parts: Parts) -> None:
+    """The mixed graphs' dense DeepStack buffer: step 2's visual rows (a's image, rows 0..6 of the step) are
+    zeroed again before step 3, whose decodes run in the same mixed graph (a stale row would move them)."""
+    model = fused_parts[0]
+    a, b = _two_image_sequences(parts)
+    steps = _steps(a, b)
+    eager = _paged_logits(parts[0], steps, fused=False)
+    kv = PagedKVCache.for_model(model, 33, 4)  # type: ignore[arg-type]
+    graphs = StepGraphs(
+        model,  # type: ignore[arg-type]
+        kv,
+        max_seqs=4,
+        max_tokens=64,
+        max_context=64,
+        scratch_block=32,
+        attention=paged_attention_reference,
+        fused=fuse_layers(model),
+        capture=False,
+    )
+    assert graphs.deepstack is not None and tuple(graphs.deepstack.shape) == (2, 64, 64)
+    for spans, expected in zip(steps, eager, strict=True):
+        layout = _layout(spans)
+        last = [int(i) for i in layout.last_token_indices]
+        inputs = StepInputs(
+            positions=torch.cat([positions(seq, start, end) for seq, start, end in spans], dim=1).numpy(),
+            slots=layout.slot_mapping.numpy(),
+            query_lens=[end - start for _, start, end in spans],
+            context_lens=[end for _, _, end in spans],
+            block_tables=[BLOCKS[s.request_id] for s, _, _ in spans],
+            rows=last,
+        )
+        logits = graphs.mixed(inputs, step_embeddings(model, spans), step_deepstack(spans))  # type: ignore[arg-type]
+        torch.testing.assert_close(logits, expected[last], **FAST_FP32)
+    assert sorted(graphs.mixed_runs) == [(2, 32), (12, 32), (35, 64)]
+
+
+def test_engine_with_static_graphs_and_fused_layers_equals_the_eager_engine(parts: Parts, fused_parts: Parts) -> None:
+    """Greedy tokens of image prompts (DeepStack) in chunks of 16 beside other sequences' decodes, all in the
+    mixed graphs, then decodes in the decode graphs; then a text prompt, whose prefill follows steps that filled
+    the DeepStack buffer. Each equals the eager engine's and the one-sequence reference's."""
+    _, spec = parts
+    images = [
+        (_image_request("a", spec, "hash-A", SYSTEM, [31, 32, 33]), _features(spec, 1)),
+        (_image_request("b", spec, "hash-B", SYSTEM[:3], [41, 42]), _features(spec, 2)),
+    ]
+    text = PreparedRequest("t", [60, 61, 62, 63, 64, 65, 66, 67], [], SamplingParams(max_tokens=6, temperature=0.0))
+
+    def tokens(engine: Engine) -> dict[str, list[int]]:
+        for req, sets in images:
+            engine.add(_prepare(engine, req, sets))
+        out = _run(engine)
+        engine.add(engine.prepare(text))
+        return {**out, **_run(engine)}
+
+    eager = tokens(_engine(parts, prefill_budget=16, prefix_cache=False))
+    fast = _engine(fused_parts, prefill_budget=16, prefix_cache=False, fuse=True, graphs="static", graph_tokens=48)
+    ours = tokens(fast)
+    graphs = fast.runner.graphs
+    assert graphs is not None and graphs.mixed_runs and graphs.runs
+    assert fast.counters["graph_steps"] == fast.counters["steps"]
+    assert ours == eager
+    for req, sets in images:
+        seq = _prepare(_engine(parts), req, sets)
+        assert ours[req.request_id] == _reference_tokens(parts, seq, sets, 6)

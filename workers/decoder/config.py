@@ -5,7 +5,6 @@ rank are built from. `EngineConfig.from_settings` reads them from the ``[decoder
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -13,9 +12,6 @@ import torch
 from common.config import DecoderConfig
 from workers.kernels import paged_attention, paged_attention_reference
 from workers.models.paged import PagedAttention
-from workers.models.spec import ModelSpec
-
-log = logging.getLogger(__name__)
 
 GRAPH_MODES = ("off", "static", "cuda")
 
@@ -60,20 +56,13 @@ class EngineConfig:
         device: torch.device,
         num_blocks: int,
         max_model_len: int,
-        spec: ModelSpec | None = None,
     ) -> EngineConfig:
         """Triton kernels, fused projections and CUDA graphs on a GPU unless the settings turn them off; the
         plain-torch paths elsewhere (and always with kernels = "torch"). Overlap as ``[decoder] overlap`` says,
         graphs or not: on a CPU it gains nothing, but the CPU's stack tests then run the server's path.
-        A Qwen3-VL ``spec`` (q/k norm, DeepStack) runs eagerly and unfused: neither path has those ops yet."""
+        Every family takes the same paths (Qwen3-VL's q/k norm and DeepStack adds are in the fused layers and
+        in the graphs)."""
         triton = settings.kernels == "triton" and device.type == "cuda"
-        eager = spec is not None and (spec.qk_norm or spec.num_deepstack > 0)
-        if eager and triton:
-            log.warning(
-                "%s: the fused layers and the CUDA graphs have no q/k norm nor DeepStack adds yet; this model runs "
-                "eagerly and unfused (Triton attention only)",
-                spec.model_type if spec is not None else "",
-            )
         return cls(
             max_model_len=max_model_len,
             max_running=settings.max_running,
@@ -83,8 +72,8 @@ class EngineConfig:
             block_size=settings.block_size,
             prefix_cache=settings.prefix_cache,
             attention=paged_attention if triton else paged_attention_reference,
-            fuse=triton and not eager,
-            graphs="cuda" if triton and settings.cuda_graphs and not eager else "off",
+            fuse=triton,
+            graphs="cuda" if triton and settings.cuda_graphs else "off",
             graph_tokens=settings.graph_tokens,
             overlap=settings.overlap,
         )

@@ -21,6 +21,15 @@ overlap a step is staged while the previous one may still be copying from the ot
 Attention runs with the split count that the longest context would get, since a graph cannot choose
 per step; splits that get no keys cost one early exit each.
 
+DeepStack (Qwen3-VL): a mixed step can hold visual rows, whose feature sets are added after the first decoder
+layers. Their count varies per step, a graph's shapes cannot, so the sets live in one dense static buffer
+[K, tokens, hidden] that is zero outside the step's visual rows and is added whole (`paged.DenseDeepStack`).
+Chosen over padded row indices with zero features: the add is a plain elementwise one, exact and deterministic
+(no scatter with repeated indices, no need for a padding token that a full graph lacks), and it costs K adds
+of [tokens, hidden] per mixed step, small beside the layers' GEMMs. Staging zeroes only the rows the previous
+step wrote. Decode graphs never carry visual rows (placeholders do not decode), and a model without DeepStack
+gets neither the buffer nor the adds.
+
 Without capture (``capture=False``) the same static-buffer path runs eagerly: how it is tested on CPU.
 """
 
@@ -35,8 +44,17 @@ import torch
 
 from workers.decoder.config import EngineConfig
 from workers.kernels.attention import AttentionMetadata
-from workers.models.language import LanguageModel, mrope_axis, mrope_cos_sin
-from workers.models.paged import FusedLayer, PagedAttention, PagedKVCache, StepContext, forward_logits
+from workers.models.language import LanguageModel, mrope_cos_sin
+from workers.models.paged import (
+    DenseDeepStack,
+    FusedLayer,
+    PagedAttention,
+    PagedKVCache,
+    StepContext,
+    StepDeepStack,
+    forward_logits,
+    rope_tables,
+)
 from workers.models.tensor_parallel import TensorParallel
 
 
@@ -157,8 +175,13 @@ class StepGraphs:
         self.flip = 0  # which host set the next step stages into
         self.dev = _Staging(tokens, max_seqs, self.max_blocks, device, False)
         self.embeds = torch.zeros((tokens, model.spec.hidden_size), dtype=model.dtype, device=device)
-        self.axis = mrope_axis(model.spec.mrope_section, device)
-        self.inv_freq = model._rope_inv_freq()
+        self.inv_freq, self.axis = rope_tables(model)
+        sets = model.spec.num_deepstack
+        # [K, tokens, hidden], zero outside the current step's visual rows (see the module's docstring)
+        self.deepstack = (
+            torch.zeros((sets, tokens, model.spec.hidden_size), dtype=model.dtype, device=device) if sets else None
+        )
+        self.deepstack_dirty = 0  # rows [0, this) of the buffer may hold the previous step's sets
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
         self.runs: Counter[tuple[int, int]] = Counter()  # decode: (sequences, graph size) -> steps
@@ -198,16 +221,35 @@ class StepGraphs:
             self.dev.token_ids[:n].copy_(device_token_ids)  # after the staged copy, on the same stream
         return self._replay(key)[:n]
 
-    def mixed(self, inputs: StepInputs, embeds: torch.Tensor) -> torch.Tensor:
+    def mixed(self, inputs: StepInputs, embeds: torch.Tensor, deepstack: StepDeepStack | None = None) -> torch.Tensor:
         """Logits [len(inputs.rows), vocab] of one step of prefill chunks and decodes, from embeddings
-        [T, hidden] on the model's device. A view of the graph's output buffer, as for `decode`."""
+        [T, hidden] on the model's device. ``deepstack``: the step's visual rows (flat indices < T) and their
+        sets, for a model with DeepStack. A view of the graph's output buffer, as for `decode`."""
         t = inputs.num_tokens
         size = next(s for s in self.token_sizes if s >= t)
         self.mixed_runs[t, size] += 1
         key = GraphKey(size, self.max_seqs, False)
         self._stage(inputs, key, None)
         self.embeds[:t].copy_(embeds)
+        self._stage_deepstack(deepstack, t)
         return self._replay(key)[: len(inputs.rows)]
+
+    def _stage_deepstack(self, deepstack: StepDeepStack | None, tokens: int) -> None:
+        """Zero what the previous step wrote, then lay this step's sets on their rows (on the stream, in order)."""
+        if self.deepstack is None:
+            if deepstack is not None and deepstack.rows.numel():
+                raise ValueError("DeepStack sets for a model without DeepStack layers")
+            return
+        if self.deepstack_dirty:
+            self.deepstack[:, : self.deepstack_dirty].zero_()
+            self.deepstack_dirty = 0
+        if deepstack is None or not deepstack.rows.numel():
+            return
+        if deepstack.features.shape[0] != self.deepstack.shape[0]:
+            raise ValueError(f"{deepstack.features.shape[0]} DeepStack sets for a model of {self.deepstack.shape[0]}")
+        staged = deepstack.to(self.deepstack.device, self.deepstack.dtype)
+        self.deepstack.index_copy_(1, staged.rows, staged.features)
+        self.deepstack_dirty = tokens  # (the rows lie below the step's token count; no read of the device)
 
     def _replay(self, key: GraphKey) -> torch.Tensor:
         if key in self.graphs:
@@ -268,7 +310,9 @@ class StepGraphs:
             x = self._embed(dev.token_ids[:t]) if key.decode else self.embeds[:t]
             positions = dev.positions[:, :t]
             cos, sin = mrope_cos_sin(positions, self.inv_freq, model.spec.mrope_section, model.dtype, self.axis)
-            step = StepContext(cos, sin, dev.slots[:t], metadata, self.kv, self.attention, self.tp)
+            # decode graphs never see a visual row; a mixed graph of a DeepStack model always adds its buffer
+            deepstack = None if key.decode or self.deepstack is None else DenseDeepStack(self.deepstack[:, :t])
+            step = StepContext(cos, sin, dev.slots[:t], metadata, self.kv, self.attention, self.tp, deepstack)
             return forward_logits(model, x, step, None if key.decode else dev.rows[:s], self.fused)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -33,14 +33,9 @@ from workers.models.paged import BatchLayout, PagedKVCache, fuse_layers, paged_f
 from workers.models.spec import ModelSpec
 
 
-def check_eager_only(spec: ModelSpec, config: EngineConfig, tensor_parallel: bool) -> None:
-    """ValueError where a Qwen3-VL model (q/k norm, DeepStack) would run a path that lacks them: the fused layers
-    and the CUDA graphs (`EngineConfig.from_settings` turns both off for it, saying why), tensor parallelism."""
-    if not spec.qk_norm and not spec.num_deepstack:
-        return
-    if config.fuse or config.graphs != "off":
-        raise ValueError(f"{spec.model_type} runs eagerly and unfused only (fuse=False, graphs='off')")
-    if tensor_parallel:
+def check_tensor_parallel(spec: ModelSpec, tensor_parallel: bool) -> None:
+    """ValueError where a Qwen3-VL model (q/k norm, DeepStack) would run sharded: the ranks carry neither yet."""
+    if tensor_parallel and (spec.qk_norm or spec.num_deepstack):
         raise ValueError(f"{spec.model_type}: tensor parallelism carries no q/k norm nor DeepStack adds yet")
 
 
@@ -55,7 +50,7 @@ class ModelRunner:
     ) -> None:
         """``tp_steps``: this is rank 0 of a tensor-parallel group; each step is broadcast, then run."""
         self.model, self.spec, self.config, self.counters, self.tp_steps = model, spec, config, counters, tp_steps
-        check_eager_only(spec, config, tp_steps is not None)
+        check_tensor_parallel(spec, tp_steps is not None)
         self.fused = fuse_layers(model) if config.fuse else None
         # The graphs' padding tokens need a block that no sequence owns: one more than the manager hands out.
         graphs = config.graphs != "off"
@@ -126,8 +121,9 @@ class ModelRunner:
         embeds = step_embeddings(self.model, known)
         if ahead_ids is not None:  # (`embed_tokens`, not `embed`: its range check would sync)
             embeds = torch.cat([self.model.embed_tokens(ahead_ids), embeds])
+        deepstack = step_deepstack(spans) if self.spec.num_deepstack else None
         if mode == MIXED_GRAPH and self.graphs is not None:
-            return self.graphs.mixed(step_inputs(batch, logits_for, block_size), embeds)
+            return self.graphs.mixed(step_inputs(batch, logits_for, block_size), embeds, deepstack)
         layout = BatchLayout.build(
             [b.num_new for b in batch],
             [b.seq.num_computed + b.num_new for b in batch],
@@ -145,5 +141,5 @@ class ModelRunner:
             logits_for,
             self.config.attention,
             self.fused,
-            deepstack=step_deepstack(spans) if self.spec.num_deepstack else None,
+            deepstack=deepstack,
         )

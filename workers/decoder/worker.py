@@ -123,7 +123,7 @@ class DecoderWorker:
             model = checkpoint_family(path).language_model(path, device=device, dtype=dtype, spec=self.spec)
             num_blocks = kv_cache_blocks(cfg, model)
         max_len = cfg.decoder.max_model_len or self.spec.max_position_embeddings
-        config = EngineConfig.from_settings(cfg.decoder, device, num_blocks, max_len, self.spec)
+        config = EngineConfig.from_settings(cfg.decoder, device, num_blocks, max_len)
         self.engine = Engine(model, self.spec, config, tp_steps)
         self.ctx = zmq.Context()
         self.inbox = Channel(self.ctx, zmq.PULL, cfg.decoder_endpoint(replica), bind=True)

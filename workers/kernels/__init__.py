@@ -16,12 +16,19 @@ from workers.kernels.attention import (
 )
 from workers.kernels.cache import reshape_and_cache, reshape_and_cache_reference
 from workers.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference
-from workers.kernels.rotary import apply_mrope, apply_mrope_reference
+from workers.kernels.rotary import (
+    apply_mrope,
+    apply_mrope_reference,
+    apply_qk_norm_mrope,
+    apply_qk_norm_mrope_reference,
+)
 
 __all__ = [
     "AttentionMetadata",
     "apply_mrope",
     "apply_mrope_reference",
+    "apply_qk_norm_mrope",
+    "apply_qk_norm_mrope_reference",
     "attention_metadata",
     "fused_add_rms_norm",
     "fused_add_rms_norm_reference",

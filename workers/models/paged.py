@@ -28,9 +28,17 @@ from workers.kernels.attention import paged_attention_reference
 from workers.kernels.cache import reshape_and_cache
 from workers.kernels.layout import AttentionMetadata, BatchLayout
 from workers.kernels.norm import fused_add_rms_norm, rms_norm
-from workers.kernels.rotary import apply_mrope
-from workers.models.language import DecoderLayer, LanguageModel, apply_rotary, mrope_cos_sin
-from workers.models.qwen3_vl_text import Qwen3LanguageModel, Qwen3SelfAttention, qk_norm
+from workers.kernels.rotary import apply_mrope, apply_qk_norm_mrope
+from workers.models.language import (
+    DecoderLayer,
+    LanguageModel,
+    apply_rotary,
+    mrope_axis,
+    mrope_cos_sin,
+    rope_inv_freq,
+)
+from workers.models.qwen3_vl_text import Qwen3LanguageModel, Qwen3SelfAttention, interleaved_mrope_axis, qk_norm
+from workers.models.runtime import upload
 from workers.models.spec import ModelSpec
 from workers.models.tensor_parallel import TensorParallel
 
@@ -130,24 +138,27 @@ class FusedLayer:
     """One layer's projections concatenated, so that q/k/v is one GEMM and gate/up another."""
 
     qkv_weight: torch.Tensor  # [(heads + 2 kv_heads) * D, hidden]
-    qkv_bias: torch.Tensor
+    qkv_bias: torch.Tensor | None  # None where q/k/v have no bias (Qwen3)
     gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
 
 
-def fuse_layers(model: LanguageModel) -> list[FusedLayer]:
+def fuse_layers(model: LanguageModel | Qwen3LanguageModel) -> list[FusedLayer]:
     """Concatenate every layer's q/k/v and gate/up weights and point the modules' own parameters at
     views of the result, so the model's memory does not grow and both forward paths keep working."""
-    if isinstance(model, Qwen3LanguageModel):
-        raise ValueError("the fused layers have no q/k norm nor DeepStack adds yet; run a Qwen3-VL model unfused")
     fused = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+        biased = [p.bias is not None for p in projections]
+        if any(biased) and not all(biased):
+            raise ValueError(f"layer {attn.layer}: q/k/v must all have a bias or none, got {biased}")
         with torch.no_grad():
-            qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-            qkv_b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+            qkv_w = torch.cat([p.weight for p in projections])
+            qkv_b = torch.cat([p.bias for p in projections]) if all(biased) else None
             gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        _point_at_parts(qkv_w, [attn.q_proj, attn.k_proj, attn.v_proj], "weight")
-        _point_at_parts(qkv_b, [attn.q_proj, attn.k_proj, attn.v_proj], "bias")
+        _point_at_parts(qkv_w, projections, "weight")
+        if qkv_b is not None:
+            _point_at_parts(qkv_b, projections, "bias")
         _point_at_parts(gate_up, [mlp.gate_proj, mlp.up_proj], "weight")
         fused.append(FusedLayer(qkv_w, qkv_b, gate_up))
     return fused
@@ -173,7 +184,32 @@ class StepDeepStack:
     features: torch.Tensor  # [K, R, hidden]
 
     def to(self, device: torch.device, dtype: torch.dtype) -> StepDeepStack:
-        return StepDeepStack(self.rows.to(device), self.features.to(device=device, dtype=dtype))
+        """On ``device`` without the host waiting for the queued work (a step staged ahead must not)."""
+        return StepDeepStack(upload(self.rows, device), self.features.to(device=device, dtype=dtype))
+
+    @property
+    def num_sets(self) -> int:
+        return self.features.shape[0]
+
+    def add(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden] after decoder layer ``index`` with set ``index`` added at the visual rows."""
+        return hidden.index_add(0, self.rows, self.features[index])
+
+
+@dataclass(frozen=True)
+class DenseDeepStack:
+    """The same adds with the sets laid over every token of the step, zero outside the visual rows: a CUDA graph's
+    static form (`StepGraphs`), whose shape cannot depend on how many rows a step has. ``x + 0`` is ``x`` and a
+    visual row gets ``x + feature`` as `StepDeepStack.add`'s index_add gives it, so both forms agree exactly."""
+
+    features: torch.Tensor  # [K, T, hidden]
+
+    @property
+    def num_sets(self) -> int:
+        return self.features.shape[0]
+
+    def add(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.features[index]
 
 
 def rope_cos_sin(
@@ -184,6 +220,17 @@ def rope_cos_sin(
     if isinstance(model, Qwen3LanguageModel):
         return model.rope_cos_sin(position_ids)
     return mrope_cos_sin(position_ids, model._rope_inv_freq(), model.spec.mrope_section, model.dtype)
+
+
+def rope_tables(model: LanguageModel | Qwen3LanguageModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inv_freq, slot-to-axis map) on the model's device, as `rope_cos_sin` uses them: what a CUDA graph keeps
+    so that its cos/sin come from `mrope_cos_sin` with no host work (Qwen3: interleaved, Qwen2: sections)."""
+    spec = model.spec
+    if isinstance(model, Qwen3LanguageModel):
+        return rope_inv_freq(spec.head_dim, spec.rope_theta, model.device), interleaved_mrope_axis(
+            spec.mrope_section, model.device
+        )
+    return model._rope_inv_freq(), mrope_axis(spec.mrope_section, model.device)
 
 
 @torch.inference_mode()
@@ -205,7 +252,7 @@ def paged_forward(
     [len(logits_for), vocab] of the given flat token indices (default: each sequence's last token).
     ``attention`` is the one place a paged kernel plugs in; with ``fused`` (from `fuse_layers`) the
     layers run the fused projections and the fused norm / activation / rotary / cache-write kernels.
-    ``deepstack``: the step's visual rows and their DeepStack sets (Qwen3-VL; eager layers only).
+    ``deepstack``: the step's visual rows and their DeepStack sets (Qwen3-VL).
     """
     _validate(model, inputs_embeds, position_ids, layout, kv)
     device = model.device
@@ -233,7 +280,14 @@ class StepContext:
     kv: PagedKVCache
     attention: PagedAttention
     tp: TensorParallel | None = None  # a rank's share of the heads and MLP; its partial sums are all-reduced
-    deepstack: StepDeepStack | None = None  # Qwen3-VL's adds after the first layers, where the step has visual rows
+    # Qwen3-VL's adds after the first layers, where the step has visual rows (a graph's mixed steps: always)
+    deepstack: StepDeepStack | DenseDeepStack | None = None
+
+    def add_deepstack(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden state after decoder layer ``index``, DeepStack set ``index`` added where there is one."""
+        if self.deepstack is None or index >= self.deepstack.num_sets:
+            return hidden
+        return self.deepstack.add(index, hidden)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.tp is None else self.tp.all_reduce(partial)
@@ -252,14 +306,10 @@ def forward_logits(
     """
     if fused is None:
         for index, layer in enumerate(model.layers):
-            x = _decoder_layer(layer, index, x, step)
-            if step.deepstack is not None and index < step.deepstack.features.shape[0]:
-                x = x.index_add(0, step.deepstack.rows, step.deepstack.features[index])
+            x = step.add_deepstack(index, _decoder_layer(layer, index, x, step))
         x = x if rows is None else x.index_select(0, rows)
         logits = model.lm_head(model.norm(x))
         return logits if step.tp is None else step.tp.gather_logits(logits)
-    if step.deepstack is not None:
-        raise ValueError("the fused layers have no DeepStack adds; run a Qwen3-VL model unfused")
     h, residual = _fused_layers(model, x, step, fused)
     if rows is not None:
         h, residual = h.index_select(0, rows), residual.index_select(0, rows)
@@ -290,10 +340,13 @@ def _fused_layers(
     model: LanguageModel, x: torch.Tensor, step: StepContext, fused: Sequence[FusedLayer]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same layers with the residual carried beside the normed activations: each residual add is
-    fused into the next RMSNorm. Returns (last MLP output, residual before it); their sum is the hidden."""
+    fused into the next RMSNorm. Returns (last MLP output, residual before it); their sum is the hidden.
+
+    After a layer with a DeepStack set the sum is formed first, the set added to it, then normed: the eager
+    layer's order of additions, so both paths round alike (the first K layers only; the others stay fused)."""
     layers = model.layers
     residual = x
-    h = rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+    h = _input_norm(layers[0], x)
     for index, (layer, weights) in enumerate(zip(layers, fused, strict=True)):
         h = step.reduce(_fused_attention(layer, weights, index, h, step))
         norm = layer.post_attention_layernorm
@@ -302,10 +355,19 @@ def _fused_layers(
         gate_up = F.linear(h, weights.gate_up_weight)
         activated = silu_and_mul(gate_up[:, :intermediate], gate_up[:, intermediate:])
         h = step.reduce(F.linear(activated, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias))
-        if index + 1 < len(layers):
+        last = index + 1 == len(layers)
+        if step.deepstack is not None and index < step.deepstack.num_sets:
+            residual = step.add_deepstack(index, h + residual)
+            # (after the last layer the final add-and-norm takes (0, hidden): its sum is that hidden exactly)
+            h = torch.zeros_like(residual) if last else _input_norm(layers[index + 1], residual)
+        elif not last:
             norm = layers[index + 1].input_layernorm
             h, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
     return h, residual
+
+
+def _input_norm(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+    return rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
 
 
 def _fused_attention(
@@ -315,7 +377,13 @@ def _fused_attention(
     heads, kv_heads = attn.num_heads, attn.num_kv_heads
     qkv = F.linear(h, weights.qkv_weight, weights.qkv_bias).view(t, heads + 2 * kv_heads, attn.head_dim)
     q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-    apply_mrope(q, k, step.cos, step.sin, inplace=True)
+    if isinstance(attn, Qwen3SelfAttention):  # Qwen3: each head RMS-normalised, then rotated, in one pass
+        if attn.q_norm.eps != attn.k_norm.eps:
+            raise ValueError(f"layer {index}: q_norm eps {attn.q_norm.eps} != k_norm eps {attn.k_norm.eps}")
+        norm_weights = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
+        apply_qk_norm_mrope(q, k, *norm_weights, step.cos, step.sin, inplace=True)
+    else:
+        apply_mrope(q, k, step.cos, step.sin, inplace=True)
     reshape_and_cache(k, v, step.kv.keys[index], step.kv.values[index], step.slots)
     return F.linear(_attend(q, index, attn.head_dim, step).reshape(t, -1), attn.o_proj.weight, attn.o_proj.bias)
 
