@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = checkpoint_family(args.model).language_model(args.model, device=device, dtype=dtype, spec=spec)
     # What the decoder process would run this model with on this device (fused layers, graphs, attention).
-    server = EngineConfig.from_settings(DecoderConfig(), device, 1, 1, spec)
+    server = EngineConfig.from_settings(DecoderConfig(), device, 1, 1)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     results: dict[str, Any] = {"model": str(args.model), "model_type": spec.model_type, "device": name}
     results["server_kernels"] = {"fuse": server.fuse, "graphs": server.graphs}
