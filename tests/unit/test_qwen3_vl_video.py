@@ -88,8 +88,10 @@ def test_spec_reads_the_video_processor_config(spec: Qwen3VideoSpec, processor: 
 
 @pytest.mark.parametrize(
     ("total", "video_fps", "fps"),
-    [(16, 8.0, 2.0), (16, 8.0, 4.0), (16, 8.0, 1.0), (16, 8.0, 30.0), (17, 8.0, 8.0), (30, 10.0, 1.5), (3, 8.0, 2.0)]
-    + [(5000, 25.0, 2.0), (10_000, 30.0, 30.0), (45, 29.97, 2.0), (7, 24.0, 3.0)],
+    [
+        *[(16, 8.0, 2.0), (16, 8.0, 4.0), (16, 8.0, 1.0), (16, 8.0, 30.0), (17, 8.0, 8.0), (30, 10.0, 1.5)],
+        *[(3, 8.0, 2.0), (5000, 25.0, 2.0), (10_000, 30.0, 30.0), (45, 29.97, 2.0), (7, 24.0, 3.0)],
+    ],
 )
 def test_frames_are_transformers_sample_frames(
     processor: Qwen3VLVideoProcessor, total: int, video_fps: float, fps: float
@@ -172,7 +174,7 @@ def test_sizes_are_transformers_resize(
     spec: Qwen3VideoSpec, processor: Qwen3VLVideoProcessor, frames: int, height: int, width: int
 ) -> None:
     video = DecodedVideo([np.zeros((height, width, 3), np.uint8)] * frames, frames, 8.0, list(range(frames)))
-    values, grid, resized = preprocess(video, spec, max_video_tokens=10**9)  # the server's cap out of the way
+    _, grid, resized = preprocess(video, spec, max_video_tokens=10**9)  # the server's cap out of the way
     assert resized.shape[1:3] == _hf_resized_size(processor, frames, height, width)
     assert grid == (-(-frames // 2), resized.shape[1] // 16, resized.shape[2] // 16)
 
