@@ -42,9 +42,7 @@ from workers.models.synth import generate_checkpoint
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
 # family -> why its video cases are skipped
-NO_VIDEOS = {
-    "qwen3_vl": "videos are not served yet for Qwen3-VL (its timestamps and video M-RoPE); the fetcher answers 400",
-}
+NO_VIDEOS: dict[str, str] = {}
 VIDEO_CASES = {
     "test_fps_changes_frames_and_matches_transformers",
     "test_long_thin_video_matches_transformers",

@@ -2,31 +2,28 @@
 values and patch layout (``Qwen3VLVideoProcessor``), the timestamp text (``Qwen3VLProcessor``), the expanded prompt
 ids and the M-RoPE index (``Qwen3VLModel.get_rope_index``).
 
-transformers' video processor resizes and normalises with torchvision, which is not installable here. Where these
-tests call it, its resize is replaced by a capture of the size it asks for, and its ``normalize`` by
-``torchvision.transforms.v2.functional.normalize``'s arithmetic on a float32 tensor (``sub_(mean).div_(std)``); the
-pixels' resize is ours (PIL bicubic). The torchvision comparison itself is a GPU-marked test.
+transformers' video processor resizes and normalises with torchvision, which is not installable here: how its
+pieces are called without it is in `tests.qwen3_vl_video_reference` (the size its resize asks for is captured, the
+pixels' resize is PIL's, its normalize is torchvision's arithmetic). The torchvision comparison is GPU-marked.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
-from transformers.image_utils import SizeDict
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-from transformers.video_processing_utils import BaseVideoProcessor
 from transformers.video_utils import VideoMetadata
 
 from benchmarks.media import jpeg_bytes, mjpeg_avi, video_frames
 from common.config import FetcherConfig
 from common.protocol import MediaInput
+from tests import qwen3_vl_video_reference as reference
 from workers.fetcher.media import load_timed_video
 from workers.fetcher.video import DecodedVideo
 from workers.fetcher.video_qwen3_vl import (
@@ -111,61 +108,6 @@ def test_timestamps_are_the_processors(processor: Qwen3VLVideoProcessor) -> None
 # --------------------------------------------------------------------------- sizes and pixels
 
 
-def _hf_resized_size(processor: Qwen3VLVideoProcessor, frames: int, height: int, width: int) -> tuple[int, int]:
-    """The (h, w) transformers' ``resize`` asks torchvision for (its cap rule and smart_resize), captured."""
-    asked: list[SizeDict] = []
-
-    def capture(self: Any, image: torch.Tensor, size: SizeDict, **kwargs: Any) -> torch.Tensor:
-        asked.append(size)
-        return image
-
-    original = BaseVideoProcessor.resize
-    BaseVideoProcessor.resize = capture  # type: ignore[method-assign]
-    try:
-        processor.resize(
-            torch.zeros(1, frames, 3, height, width),
-            size=processor.size,
-            resample=None,
-            factor=processor.patch_size * processor.merge_size,
-            temporal_factor=processor.temporal_patch_size,
-            cap_pixels_per_frame=processor.cap_pixels_per_frame,
-        )
-    finally:
-        BaseVideoProcessor.resize = original  # type: ignore[method-assign]
-    return int(asked[0].height), int(asked[0].width)
-
-
-def _hf_pixels(processor: Qwen3VLVideoProcessor, resized: np.ndarray) -> tuple[torch.Tensor, list[int]]:
-    """transformers' ``_preprocess`` on frames already resized: its fused rescale and normalise (torchvision's
-    ``normalize`` as the arithmetic it does) and its ``patchify``."""
-
-    def normalize(image: torch.Tensor, mean: Any, std: Any, inplace: bool = False) -> torch.Tensor:
-        mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
-        std = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
-        return image.sub(mean).div(std)
-
-    video = torch.from_numpy(resized).permute(0, 3, 1, 2).contiguous()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(processor, "normalize", normalize)
-        out = processor._preprocess(
-            videos=[video],
-            do_resize=False,
-            size=processor.size,
-            resample=None,
-            do_rescale=True,
-            rescale_factor=processor.rescale_factor,
-            do_normalize=True,
-            image_mean=processor.image_mean,
-            image_std=processor.image_std,
-            patch_size=processor.patch_size,
-            temporal_patch_size=processor.temporal_patch_size,
-            merge_size=processor.merge_size,
-            cap_pixels_per_frame=processor.cap_pixels_per_frame,
-            return_tensors="pt",
-        )
-    return out["pixel_values_videos"], out["video_grid_thw"][0].tolist()
-
-
 @pytest.mark.parametrize(
     ("frames", "height", "width"),
     [(4, 112, 160), (8, 112, 160), (5, 64, 96), (3, 20, 50), (8, 480, 640), (768, 480, 640), (2, 1080, 1920)],
@@ -175,7 +117,7 @@ def test_sizes_are_transformers_resize(
 ) -> None:
     video = DecodedVideo([np.zeros((height, width, 3), np.uint8)] * frames, frames, 8.0, list(range(frames)))
     _, grid, resized = preprocess(video, spec, max_video_tokens=10**9)  # the server's cap out of the way
-    assert resized.shape[1:3] == _hf_resized_size(processor, frames, height, width)
+    assert resized.shape[1:3] == reference.resized_size(processor, frames, height, width)
     assert grid == (-(-frames // 2), resized.shape[1] // 16, resized.shape[2] // 16)
 
 
@@ -192,7 +134,7 @@ def test_pixels_are_transformers_preprocess(
     rng = np.random.default_rng(frames)
     source = [rng.integers(0, 256, (height, width, 3), dtype=np.uint8) for _ in range(frames)]
     values, grid, resized = preprocess(DecodedVideo(source, frames, 8.0, list(range(frames))), spec, 24576)
-    want, want_grid = _hf_pixels(processor, resized)
+    want, want_grid = reference.pixels(processor, resized)
     assert list(grid) == want_grid
     torch.testing.assert_close(torch.from_numpy(values), want, rtol=0, atol=0)
 
@@ -216,21 +158,9 @@ def test_fetcher_loads_a_clip(spec: Qwen3VideoSpec) -> None:
 # --------------------------------------------------------------------------- prompt and M-RoPE
 
 
-def _hf_replacement(grid: list[int], indices: list[int], video_fps: float) -> str:
-    """``Qwen3VLProcessor.replace_video_token`` for one video, on a stand-in for the processor (whose
-    constructor wants a video processor able to run, i.e. torchvision) with the attributes it reads."""
-    stand_in = SimpleNamespace(
-        video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2),
-        video_token="<|video_pad|>",
-        vision_start_token="<|vision_start|>",
-        vision_end_token="<|vision_end|>",
-    )
-    stand_in._calculate_timestamps = lambda *a: Qwen3VLProcessor._calculate_timestamps(stand_in, *a)  # type: ignore[arg-type]
-    inputs = {
-        "video_grid_thw": torch.tensor([grid]),
-        "video_metadata": [VideoMetadata(total_num_frames=max(indices) + 1, fps=video_fps, frames_indices=indices)],
-    }
-    return Qwen3VLProcessor.replace_video_token(stand_in, inputs, 0)  # type: ignore[arg-type]
+def _hf_replacement(processor: Qwen3VLVideoProcessor, grid: list[int], indices: list[int], video_fps: float) -> str:
+    metadata = VideoMetadata(total_num_frames=max(indices) + 1, fps=video_fps, frames_indices=indices)
+    return reference.replacement(processor, grid, metadata)
 
 
 VIDEOS = {  # grid, sampled indices, source fps
@@ -246,7 +176,12 @@ def tokenizer(tiny_path: Path) -> Any:
 
 
 def _prompts(
-    tiny_path: Path, tokenizer: Any, model_spec: ModelSpec, names: list[str], image: list[int] | None
+    tiny_path: Path,
+    tokenizer: Any,
+    model_spec: ModelSpec,
+    names: list[str],
+    image: list[int] | None,
+    processor: Qwen3VLVideoProcessor,
 ) -> tuple[list[int], list[int]]:
     """(ours: the single-placeholder prompt expanded as the decoder does, transformers': the processor's text)."""
     head = "<|im_start|>user\n" + ("<|vision_start|><|image_pad|><|vision_end|>" if image else "")
@@ -264,22 +199,24 @@ def _prompts(
     if image:
         text = text.replace("<|image_pad|>", "<|image_pad|>" * (image[0] * image[1] * image[2] // 4), 1)
     pieces = text.split("<|video_pad|>")
-    text = pieces[0] + "".join(_hf_replacement(*VIDEOS[n]) + rest for n, rest in zip(names, pieces[1:], strict=True))
+    text = pieces[0] + "".join(
+        _hf_replacement(processor, *VIDEOS[n]) + rest for n, rest in zip(names, pieces[1:], strict=True)
+    )
     return ours, tokenizer.encode(text, add_special_tokens=False)
 
 
 @pytest.mark.parametrize("names", [["four_frames"], ["odd_frames"], ["ntsc", "four_frames"]])
 def test_expanded_prompt_is_the_processors(
-    tiny_path: Path, tokenizer: Any, model_spec: ModelSpec, names: list[str]
+    tiny_path: Path, tokenizer: Any, model_spec: ModelSpec, processor: Qwen3VLVideoProcessor, names: list[str]
 ) -> None:
-    ours, want = _prompts(tiny_path, tokenizer, model_spec, names, None)
+    ours, want = _prompts(tiny_path, tokenizer, model_spec, names, None, processor)
     assert ours == want
     steps = sum(VIDEOS[name][0][0] for name in names)
     assert tokenizer.decode(ours, skip_special_tokens=False).count(" seconds><|vision_start|>") == steps
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_path: Path) -> Qwen3VLForConditionalGeneration:
+def hf_model(tiny_path: Path) -> Qwen3VLForConditionalGeneration:
     return Qwen3VLForConditionalGeneration.from_pretrained(tiny_path, dtype=torch.float32).eval()
 
 
@@ -291,16 +228,17 @@ def test_rope_index_is_get_rope_index(
     tiny_path: Path,
     tokenizer: Any,
     model_spec: ModelSpec,
-    reference: Qwen3VLForConditionalGeneration,
+    hf_model: Qwen3VLForConditionalGeneration,
+    processor: Qwen3VLVideoProcessor,
     names: list[str],
     image: list[int] | None,
 ) -> None:
-    ids, _ = _prompts(tiny_path, tokenizer, model_spec, names, image)
+    ids, _ = _prompts(tiny_path, tokenizer, model_spec, names, image, processor)
     videos = [VIDEOS[name][0] for name in names]
     ours, delta = frame_rope_positions(ids, [image] if image else [], videos, model_spec)
     tensor = torch.tensor([ids])
     types = (tensor == model_spec.image_token_id).int() + 2 * (tensor == model_spec.video_token_id).int()
-    want, want_delta = reference.model.get_rope_index(
+    want, want_delta = hf_model.model.get_rope_index(
         tensor,
         mm_token_type_ids=types,
         image_grid_thw=torch.tensor([image]) if image else None,
