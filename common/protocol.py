@@ -198,6 +198,9 @@ class PreparedMedia(Message):
     # Videos: the seconds one temporal grid step spans (temporal patch size / the sampled frames' fps), which
     # Qwen2.5-VL's M-RoPE turns into absolute time; None for images.
     second_per_grid_t: float | None = None
+    # Qwen3-VL videos: the token ids of each temporal step's timestamp ("<1.5 seconds>"), which the prompt holds
+    # before that step's `<|vision_start|>` tokens `<|vision_end|>`; None: the item's tokens are one run.
+    frame_text_ids: list[list[int]] | None = None
 
 
 # --------------------------------------------------------------------------- liveness

@@ -1,20 +1,18 @@
 """Each model family beside Qwen2-VL through the whole stack, as ``./ops/serve`` starts it on the family's tiny
 synthetic checkpoint, against transformers' own model of that family: Qwen2-VL's chat and video parity tests
 (test_chat_parity, test_video) run again here, their ``stack``, ``client`` and ``hf`` being this module's, plus a
-grayscale image. A family joins with its model_type in FAMILIES; a family whose videos are not served yet
-(NO_VIDEOS) skips the video cases and gets a 400 for a video instead."""
+grayscale image. A family joins with its model_type in FAMILIES; every family's videos are served, Qwen3-VL's with
+the timestamps its processor writes (test_video's reference builds them from transformers' processor pieces)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
 
-import openai
 import pytest
 from openai import OpenAI
 
 from benchmarks.hf_chat import HfChat
-from benchmarks.media import data_url as media_data_url
 from common.config import load_config
 from tests.integration.conftest import Stack, serve
 from tests.integration.test_chat_parity import (  # noqa: F401 (collected here, on this module's stack)
@@ -41,22 +39,6 @@ from tests.media import data_url, make_image
 from workers.models.synth import generate_checkpoint
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
-# family -> why its video cases are skipped
-NO_VIDEOS = {
-    "qwen3_vl": "videos are not served yet for Qwen3-VL (its timestamps and video M-RoPE); the fetcher answers 400",
-}
-VIDEO_CASES = {
-    "test_fps_changes_frames_and_matches_transformers",
-    "test_long_thin_video_matches_transformers",
-    "test_video_by_http",
-}
-
-
-@pytest.fixture(autouse=True)
-def skip_videos_not_served(request: pytest.FixtureRequest) -> None:
-    family = request.node.callspec.params.get("stack")
-    if request.node.originalname in VIDEO_CASES and family in NO_VIDEOS:
-        pytest.skip(NO_VIDEOS[family])
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -84,13 +66,3 @@ def test_grayscale_image(client: OpenAI, hf: HfChat) -> None:
         {"type": "text", "text": "Which shades?"},
     ]
     check_parity(client, hf, [{"role": "user", "content": content}])
-
-
-def test_video_is_400_where_not_served(request: pytest.FixtureRequest, client: OpenAI, clip: bytes) -> None:  # noqa: F811 (the fixture)
-    family = request.node.callspec.params["stack"]
-    if family not in NO_VIDEOS:
-        pytest.skip(f"{family} serves videos")
-    content = [video_part(media_data_url(clip, "video/x-msvideo"), 2), {"type": "text", "text": "What happens?"}]
-    with pytest.raises(openai.BadRequestError) as caught:
-        ask(client, [{"role": "user", "content": content}])
-    assert "videos are not served yet for qwen3_vl" in str(caught.value)

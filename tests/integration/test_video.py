@@ -10,11 +10,13 @@ import openai
 import pytest
 import torch
 from openai import OpenAI
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.video_utils import VideoMetadata
 
 from benchmarks.hf_chat import HfChat
 from benchmarks.media import data_url, jpeg_bytes, mjpeg_avi, video_frames
 from common.config import FetcherConfig, load_config
+from tests import qwen3_vl_video_reference
 from tests.integration.conftest import MediaServer, Stack
 from workers.fetcher.video import VideoProcessorSpec, decode_video, frame_indices, preprocess_video
 
@@ -62,13 +64,26 @@ def _video_bytes(url: str) -> bytes:
 
 def hf_generate(hf: HfChat, spec: VideoProcessorSpec, messages: list[dict[str, Any]]) -> tuple[list[int], int]:
     """transformers' generate on the frames our fetcher samples and preprocesses (transformers'
-    own video processor needs torchvision), with the <|video_pad|> expansion its processor does."""
+    own video processor needs torchvision), with the <|video_pad|> expansion its processor does. For Qwen3-VL,
+    whose processor follows transformers' own rules (not qwen-vl-utils'), the frames, pixels and timestamped
+    expansion are transformers' processor pieces run without torchvision: `tests.qwen3_vl_video_reference` says
+    how (the size its resize asks for, PIL's bicubic resize to it, torchvision's normalize arithmetic)."""
     rules = FetcherConfig()
-    pixels, grids, converted, seconds = [], [], [], []
+    pixels, grids, converted, seconds, replacements = [], [], [], [], []
+    qwen3 = hf.model.config.model_type == "qwen3_vl"
     for message in messages:
         parts = []
         for part in message["content"]:
-            if part["type"] == "video_url":
+            if part["type"] == "video_url" and qwen3:
+                data = _video_bytes(part["video_url"]["url"])
+                processor = Qwen3VLVideoProcessor.from_pretrained(str(hf.model.name_or_path))
+                fps = float(part["video_url"].get("fps", processor.fps))
+                values, grid, text = qwen3_vl_video_reference.video_inputs(processor, data, fps, rules.max_image_pixels)
+                pixels.append(values)
+                grids.append(grid)
+                replacements.append(text)
+                parts.append({"type": "video"})
+            elif part["type"] == "video_url":
                 fps = float(part["video_url"].get("fps", 2.0))
                 video = decode_video(_video_bytes(part["video_url"]["url"]), fps, spec, 768, rules.max_image_pixels)
                 values, grid, _ = preprocess_video(video, spec, rules.max_video_tokens)
@@ -89,8 +104,9 @@ def hf_generate(hf: HfChat, spec: VideoProcessorSpec, messages: list[dict[str, A
     )
     merge = spec.frames.merge_size**2
     pieces = text.split("<|video_pad|>")
-    counts = [g[0] * g[1] * g[2] // merge for g in grids]
-    text = pieces[0] + "".join("<|video_pad|>" * n + rest for n, rest in zip(counts, pieces[1:], strict=True))
+    if not qwen3:
+        replacements = ["<|video_pad|>" * (g[0] * g[1] * g[2] // merge) for g in grids]
+    text = pieces[0] + "".join(new + rest for new, rest in zip(replacements, pieces[1:], strict=True))
     ids = hf.tokenizer([text], return_tensors="pt", add_special_tokens=False)["input_ids"]
     types = 2 * (ids == hf.tokenizer.convert_tokens_to_ids("<|video_pad|>")).long()
     timed = {"second_per_grid_ts": torch.tensor(seconds)} if hf.model.config.model_type == "qwen2_5_vl" else {}
@@ -128,8 +144,13 @@ def test_fps_changes_frames_and_matches_transformers(
     four = check_parity(
         client, hf, spec, [{"role": "user", "content": [video_part(url, 4), {"type": "text", "text": "?"}]}]
     )
-    # 24 tokens per 2 frames: 4 frames -> 48, 8 frames -> 96.
-    assert four.usage.prompt_tokens - two.usage.prompt_tokens == 48
+    if hf.model.config.model_type == "qwen3_vl":
+        # 20 tokens per 2 frames (160x128, patch 16) and before each 2 frames "<t seconds>" (8 tokens) between
+        # <|vision_start|> and <|vision_end|>: 4 frames -> 60, 8 frames -> 120.
+        assert four.usage.prompt_tokens - two.usage.prompt_tokens == 60
+    else:
+        # 24 tokens per 2 frames: 4 frames -> 48, 8 frames -> 96.
+        assert four.usage.prompt_tokens - two.usage.prompt_tokens == 48
 
 
 def test_long_thin_video_matches_transformers(client: OpenAI, hf: HfChat, spec: VideoProcessorSpec) -> None:

@@ -92,7 +92,12 @@ SAMPLING = SamplingParams(
 MEDIA = MediaInput(kind="video", url="https://example.com/cat.avi", min_pixels=3136, max_pixels=1_000_000, fps=2.5)
 PREPARED = PreparedMedia(kind="image", content_hash="ab" * 32, grid_thw=[1, 14, 20], num_tokens=70)
 PREPARED_VIDEO = PreparedMedia(
-    kind="video", content_hash="cd" * 32, grid_thw=[4, 14, 20], num_tokens=280, second_per_grid_t=0.75
+    kind="video",
+    content_hash="cd" * 32,
+    grid_thw=[4, 14, 20],
+    num_tokens=280,
+    second_per_grid_t=0.75,
+    frame_text_ids=[[27, 15, 13, 18, 422, 745, 369, 29], [27, 16, 13, 21, 422, 745, 369, 29]],
 )
 DELTA = TokenDelta(
     request_id="r1",

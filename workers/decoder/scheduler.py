@@ -48,7 +48,9 @@ class Scheduler:
         """Expand media placeholders, check limits, compute positions; raises ``PromptError``."""
         spec, max_len = self.spec, self.config.max_model_len
         try:
-            ids = expand_media_placeholders(request.prompt_ids, [(m.kind, m.grid_thw) for m in request.media], spec)
+            media = [(m.kind, m.grid_thw) for m in request.media]
+            texts = [m.frame_text_ids for m in request.media]
+            ids = expand_media_placeholders(request.prompt_ids, media, spec, texts)
         except ValueError as exc:
             raise PromptError(str(exc)) from exc
         if not ids:
@@ -81,17 +83,14 @@ class Scheduler:
 
     def _keys(self, ids: list[int], request: PreparedRequest) -> list[int]:
         """Token ids, except that each media token is keyed by its media's content hash: the same
-        tokens with another image never share KV; the same image at the same place does."""
-        keys, items = list(ids), iter(request.media)
-        i = 0
-        while i < len(keys):
-            if keys[i] in (self.spec.image_token_id, self.spec.video_token_id):
-                item = next(items)
-                keys[i : i + item.num_tokens] = media_token_keys(item.content_hash, item.num_tokens)
-                i += item.num_tokens
-            else:
-                i += 1
-        return keys
+        tokens with another image never share KV; the same image at the same place does. An item's tokens may
+        come in several runs (a Qwen3-VL video's temporal steps between their timestamps): they take its keys in
+        order."""
+        media_keys = iter(
+            [key for item in request.media for key in media_token_keys(item.content_hash, item.num_tokens)]
+        )
+        media_ids = (self.spec.image_token_id, self.spec.video_token_id)
+        return [next(media_keys) if tok in media_ids else tok for tok in ids]
 
     def add(self, seq: Sequence) -> None:
         seq.queued_at = time.monotonic()

@@ -20,11 +20,13 @@ import numpy as np
 
 from common.config import FetcherConfig
 from common.protocol import MediaInput
+from workers.fetcher import video_qwen3_vl
 from workers.fetcher.download import fetch_bytes
 from workers.fetcher.errors import MediaError
 from workers.fetcher.image import ImageProcessorSpec, decode_image, image_patches, normalization_of, num_image_tokens
 from workers.fetcher.video import (
     VideoProcessorSpec,
+    decode_sampled,
     decode_video,
     preprocess_video,
     second_per_grid,
@@ -49,6 +51,8 @@ class LoadedImage:
     normalization: Normalization | None = None  # set for uint8 patches: the encoder's step to pixel values
     decode_again: Callable[[], LoadedImage] | None = None
     second_per_grid_t: float | None = None  # videos: `workers.fetcher.video.second_per_grid`
+    # Qwen3-VL videos: the text before each temporal step's tokens, "<1.5 seconds>" (`video_qwen3_vl.frame_texts`)
+    frame_texts: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,12 +90,14 @@ class DecodedMemo:
 def load_media(
     item: MediaInput,
     images: ImageProcessorSpec,
-    videos: VideoProcessorSpec,
+    videos: VideoProcessorSpec | video_qwen3_vl.Qwen3VideoSpec,
     rules: FetcherConfig,
     model_key: str,
     memo: DecodedMemo | None = None,
 ) -> LoadedImage:
     """Runs in a fetcher thread; raises ``MediaError`` with the HTTP status for the client."""
+    if item.kind == "video" and isinstance(videos, video_qwen3_vl.Qwen3VideoSpec):
+        return load_timed_video(item, videos, rules, model_key)
     if item.kind == "video":
         return load_video(item, videos, rules, model_key)
     if item.kind == "image":
@@ -150,3 +156,20 @@ def load_video(item: MediaInput, spec: VideoProcessorSpec, rules: FetcherConfig,
     return LoadedImage(
         content_hash, pixel_values, grid, tokens, "video", second_per_grid_t=second_per_grid(video, spec)
     )
+
+
+def load_timed_video(
+    item: MediaInput, spec: video_qwen3_vl.Qwen3VideoSpec, rules: FetcherConfig, model_key: str
+) -> LoadedImage:
+    """A Qwen3-VL video: transformers' frame rule and sizes (`workers.fetcher.video_qwen3_vl`), and each temporal
+    step's timestamp text for the prompt."""
+    fps = spec.fps if item.fps is None else validated_fps(item.fps)
+    spec = spec.with_client_limits(item.min_pixels, item.max_pixels)
+    data = fetch_bytes(item.url, dataclasses.replace(rules, max_media_bytes=rules.max_video_bytes))
+    video = decode_sampled(data, video_qwen3_vl.frame_sampler(spec, fps, rules), rules.max_image_pixels)
+    pixel_values, grid, resized = video_qwen3_vl.preprocess(video, spec, rules.max_video_tokens)
+    # (the timestamps are not in the hash: the same pixels give the same embeddings at any time)
+    content_hash = video_hash(model_key, spec, fps, resized)
+    tokens = num_image_tokens(grid, spec.frames.merge_size)
+    texts = video_qwen3_vl.frame_texts(video, spec)
+    return LoadedImage(content_hash, pixel_values, grid, tokens, "video", frame_texts=texts)

@@ -19,10 +19,10 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from PIL import Image
@@ -86,6 +86,11 @@ class DecodedVideo:
     frames: list[np.ndarray]  # sampled frames, (H, W, 3) uint8 each, all one size
     total_frames: int
     video_fps: float
+    indices: list[int] = field(default_factory=list)  # the sampled frames' indices in the source
+
+
+# (total frames, the source's fps) -> the indices of the frames to sample
+FrameSampler = Callable[[int, float], list[int]]
 
 
 def second_per_grid(video: DecodedVideo, spec: VideoProcessorSpec) -> float:
@@ -124,7 +129,19 @@ def frame_indices(total_frames: int, nframes: int) -> list[int]:
 def decode_video(
     data: bytes, fps: float, spec: VideoProcessorSpec, max_frames: int, max_frame_pixels: int
 ) -> DecodedVideo:
-    """Sampled frames of a video file's bytes; anything undecodable is a 400."""
+    """Sampled frames of a video file's bytes (qwen-vl-utils' frame rule); anything undecodable is a 400."""
+
+    def qwen_vl_utils_frames(total: int, video_fps: float) -> list[int]:
+        nframes = smart_nframes(
+            total, video_fps, fps, spec.min_frames, min(spec.max_frames, max_frames), spec.frame_factor
+        )
+        return frame_indices(total, nframes)
+
+    return decode_sampled(data, qwen_vl_utils_frames, max_frame_pixels)
+
+
+def decode_sampled(data: bytes, sample: FrameSampler, max_frame_pixels: int) -> DecodedVideo:
+    """The frames ``sample`` picks from a video file's bytes; anything undecodable is a 400."""
     import decord  # only the fetcher needs it, and it is slow to import
 
     with _temp_file(data) as path:  # decord segfaults on some truncated in-memory streams; files fail cleanly
@@ -137,20 +154,17 @@ def decode_video(
         total, video_fps = len(reader), float(reader.get_avg_fps())
         if total < 1 or not math.isfinite(video_fps) or video_fps <= 0:
             raise MediaError(400, f"video reports {total} frames at {video_fps} fps: send a valid video file")
-        nframes = smart_nframes(
-            total, video_fps, fps, spec.min_frames, min(spec.max_frames, max_frames), spec.frame_factor
-        )
+        indices = sample(total, video_fps)
         first = _read_frames(reader, [0])[0]
         height, width = first.shape[:2]
         if height * width > max_frame_pixels:
             raise MediaError(413, f"video frames are {width}x{height}, over the {max_frame_pixels} pixel limit")
-        indices = frame_indices(total, nframes)
         frames = [
             f
-            for start in range(0, nframes, _DECODE_BATCH)
+            for start in range(0, len(indices), _DECODE_BATCH)
             for f in _read_frames(reader, indices[start : start + _DECODE_BATCH])
         ]
-    return DecodedVideo(frames, total, video_fps)
+    return DecodedVideo(frames, total, video_fps, indices)
 
 
 @contextlib.contextmanager
@@ -204,7 +218,12 @@ def frame_pixel_limits(spec: VideoProcessorSpec, nframes: int, max_video_tokens:
 def resize_frames(frames: list[np.ndarray], spec: ImageProcessorSpec, min_pixels: int, max_pixels: int) -> np.ndarray:
     """Every frame to one smart-resized (h, w), PIL bicubic like the image path: (N, h, w, 3) uint8."""
     height, width = frames[0].shape[:2]
-    new_h, new_w = smart_resize(height, width, spec.factor, min_pixels, max_pixels)
+    return resize_frames_to(frames, *smart_resize(height, width, spec.factor, min_pixels, max_pixels), spec.resample)
+
+
+def resize_frames_to(frames: list[np.ndarray], new_h: int, new_w: int, resample: int) -> np.ndarray:
+    """Every frame (all of the first one's size) to (new_h, new_w) with PIL: (N, new_h, new_w, 3) uint8."""
+    height, width = frames[0].shape[:2]
     out = np.empty((len(frames), new_h, new_w, 3), dtype=np.uint8)
     for k, frame in enumerate(frames):
         if frame.shape[:2] != (height, width):
@@ -212,24 +231,29 @@ def resize_frames(frames: list[np.ndarray], spec: ImageProcessorSpec, min_pixels
         out[k] = (
             frame
             if (new_h, new_w) == (height, width)
-            else np.asarray(Image.fromarray(frame).resize((new_w, new_h), resample=spec.resample))
+            else np.asarray(Image.fromarray(frame).resize((new_w, new_h), resample=resample))
         )
     return out
 
 
 def patchify_video(frames: np.ndarray, spec: ImageProcessorSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """``Qwen2VLVideoProcessor.patchify`` on normalised frames: rows (t, block row, block col, row in
-    block, col in block), each (channel, frame in temporal patch, patch row, patch col)."""
-    p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
-    count, height, width, channels = frames.shape
-    if count % tp:
-        # transformers pads with copies of the last frame; smart_nframes already gives a multiple.
-        frames = np.concatenate([frames, np.repeat(frames[-1:], tp - count % tp, axis=0)])
-        count = frames.shape[0]
-    grid = (count // tp, height // p, width // p)
+    """``Qwen2VLVideoProcessor.patchify`` on normalised uint8 frames (N, h, w, C)."""
     values = np.empty(frames.shape, dtype=np.float32)
     for k, frame in enumerate(frames):  # per frame: the float64 temporaries stay one frame large
         values[k] = _rescale_and_normalize(frame, spec)
+    return patch_rows(values, spec)
+
+
+def patch_rows(values: np.ndarray, spec: ImageProcessorSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """The processors' ``patchify`` of normalised float32 frames (N, h, w, C): rows (t, block row, block col, row
+    in block, col in block), each (channel, frame in temporal patch, patch row, patch col)."""
+    p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    count, height, width, channels = values.shape
+    if count % tp:
+        # transformers pads with copies of the last frame (qwen-vl-utils' frame counts are multiples already).
+        values = np.concatenate([values, np.repeat(values[-1:], tp - count % tp, axis=0)])
+        count = values.shape[0]
+    grid = (count // tp, height // p, width // p)
     values = values.reshape(grid[0], tp, grid[1] // m, m, p, grid[2] // m, m, p, channels)
     # (t, tp, bh, mh, ph, bw, mw, pw, C) -> (t, bh, bw, mh, mw, C, tp, ph, pw)
     values = values.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
@@ -246,7 +270,14 @@ def preprocess_video(
     return pixel_values, grid, resized
 
 
-def video_hash(model_key: str, spec: VideoProcessorSpec, fps: float, resized: np.ndarray) -> str:
+class FramesSpec(Protocol):
+    """A video processor's settings: its per-frame processing under ``frames`` (`VideoProcessorSpec`, Qwen3-VL's)."""
+
+    @property
+    def frames(self) -> ImageProcessorSpec: ...
+
+
+def video_hash(model_key: str, spec: FramesSpec, fps: float, resized: np.ndarray) -> str:
     """The resized frames and every parameter after them fix the ViT input: equal hashes, equal output."""
     digest = hashlib.sha256()
     digest.update(json.dumps(["video", model_key, fps, resized.shape, repr(spec.frames)], default=str).encode())

@@ -52,11 +52,14 @@ from workers.fetcher.errors import MediaError
 from workers.fetcher.image import ImageProcessorSpec
 from workers.fetcher.media import DecodedMemo, LoadedImage, load_media
 from workers.fetcher.video import VideoProcessorSpec
-from workers.models.registry import read_spec
+from workers.fetcher.video_qwen3_vl import Qwen3VideoSpec
+from workers.models.registry import family, read_spec
 
 log = logging.getLogger(__name__)
 # Images whose bytes a fetcher remembers the patchified form of (a few hundred bytes each): see DecodedMemo.
 MEMO_ENTRIES = 16384
+# Timestamp texts whose token ids a fetcher keeps: the ones of a few hours of video.
+_TIMESTAMPS_KNOWN = 100_000
 
 
 @dataclass
@@ -99,6 +102,26 @@ class CacheCall:
     retried: bool = False
 
 
+class TimestampTokens:
+    """Token ids of a video frame's timestamp text ("<1.5 seconds>") by the checkpoint's tokenizer. Between two
+    special tokens in the prompt (`<|vision_start|>` or `<|vision_end|>` around it), the text is tokenized alone,
+    as the gateway's tokenizer would the whole prompt. Few distinct texts occur: each is tokenized once."""
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoTokenizer  # (only fetchers of a timestamping family load it)
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.known: dict[str, list[int]] = {}
+
+    def ids(self, text: str) -> list[int]:
+        found = self.known.get(text)
+        if found is None:
+            if len(self.known) >= _TIMESTAMPS_KNOWN:  # (one per tenth of a second of the longest video seen)
+                self.known.clear()
+            found = self.known[text] = list(self.tokenizer.encode(text, add_special_tokens=False))
+        return found
+
+
 class FetcherWorker:
     def __init__(self, cfg: Config, index: int = 0) -> None:
         self.cfg = cfg
@@ -107,7 +130,11 @@ class FetcherWorker:
         model_path = cfg.model_path()
         self.spec = read_spec(model_path)
         self.image_spec = ImageProcessorSpec.from_dir(model_path)
-        self.video_spec = VideoProcessorSpec.from_dir(model_path)
+        self.video_spec: VideoProcessorSpec | Qwen3VideoSpec = VideoProcessorSpec.from_dir(model_path)
+        self.timestamps: TimestampTokens | None = None
+        if family(self.spec.model_type).video_timestamps:
+            self.video_spec = Qwen3VideoSpec.from_dir(model_path)
+            self.timestamps = TimestampTokens(str(model_path))
         self.model_key = str(model_path.resolve())
         self.embed_dtype = model_dtype_name(cfg, model_device_type(cfg))
         self.max_model_len = cfg.decoder.max_model_len or self.spec.max_position_embeddings
@@ -221,12 +248,6 @@ class FetcherWorker:
                         f"{self.cfg.fetcher.max_images_per_request}",
                     )
                     return
-                if self.spec.num_deepstack and any(media.kind == "video" for media in msg.media):
-                    # Qwen3-VL's videos need the processor's timestamps in the prompt and their own M-RoPE rule.
-                    self.finish_error(
-                        rid, 400, f"videos are not served yet for {self.spec.model_type} checkpoints; send images"
-                    )
-                    return
                 if not msg.media:
                     self.forward(state)
                 for index, media in enumerate(msg.media):
@@ -297,7 +318,7 @@ class FetcherWorker:
     def check_and_prepare(self, state: InFlight) -> None:
         """Every item is loaded: refuse a prompt over the context, else look each item up in the cache."""
         request_id, result = state.request.request_id, state.loaded
-        media_tokens = sum(x.num_tokens for x in result)
+        media_tokens = sum(self.prompt_tokens(x) for x in result)
         prompt_len = len(state.request.prompt_ids) - len(result) + media_tokens
         if prompt_len >= self.max_model_len:
             self.finish_error(
@@ -309,6 +330,13 @@ class FetcherWorker:
             )
             return
         self.call_cache(state, tries=1)
+
+    def prompt_tokens(self, item: LoadedImage) -> int:
+        """The tokens an item's placeholder becomes: its embedding rows, and for a timestamped video each temporal
+        step's timestamp with its <|vision_start|> and <|vision_end|> (`workers.models.mrope._timed_steps`)."""
+        if item.frame_texts is None or self.timestamps is None:
+            return item.num_tokens
+        return item.num_tokens + sum(len(self.timestamps.ids(text)) + 2 for text in item.frame_texts)
 
     # ------------------------------------------------------------------ cache side
     def call_cache(self, state: InFlight, tries: int) -> None:
@@ -408,8 +436,11 @@ class FetcherWorker:
             self.finish_error(call.request_id, msg.status, msg.message, msg.code)
             return
         for index, item in enumerate(call.items):
+            texts = None
+            if item.frame_texts is not None and self.timestamps is not None:
+                texts = [self.timestamps.ids(text) for text in item.frame_texts]
             state.prepared[index] = PreparedMedia(
-                item.kind, item.content_hash, list(item.grid_thw), item.num_tokens, item.second_per_grid_t
+                item.kind, item.content_hash, list(item.grid_thw), item.num_tokens, item.second_per_grid_t, texts
             )
         self.forward(state)
 

@@ -35,10 +35,14 @@ def expand_media_placeholders(
     input_ids: Sequence[int] | torch.Tensor,
     media: Sequence[tuple[str, Sequence[int]]],
     spec: ModelSpec,
+    frame_texts: Sequence[Sequence[Sequence[int]] | None] | None = None,
 ) -> list[int]:
     """Replace each single ``<|image_pad|>`` / ``<|video_pad|>`` with its grid's token count.
 
-    ``media`` lists ``(kind, grid_thw)`` in order of appearance, kind being "image" or "video".
+    ``media`` lists ``(kind, grid_thw)`` in order of appearance, kind being "image" or "video". ``frame_texts``,
+    where given, has an entry per item: for a Qwen3-VL video the token ids of each temporal step's timestamp, and
+    the placeholder becomes, per step, ``timestamp <|vision_start|> tokens <|vision_end|>`` (transformers'
+    ``Qwen3VLProcessor.replace_video_token``); None for the others.
     """
     ids = _as_list(input_ids)
     pad_of_kind = {"image": spec.image_token_id, "video": spec.video_token_id}
@@ -46,6 +50,9 @@ def expand_media_placeholders(
     for kind, _ in media:
         if kind not in pad_of_kind:
             raise ValueError(f"media kind must be one of {MEDIA_KINDS}, got {kind!r}")
+    texts = list(frame_texts) if frame_texts is not None else [None] * len(media)
+    if len(texts) != len(media):
+        raise ValueError(f"{len(texts)} frame text entries for {len(media)} media items")
     placeholders = [kind_of_pad[tok] for tok in ids if tok in kind_of_pad]
     if placeholders != [kind for kind, _ in media]:
         raise ValueError(
@@ -53,14 +60,49 @@ def expand_media_placeholders(
             f"({[kind for kind, _ in media]})"
         )
     out: list[int] = []
-    items = iter(media)
+    items = iter(zip(media, texts, strict=True))
     for tok in ids:
         if tok in kind_of_pad:
-            _, grid = next(items)
-            out.extend([tok] * media_token_count(grid, spec))
+            (_, grid), steps = next(items)
+            out.extend([tok] * media_token_count(grid, spec) if steps is None else _timed_steps(tok, grid, steps, spec))
         else:
             out.append(tok)
     return out
+
+
+def _timed_steps(pad: int, grid: Sequence[int], steps: Sequence[Sequence[int]], spec: ModelSpec) -> list[int]:
+    """A video's tokens with each temporal step's timestamp text: ``text <|vision_start|> pads <|vision_end|>``."""
+    t = int(grid[0])
+    if len(steps) != t:
+        raise ValueError(f"a video of {t} temporal steps has {len(steps)} timestamps")
+    if spec.vision_end_token_id is None:
+        raise ValueError("timestamped videos need vision_end_token_id in config.json")
+    per_step = media_token_count(grid, spec) // t
+    out: list[int] = []
+    for text in steps:
+        out.extend([*(int(x) for x in text), spec.vision_start_token_id, *[pad] * per_step, spec.vision_end_token_id])
+    return out
+
+
+def split_video_grids(video_grids: Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:
+    """Each video grid (t, h, w) as t grids (1, h, w): Qwen3-VL's ``get_rope_index`` (modeling_qwen3_vl.py,
+    ``repeat_interleave`` then ``[:, 0] = 1``), whose timestamps make every temporal step its own vision run."""
+    return [(1, int(h), int(w)) for t, h, w in video_grids for _ in range(int(t))]
+
+
+def frame_rope_positions(
+    input_ids: Sequence[int] | torch.Tensor,
+    image_grids: Sequence[Sequence[int]],
+    video_grids: Sequence[Sequence[int]],
+    spec: ModelSpec,
+    past_length: int = 0,
+    past_delta: int = 0,
+    video_seconds: Sequence[float | None] | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Qwen3-VL's M-RoPE ids: `rope_positions` with each video's temporal steps as separate items of one step
+    (`split_video_grids`); its video ids are not in absolute time (the timestamps are text), so
+    ``video_seconds`` is not read."""
+    return rope_positions(input_ids, image_grids, split_video_grids(video_grids), spec, past_length, past_delta)
 
 
 def vision_positions(

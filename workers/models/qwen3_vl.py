@@ -5,7 +5,8 @@ GELU-tanh MLP) returns the merged embeddings and one DeepStack feature set per `
 served, it returns them stacked, [1 + K, tokens, hidden], which is how an image's embeddings travel as one cache
 entry. The text model (`workers.models.qwen3_vl_text`) is Qwen3's: q/k RMSNorm per head, interleaved M-RoPE,
 DeepStack adds after the first K decoder layers. For images the M-RoPE index rule is Qwen2-VL's
-(`workers.models.mrope`); videos (timestamps between frames) are not served yet.
+(`workers.models.mrope`); a video's temporal steps each come after their timestamp text in the prompt and are
+numbered as separate one-step items (`workers.models.mrope.frame_rope_positions`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import cast
 import torch
 
 from workers.models import qwen3_vl_synth as tables
-from workers.models.mrope import rope_positions
+from workers.models.mrope import frame_rope_positions
 from workers.models.qwen3_vl_spec import Qwen3VLSpec
 from workers.models.qwen3_vl_text import Qwen3LanguageModel
 from workers.models.qwen3_vl_vision import Qwen3VisionTower
@@ -93,6 +94,7 @@ FAMILY = Family(
     read_spec=ModelSpec.from_config,
     vision_tower=StackedVisionTower.load,
     language_model=load_language_model,
-    rope_positions=rope_positions,
+    rope_positions=frame_rope_positions,
     synth=SYNTH,
+    video_timestamps=True,
 )
