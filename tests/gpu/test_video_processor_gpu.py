@@ -32,8 +32,9 @@ import torch
 from benchmarks.media import data_url, jpeg_bytes, mjpeg_avi, video_frames
 from common.config import FetcherConfig
 from common.protocol import MediaInput
-from workers.fetcher.media import load_video
+from workers.fetcher.media import load_timed_video, load_video
 from workers.fetcher.video import VideoProcessorSpec, decode_video, frame_indices
+from workers.fetcher.video_qwen3_vl import Qwen3VideoSpec
 from workers.models.synth import generate_checkpoint
 
 
@@ -51,12 +52,6 @@ _SKIP_REASON = _skip_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")]
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
-# family -> what its case waits for (the lead deletes the entry when that lands)
-WAITING = {
-    "qwen3_vl": "waits for Qwen3-VL videos in the fetcher (q3video's branch: `workers.fetcher.media.load_video` "
-    "processing a Qwen3-VL checkpoint's videos as Qwen3VLVideoProcessor does; today FetcherWorker.on_gateway "
-    "refuses them): delete this entry from WAITING when it is merged",
-}
 # transformers samples frames itself: its rule is the fetcher's (qwen-vl-utils' linspace)
 SAMPLES_LIKE_US = {"qwen3_vl"}
 MAX_LEVELS = 3.0
@@ -83,8 +78,6 @@ CLIPS = {
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request: pytest.FixtureRequest) -> str:
-    if request.param in WAITING:
-        pytest.skip(WAITING[request.param])
     return str(request.param)
 
 
@@ -116,9 +109,14 @@ def every_frame(data: bytes) -> np.ndarray:
         return np.asarray(reader.get_batch(list(range(len(reader)))).asnumpy())
 
 
-def transformers_output(processor: Any, frames: np.ndarray, **kwargs: Any) -> tuple[torch.Tensor, list[int]]:
-    """(pixel_values_videos, video_grid_thw of the one video) from transformers' video processor."""
-    if hasattr(processor, "cap_pixels_per_frame"):  # (releases before the option always used the per-frame cap)
+def transformers_output(
+    processor: Any, frames: np.ndarray, as_configured: bool = False, **kwargs: Any
+) -> tuple[torch.Tensor, list[int]]:
+    """(pixel_values_videos, video_grid_thw of the one video) from transformers' video processor; ``as_configured``:
+    with the checkpoint's own settings only (Qwen3-VL's processor reads its pixel cap from its file, as we do)."""
+    if (
+        hasattr(processor, "cap_pixels_per_frame") and not as_configured
+    ):  # (releases before the option always used the per-frame cap)
         kwargs["cap_pixels_per_frame"] = True  # as the checkpoint's file says: qwen-vl-utils' total-video budget
     out = processor(videos=[frames], return_tensors="pt", **kwargs)
     return out["pixel_values_videos"].float(), [int(v) for v in out["video_grid_thw"][0]]
@@ -130,7 +128,7 @@ def metadata(clip: Clip, total: int) -> Any:
     return VideoMetadata(total_num_frames=total, fps=float(clip.clip_fps), frames_indices=list(range(total)))
 
 
-def level_gaps(ours: np.ndarray, theirs: torch.Tensor, spec: VideoProcessorSpec) -> torch.Tensor:
+def level_gaps(ours: np.ndarray, theirs: torch.Tensor, spec: VideoProcessorSpec | Qwen3VideoSpec) -> torch.Tensor:
     """|ours - theirs| in 8-bit levels, per value (rows are (channel, frame in temporal patch, patch row, col))."""
     frames = spec.frames
     gap = (torch.from_numpy(np.asarray(ours, dtype=np.float32)) - theirs).abs().reshape(len(ours), 3, -1)
@@ -144,15 +142,25 @@ def test_fetcher_video_equals_transformers_video_processor(
 ) -> None:
     clip = CLIPS[name]
     data = clip_bytes(clip)
-    spec = VideoProcessorSpec.from_dir(checkpoint)
     rules = FetcherConfig()
-    loaded = load_video(MediaInput("video", data_url(data, "video/x-msvideo"), fps=clip.fps), spec, rules, "key")
+    item = MediaInput("video", data_url(data, "video/x-msvideo"), fps=clip.fps)
+    if family in SAMPLES_LIKE_US:  # Qwen3-VL: its own video path (transformers' rule, timestamps in the prompt)
+        timed = Qwen3VideoSpec.from_dir(checkpoint)
+        loaded, spec = load_timed_video(item, timed, rules, "key"), timed
+    else:
+        spec = VideoProcessorSpec.from_dir(checkpoint)
+        loaded = load_video(item, spec, rules, "key")
     assert loaded.pixel_values is not None and loaded.normalization is None  # (float pixel values for videos)
     decoded = every_frame(data)
     assert len(decoded) == clip.frames
     if family in SAMPLES_LIKE_US:
         theirs, grid = transformers_output(
-            processor, decoded, do_sample_frames=True, fps=clip.fps, video_metadata=[metadata(clip, len(decoded))]
+            processor,
+            decoded,
+            as_configured=True,
+            do_sample_frames=True,
+            fps=clip.fps,
+            video_metadata=[metadata(clip, len(decoded))],
         )
     else:
         video = decode_video(data, clip.fps, spec, rules.max_video_frames, rules.max_image_pixels)
