@@ -72,9 +72,8 @@ def test_eager_only_on_the_gpu_paths(parts: Parts) -> None:
     config = EngineConfig.from_settings(settings, torch.device("cuda"), 64, 4096, spec)
     assert not config.fuse and config.graphs == "off"
     with pytest.raises(ValueError, match="eagerly and unfused"):
-        check_eager_only(spec, EngineConfig(4096, 4, 64, 64, 4, graphs="static"), False)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        check_eager_only(spec, EngineConfig(4096, 4, 64, 64, 4), True)
+        check_eager_only(spec, EngineConfig(4096, 4, 64, 64, 4, graphs="static"))
+    check_eager_only(spec, EngineConfig(4096, 4, 64, 64, 4))  # eager and unfused: served, with or without ranks
     with pytest.raises(ValueError, match="unfused"):
         fuse_layers(model)  # type: ignore[arg-type]
 

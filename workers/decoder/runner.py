@@ -33,15 +33,14 @@ from workers.models.paged import BatchLayout, PagedKVCache, fuse_layers, paged_f
 from workers.models.spec import ModelSpec
 
 
-def check_eager_only(spec: ModelSpec, config: EngineConfig, tensor_parallel: bool) -> None:
+def check_eager_only(spec: ModelSpec, config: EngineConfig) -> None:
     """ValueError where a Qwen3-VL model (q/k norm, DeepStack) would run a path that lacks them: the fused layers
-    and the CUDA graphs (`EngineConfig.from_settings` turns both off for it, saying why), tensor parallelism."""
+    and the CUDA graphs (`EngineConfig.from_settings` turns both off for it, saying why). Tensor parallelism
+    carries both (`tp.StepPayload.deepstack`)."""
     if not spec.qk_norm and not spec.num_deepstack:
         return
     if config.fuse or config.graphs != "off":
         raise ValueError(f"{spec.model_type} runs eagerly and unfused only (fuse=False, graphs='off')")
-    if tensor_parallel:
-        raise ValueError(f"{spec.model_type}: tensor parallelism carries no q/k norm nor DeepStack adds yet")
 
 
 class ModelRunner:
@@ -55,7 +54,7 @@ class ModelRunner:
     ) -> None:
         """``tp_steps``: this is rank 0 of a tensor-parallel group; each step is broadcast, then run."""
         self.model, self.spec, self.config, self.counters, self.tp_steps = model, spec, config, counters, tp_steps
-        check_eager_only(spec, config, tp_steps is not None)
+        check_eager_only(spec, config)
         self.fused = fuse_layers(model) if config.fuse else None
         # The graphs' padding tokens need a block that no sequence owns: one more than the manager hands out.
         graphs = config.graphs != "off"

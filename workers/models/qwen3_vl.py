@@ -95,4 +95,5 @@ FAMILY = Family(
     language_model=load_language_model,
     rope_positions=rope_positions,
     synth=SYNTH,
+    tensor_parallel=True,  # q/k norm replicated per head, DeepStack added after the all-reduce
 )
