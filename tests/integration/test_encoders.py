@@ -1,6 +1,7 @@
 """Encoder deployments other than the default: two encoders behind one fetcher (``[encoder] count = 2``,
 both on this CPU) — the images of requests are spread over both, and killing one mid-flight hands its
-jobs to the other; and the onnxruntime backend, whose answers must still equal transformers'."""
+jobs to the other; and the onnxruntime backend, whose answers must still equal transformers' (on the Qwen2-VL demo
+checkpoint and on the tiny Qwen3-VL one, whose export carries the DeepStack sets)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,16 @@ def small_batches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def onnx_encoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from serve(tmp_path_factory, "onnx-encoder", '[encoder]\nbackend = "onnxruntime"\n')
+
+
+@pytest.fixture  # (function-scoped: one stack at a time beside the module's others)
+def onnx_encoder_qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    from workers.models.synth import generate_checkpoint
+
+    model = generate_checkpoint(tmp_path_factory.mktemp("qwen3_vl") / "tiny", "tiny", 0, family="qwen3_vl")
+    yield from serve(
+        tmp_path_factory, "onnx-qwen3_vl", f'[model]\npath = "{model}"\n[encoder]\nbackend = "onnxruntime"\n'
+    )
 
 
 def images_encoded(stack: Stack, index: int) -> float:
@@ -72,13 +83,23 @@ def test_images_spread_over_both_encoders_and_survive_losing_one(two_encoders: S
 
 
 def test_onnxruntime_backend_answers_like_transformers(onnx_encoder: Stack) -> None:
+    answers_like_transformers_through_onnx(onnx_encoder, "qwen2_vl")
+
+
+def test_onnxruntime_backend_answers_like_transformers_on_qwen3_vl(onnx_encoder_qwen3_vl: Stack) -> None:
+    """The exported Qwen3-VL tower's one output holds the merged rows and the DeepStack sets, one cache entry."""
+    answers_like_transformers_through_onnx(onnx_encoder_qwen3_vl, "qwen3_vl")
+
+
+def answers_like_transformers_through_onnx(stack: Stack, model_type: str) -> None:
     from benchmarks.hf_chat import HfChat
     from tests.integration.test_chat_parity import check_parity, two_images_of_different_sizes
 
-    client = OpenAI(base_url=onnx_encoder.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    hf = HfChat(load_config(onnx_encoder.config_path).model_path())
+    client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    hf = HfChat(load_config(stack.config_path).model_path())
+    assert hf.model.config.model_type == model_type
     check_parity(client, hf, two_images_of_different_sizes(seed=12))
-    exports = list((load_config(onnx_encoder.config_path).run_path / "engines").glob("vision-*/model.onnx"))
+    exports = list((load_config(stack.config_path).run_path / "engines").glob("vision-*/model.onnx"))
     assert len(exports) == 1, exports  # the encoder ran the exported graph, not the torch tower
 
 

@@ -1,7 +1,7 @@
 """Tensor parallel size 2 with gloo on this CPU, through the whole stack: rank 0 (the decoder worker)
 and rank 1 (``decoder-rank-1``) each hold half of the heads, the MLP and the vocabulary, and the answers
 are transformers' own — the same greedy tokens as size 1 gives (tests/integration/test_chat_parity.py), on the
-Qwen2-VL demo checkpoint and on the tiny Qwen2.5-VL one."""
+Qwen2-VL demo checkpoint and on the tiny Qwen2.5-VL and Qwen3-VL ones."""
 
 from __future__ import annotations
 
@@ -27,15 +27,20 @@ def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from serve(tmp_path_factory, "tp2", TP2)
 
 
-@pytest.fixture  # (up and down before the module's Qwen2-VL stack starts: one stack at a time)
-def tp2_qwen2_5_vl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    model = generate_checkpoint(tmp_path_factory.mktemp("qwen2_5_vl") / "tiny", "tiny", 0, family="qwen2_5_vl")
-    yield from serve(tmp_path_factory, "tp2-qwen2_5_vl", f'[model]\npath = "{model}"\n{TP2}')
+# (function-scoped: up and down before the module's Qwen2-VL stack starts, one stack at a time)
+@pytest.fixture(params=["qwen2_5_vl", "qwen3_vl"])
+def tp2_family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    family: str = request.param
+    model = generate_checkpoint(tmp_path_factory.mktemp(family) / "tiny", "tiny", 0, family=family)
+    yield from serve(tmp_path_factory, f"tp2-{family}", f'[model]\npath = "{model}"\n{TP2}')
 
 
-def test_tensor_parallel_2_answers_like_transformers_on_qwen2_5_vl(tp2_qwen2_5_vl: Stack) -> None:
-    """Each rank's shard is the Qwen2.5-VL family's language model; the windowed tower runs on the encoder."""
-    answers_like_transformers(tp2_qwen2_5_vl, "qwen2_5_vl")
+def test_tensor_parallel_2_answers_like_transformers_on_each_family(
+    tp2_family: Stack, request: pytest.FixtureRequest
+) -> None:
+    """Each rank's shard is the family's language model: Qwen2.5-VL's (its windowed tower runs on the encoder),
+    Qwen3-VL's (q/k norm per head; each image's DeepStack sets broadcast to rank 1 beside its rows)."""
+    answers_like_transformers(tp2_family, request.node.callspec.params["tp2_family"])
 
 
 def test_tensor_parallel_2_answers_like_transformers(tp2: Stack) -> None:

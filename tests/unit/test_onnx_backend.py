@@ -1,4 +1,5 @@
-"""The ONNX vision backend against the torch `VisionTower` it was exported from (fp32, onnxruntime on CPU).
+"""The ONNX vision backend against the torch tower it was exported from (fp32, onnxruntime on CPU): Qwen2-VL's
+`VisionTower`, Qwen2.5-VL's windowed tower and Qwen3-VL's with its DeepStack sets.
 
 Tolerance: max |onnx - torch| <= REL_TOL * max |torch| over the whole output. Measured worst 1.1e-6 relative
 (~1.4e-5 absolute on outputs of magnitude ~13) over seeds 0-3 and grids of 4 to 1024 patches: the two differ
@@ -9,15 +10,20 @@ REL_TOL leaves a 10x margin; a wrong mask, rotary table or patch order gives err
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 from workers.encoder.onnx_backend import DEFAULT_EXAMPLE_GRID, OnnxVisionEncoder, export_vision_onnx
+from workers.models.qwen2_5_vl import window_index
+from workers.models.registry import checkpoint_family, read_spec
+from workers.models.spec import VisionSpec
 from workers.models.synth import generate_checkpoint
 from workers.models.vision import VisionTower
 
@@ -91,3 +97,80 @@ def test_missing_onnxruntime_says_what_to_install(onnx_path: Path, monkeypatch: 
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # makes `import onnxruntime` raise ImportError
     with pytest.raises(RuntimeError, match="pip install onnxruntime"):
         OnnxVisionEncoder(onnx_path)
+
+
+# --- the newer towers: Qwen2.5-VL's windowed one, Qwen3-VL's with DeepStack sets ----------------------------------
+
+# One image, one large enough for several windows a frame, a video (t > 1: frames attend only to themselves), and
+# a batch of two items of different sizes, one of them a video.
+FAMILY_GRIDS = [
+    pytest.param([[1, 4, 4]], id="small-image"),
+    pytest.param([[1, 16, 20]], id="large-image"),
+    pytest.param([[4, 8, 12]], id="video"),
+    pytest.param([[1, 8, 12], [2, 4, 6]], id="two-items"),
+]
+
+
+@dataclass
+class FamilyExport:
+    family: str
+    tower: nn.Module
+    spec: VisionSpec
+    encoder: OnnxVisionEncoder
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def family_export(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> FamilyExport:
+    family: str = request.param
+    path = generate_checkpoint(tmp_path_factory.mktemp(family) / "tiny", "tiny", seed=7, family=family)
+    tower = checkpoint_family(path).vision_tower(path, dtype=torch.float32)  # as the torch backend serves it
+    spec = read_spec(path).vision
+    onnx_path = export_vision_onnx(tower, tmp_path_factory.mktemp(family) / "vision.onnx", spec=spec)
+    return FamilyExport(family, tower, spec, OnnxVisionEncoder(onnx_path, spec, providers=["CPUExecutionProvider"]))
+
+
+@pytest.mark.parametrize("grids", FAMILY_GRIDS)
+def test_newer_towers_onnx_matches_the_torch_tower(family_export: FamilyExport, grids: list[list[int]]) -> None:
+    """The onnxruntime output equals the torch tower's, packed as the cache takes it: Qwen2.5-VL's merged rows in
+    the processor's order (the window reordering undone), Qwen3-VL's [1 + K, rows, out] with every DeepStack set."""
+    spec, grid_thw = family_export.spec, torch.tensor(grids)
+    patches = int(grid_thw.prod(dim=1).sum())
+    pixel_values = torch.randn(patches, spec.patch_dim, generator=torch.Generator().manual_seed(patches))
+    expected = family_export.tower(pixel_values, grid_thw)
+    got = family_export.encoder(pixel_values, grid_thw)
+    rows = (patches // spec.spatial_merge_size**2, spec.out_hidden_size)
+    sets = 1 + len(spec.deepstack_visual_indexes)
+    assert got.shape == expected.shape == (rows if family_export.family == "qwen2_5_vl" else (sets, *rows))
+    assert got.dtype == torch.float32
+    for got_set, expected_set in zip(got.view(-1, *rows), expected.view(-1, *rows), strict=True):
+        error = (got_set - expected_set).abs().max().item()
+        assert error <= REL_TOL * expected_set.abs().max().item(), f"max abs error {error:.3g}"
+
+
+def test_the_window_index_is_an_input_and_the_grids_cut_into_several_windows(family_export: FamilyExport) -> None:
+    """Qwen2.5-VL's window order comes from the host (a grid the export never saw reorders as its own), and the
+    test grids have windows smaller than a frame, so a wrong window mask or order could not pass unseen."""
+    if family_export.family != "qwen2_5_vl":
+        pytest.skip("Qwen3-VL's tower has no windows")
+    spec = family_export.spec
+    names = [node.name for node in family_export.encoder.session.get_inputs()]
+    assert {"window_rows", "restore_rows", "window_ids"} <= set(names)
+    _, lengths = window_index(torch.tensor([[1, 16, 20]]), spec.spatial_merge_size, spec.window_size, spec.patch_size)
+    assert len(lengths) > 1
+
+
+def test_qwen3_vl_export_takes_the_position_taps_and_stores_the_served_spec(family_export: FamilyExport) -> None:
+    if family_export.family != "qwen3_vl":
+        pytest.skip("Qwen2.5-VL's tower has no learned position table")
+    encoder = family_export.encoder
+    names = [node.name for node in encoder.session.get_inputs()]
+    assert {"position_taps", "position_weights"} <= set(names)
+    assert all(isinstance(node.shape[0], str) for node in encoder.session.get_inputs())  # the patch axis is dynamic
+    assert encoder.spec == family_export.spec and encoder.spec.deepstack_visual_indexes == (0, 1)
+
+
+def test_export_of_a_tower_without_a_vision_spec_asks_for_one(family_export: FamilyExport, tmp_path: Path) -> None:
+    if family_export.family != "qwen3_vl":
+        pytest.skip("Qwen2.5-VL's tower carries the served VisionSpec")
+    with pytest.raises(TypeError, match="pass spec="):
+        export_vision_onnx(family_export.tower, tmp_path / "vision.onnx")

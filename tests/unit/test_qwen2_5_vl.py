@@ -261,16 +261,24 @@ def test_decoder_places_a_video_in_the_time_the_fetcher_sent(ckpt: Checkpoint) -
     assert not torch.equal(seq.positions, untimed)
 
 
-def test_exported_backends_are_refused_before_start_up(ckpt: Checkpoint) -> None:
-    """The ONNX export has no window attention yet: the launcher's preflight says so, not a restarting encoder."""
+def test_the_tensorrt_backend_is_refused_before_start_up(ckpt: Checkpoint) -> None:
+    """The TensorRT engine is built for Qwen2-VL's graph only: the launcher's preflight says so, not a restarting
+    encoder (onnxruntime runs the windowed export: tests/unit/test_onnx_backend.py)."""
     from common.config import Config
     from ops.deploy import preflight
+    from workers.encoder.backends import check_backend
 
     cfg = Config()
     cfg.model.path = str(ckpt.path)
-    cfg.encoder.backend = "onnxruntime"
-    with pytest.raises(ValueError, match=r"backend = 'onnxruntime' exports only Qwen2-VL's vision tower"):
+    cfg.encoder.backend = "tensorrt"
+    refusal = (
+        r"backend = 'tensorrt' builds only Qwen2-VL's vision tower, not this checkpoint's windowed Qwen2.5-VL one: "
+        r"its ONNX export has more inputs"
+    )
+    with pytest.raises(ValueError, match=refusal):
         preflight(cfg)
+    cfg.encoder.backend = "onnxruntime"
+    check_backend(cfg, ckpt.spec.vision)
 
 
 @pytest.mark.parametrize("size", ["tiny", "3b", "7b"])

@@ -19,7 +19,6 @@ from workers.decoder.batch import Sequence, positions, step_deepstack, step_embe
 from workers.decoder.config import EngineConfig
 from workers.decoder.engine import Engine
 from workers.decoder.graphs import StepGraphs, StepInputs
-from workers.decoder.runner import check_tensor_parallel
 from workers.fetcher.image import ImageProcessorSpec, decode_image, preprocess_image
 from workers.models.language import merge_media_embeddings
 from workers.models.mrope import decode_positions
@@ -67,14 +66,10 @@ def test_served_tower_stacks_the_merged_output_and_deepstack_sets(tiny_path: Pat
     torch.testing.assert_close(stacked, torch.stack([features.merged, *features.deepstack]), rtol=0, atol=0)
 
 
-def test_the_gpu_fast_paths_but_not_tensor_parallelism(parts: Parts) -> None:
-    _, spec = parts
+def test_the_gpu_fast_paths() -> None:
     settings = DecoderConfig(kernels="triton", cuda_graphs=True)
     config = EngineConfig.from_settings(settings, torch.device("cuda"), 64, 4096)
     assert config.fuse and config.graphs == "cuda"
-    check_tensor_parallel(spec, False)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        check_tensor_parallel(spec, True)
 
 
 # --- the fetcher's image processing -----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Tensor parallelism's math, two gloo ranks on this CPU: every rank's sharded forward (prefill, then a
 decode step over its half of the KV cache) gives the unsharded model's logits, for each family whose language
-model it shards (`Family.tensor_parallel`); the others are refused."""
+model it shards (`Family.tensor_parallel`: all three); a family that did not set it would be refused. Qwen3-VL's
+ranks (q/k norm per head, DeepStack sets broadcast beside the image rows) give transformers' own logits."""
 
 from __future__ import annotations
 
@@ -122,8 +123,9 @@ def tiny(tmp_path: Path, family: str, world: int = 2) -> Path:
         ("qwen2_vl", 4, True),
         ("qwen2_5_vl", 2, False),
         ("qwen2_5_vl", 2, True),
+        ("qwen3_vl", 2, False),  # its text model runs unfused (the fused layers have no q/k norm)
     ],
-    ids=["two-plain", "two-fused", "four-fused", "qwen2_5_vl-two-plain", "qwen2_5_vl-two-fused"],
+    ids=["two-plain", "two-fused", "four-fused", "qwen2_5_vl-two-plain", "qwen2_5_vl-two-fused", "qwen3_vl-two-plain"],
 )
 def test_ranks_give_the_unsharded_logits(tmp_path: Path, family: str, world: int, fuse: bool) -> None:
     """Plain layers, and the fused ones (concatenated projections of the rank's shard, the fused norm and
@@ -139,6 +141,123 @@ def test_ranks_give_the_unsharded_logits(tmp_path: Path, family: str, world: int
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # fp32: only the sum order differs
 
 
+# Qwen3-VL with images: two of different sizes, the prompt prefilled in two chunks split inside the second one
+# (each chunk carries its own image rows and their DeepStack sets), then a decode step.
+QWEN3_GRIDS = [(1, 4, 10), (1, 8, 6)]
+
+
+def qwen3_prompt(spec: ModelSpec) -> list[int]:
+    merge = spec.vision.spatial_merge_size
+    ids = [151644, 872, 198]  # <|im_start|>user\n
+    for t, h, w in QWEN3_GRIDS:
+        ids += [spec.vision_start_token_id, *[spec.image_token_id] * (t * h * w // merge**2), spec.vision_end_token_id]
+        ids += [(29 * len(ids)) % 900 + 11 for _ in range(3)]
+    return [*ids, 151645, 198, 151644, 77091, 198]  # <|im_end|>\n<|im_start|>assistant\n
+
+
+def qwen3_steps(path: Path) -> tuple[list[StepPayload], dict[str, torch.Tensor]]:
+    """The steps with the tower's rows (merged, and the DeepStack sets as the cache entry carries them), and the
+    inputs that give transformers the same sequence (the prompt, then NEXT)."""
+    spec = read_spec(path)
+    found = checkpoint_family(path)
+    ids = qwen3_prompt(spec)
+    grids = torch.tensor(QWEN3_GRIDS)
+    rows = int(grids.prod(dim=1).sum())
+    pixels = torch.randn(rows, spec.vision.patch_dim, generator=torch.Generator().manual_seed(3))
+    stacked = found.vision_tower(path, dtype=torch.float32)(pixels, grids)  # [1 + K, rows, hidden]
+    assert stacked.shape[0] == 3  # two DeepStack sets
+    positions, delta = found.rope_positions(ids, QWEN3_GRIDS, [], spec)
+    mask = torch.tensor(ids) == spec.image_token_id
+    t, split = len(ids), int(mask.nonzero()[-1]) - 5  # inside the second image
+    payloads = []
+    for start, end in ((0, split), (split, t)):
+        part = mask[start:end]
+        first, count = int(mask[:start].sum()), int(part.sum())
+        payloads.append(
+            StepPayload(
+                mode=EAGER,
+                slots=torch.arange(start, end),
+                ids=torch.tensor(ids[start:end]),
+                media_mask=part,
+                media_rows=stacked[0, first : first + count],
+                positions=positions[:, start:end],
+                query_lens=[end - start],
+                context_lens=[end],
+                block_tables=[list(range(QWEN3_BLOCKS))],
+                rows=list(range(end - start)),
+                deepstack=stacked[1:, first : first + count],
+            )
+        )
+    decode = StepPayload(
+        mode=EAGER,
+        slots=torch.tensor([t]),
+        ids=torch.tensor([NEXT]),
+        media_mask=torch.zeros(1, dtype=torch.bool),
+        media_rows=torch.empty(0, spec.hidden_size),
+        positions=torch.full((3, 1), t + delta),
+        query_lens=[1],
+        context_lens=[t + 1],
+        block_tables=[list(range(QWEN3_BLOCKS))],
+        rows=[0],
+    )
+    full = torch.tensor([[*ids, NEXT]])
+    hf_inputs = {
+        "input_ids": full,
+        "pixel_values": pixels,
+        "image_grid_thw": grids,
+        "mm_token_type_ids": (full == spec.image_token_id).to(torch.int32),
+    }
+    return [*payloads, decode], hf_inputs
+
+
+QWEN3_BLOCKS = 32  # of 4 slots: the prompt and its decode fit
+
+
+def qwen3_rank(rank: int, world: int, path: str, store: str, out: str) -> None:
+    """Rank 0 broadcasts each step (`StepBroadcast`: the DeepStack sets cross the wire), every rank runs it."""
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    spec = read_spec(path)
+    tp = TensorParallel(rank, world, spec.vocab_size)
+    model = load_shard(Path(path), spec, tp, torch.device("cpu"), torch.float32)
+    forward = RankForward(model, PagedKVCache.for_model(model, QWEN3_BLOCKS, 4), paged_attention_reference, tp)
+    wire = StepBroadcast(tp, spec.hidden_size, model.dtype, torch.device("cpu"))
+    logits = []
+    if rank == 0:
+        for payload in torch.load(f"{out}-steps.pt", weights_only=False):
+            wire.send(payload)
+            logits.append(forward(payload))
+        wire.send_stop()
+    else:
+        while (payload := wire.receive()) is not None:
+            assert payload.deepstack is None or payload.deepstack.shape[0] == 2
+            logits.append(forward(payload))
+    np.save(f"{out}-{rank}.npy", torch.cat(logits).numpy())
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_spawned_rank()
+
+
+def test_qwen3_vl_ranks_with_image_rows_and_deepstack_give_transformers_logits(tmp_path: Path) -> None:
+    """Two ranks, each with half of Qwen3's heads (q/k norm weights shared), the DeepStack sets added to the full
+    hidden after each layer's all-reduce: every prompt row's logits and the decode step's equal transformers'
+    ``Qwen3VLForConditionalGeneration`` on the same pixels (fp32; tolerance as tests/unit/test_qwen3_vl.py)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    path = tiny(tmp_path, "qwen3_vl")
+    payloads, hf_inputs = qwen3_steps(path)
+    assert all(p.deepstack is not None and p.media_rows.shape[0] for p in payloads[:2])  # both chunks carry some
+    torch.save(payloads, tmp_path / "logits-steps.pt")
+    args = (2, str(path), str(tmp_path / "store"), str(tmp_path / "logits"))
+    mp.start_processes(qwen3_rank, args=args, nprocs=2, start_method="spawn")
+    reference = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(**hf_inputs, use_cache=False).logits[0]
+    for rank in range(2):
+        got = torch.from_numpy(np.load(tmp_path / f"logits-{rank}.npy"))
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+
+
 def test_unshardable_models_are_refused(tmp_path: Path) -> None:
     spec = ModelSpec.from_dir(generate_checkpoint(tmp_path / "tiny", "tiny", seed=4))
     with pytest.raises(ValueError, match="does not divide the model's"):
@@ -146,8 +265,8 @@ def test_unshardable_models_are_refused(tmp_path: Path) -> None:
 
 
 def refusing(monkeypatch: pytest.MonkeyPatch, model_type: str) -> None:
-    """The registry answering as though tensor parallelism did not shard ``model_type``'s language model (as for
-    Qwen3-VL's, whose q/k norm and DeepStack the split does not cover yet)."""
+    """The registry answering as though tensor parallelism did not shard ``model_type``'s language model (every
+    family served now shards; a new one leaves `Family.tensor_parallel` off until its text model's parts do)."""
     registered = tensor_parallel.family
 
     def family(name: str) -> Family:
@@ -170,7 +289,7 @@ def test_a_family_whose_language_model_is_not_sharded_is_refused_at_start_up(
     refusing(monkeypatch, "qwen2_5_vl")
     message = (
         r"^\[decoder\] tensor_parallel = 2: tensor parallelism does not shard the qwen2_5_vl language model yet; "
-        r"set tensor_parallel = 1, or serve a model of a type it shards: qwen2_vl$"
+        r"set tensor_parallel = 1, or serve a model of a type it shards: qwen2_vl, qwen3_vl$"
     )
     for rank in range(2):
         with pytest.raises(ValueError, match=message):
@@ -183,10 +302,20 @@ def test_a_family_whose_language_model_is_not_sharded_is_refused_at_start_up(
     tensor_parallel.check_tensor_parallel(spec, 1)
 
 
-def test_tensor_parallelism_shards_the_qwen2_text_models_only() -> None:
-    """A family is sharded once its text model's every part is (`Family.tensor_parallel`, off unless set): Qwen3-VL's
-    q/k norm and DeepStack are not yet, so its family leaves it off and is refused."""
-    assert tensor_parallel.sharded_model_types() == ["qwen2_vl", "qwen2_5_vl"]
+def test_tensor_parallelism_shards_every_family() -> None:
+    """A family is sharded once its text model's every part is (`Family.tensor_parallel`, off unless set): Qwen2's
+    layers, and Qwen3's with q/k norm and DeepStack."""
+    assert tensor_parallel.sharded_model_types() == ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
+def test_a_qwen3_vl_world_that_does_not_divide_its_heads_is_refused(tmp_path: Path) -> None:
+    """The tiny Qwen3-VL has 4 heads and 2 kv heads: 4 ranks would leave two without a kv head."""
+    path = tiny(tmp_path, "qwen3_vl")
+    spec = read_spec(path)
+    with pytest.raises(ValueError, match=r"tensor_parallel = 4 does not divide the model's 2 kv heads \(qwen3_vl\)"):
+        load_shard(path, spec, TensorParallel(0, 4, spec.vocab_size), torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+        check_shardable(spec, 3)
 
 
 ENGINE = {"max_model_len": 256, "max_running": 4, "prefill_budget": 24, "num_blocks": 64, "block_size": 4}
@@ -264,7 +393,7 @@ def test_an_engine_over_ranks_with_graph_steps_generates_what_one_rank_does(
     assert json.loads(out.read_text()) == alone
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_a_shard_read_from_the_files_is_the_slice_of_the_whole_model(tmp_path: Path, family: str) -> None:
     """`load_shard` reads only its slices (safetensors slices) and gets exactly what slicing the fully
     loaded weights gives, the last vocabulary shard zero-padded to the others' size."""

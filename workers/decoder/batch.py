@@ -237,16 +237,19 @@ def tp_payload(
     """A step as every tensor-parallel rank needs it (each embeds the ids of its vocabulary shard).
     ``device_ids``: the input ids of the rows marked `ahead` (the first ones), not on the host yet: zeros
     stand in for them in ``ids``.
-    Positions and slots as `step_inputs` builds them; the media mask is set only where a span holds media."""
+    Positions and slots as `step_inputs` builds them; the media mask is set only where a span holds media, and
+    the DeepStack sets (Qwen3-VL) of the same media rows go with them."""
     staged = step_inputs(batch, rows, block_size)
     ids: list[int] = []
     mask = torch.zeros(staged.num_tokens, dtype=torch.bool)
-    media = []
+    media, sets = [], []
     for item in batch:
         seq, start, end = item.seq, item.seq.num_computed, item.seq.num_computed + item.num_new
-        if (found := media_rows(seq, start, end)) is not None:
+        if seq.media_embeds is not None and (found := media_span(seq, start, end)) is not None:
             mask[len(ids) : len(ids) + item.num_new] = found[0]
-            media.append(found[1])
+            media.append(seq.media_embeds[found[1]])
+            if seq.deepstack_embeds is not None:
+                sets.append(seq.deepstack_embeds[:, found[1]])
         ids.extend([0] * item.num_new if item.ahead else seq.token_ids(start, end))
     return StepPayload(
         mode=mode,
@@ -260,4 +263,5 @@ def tp_payload(
         block_tables=[list(blocks) for blocks in staged.block_tables],
         rows=rows,
         device_ids=device_ids,
+        deepstack=torch.cat([part.to(sets[0].device) for part in sets], dim=1) if sets else None,
     )

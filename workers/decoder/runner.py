@@ -33,12 +33,6 @@ from workers.models.paged import BatchLayout, PagedKVCache, fuse_layers, paged_f
 from workers.models.spec import ModelSpec
 
 
-def check_tensor_parallel(spec: ModelSpec, tensor_parallel: bool) -> None:
-    """ValueError where a Qwen3-VL model (q/k norm, DeepStack) would run sharded: the ranks carry neither yet."""
-    if tensor_parallel and (spec.qk_norm or spec.num_deepstack):
-        raise ValueError(f"{spec.model_type}: tensor parallelism carries no q/k norm nor DeepStack adds yet")
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -50,7 +44,6 @@ class ModelRunner:
     ) -> None:
         """``tp_steps``: this is rank 0 of a tensor-parallel group; each step is broadcast, then run."""
         self.model, self.spec, self.config, self.counters, self.tp_steps = model, spec, config, counters, tp_steps
-        check_tensor_parallel(spec, tp_steps is not None)
         self.fused = fuse_layers(model) if config.fuse else None
         # The graphs' padding tokens need a block that no sequence owns: one more than the manager hands out.
         graphs = config.graphs != "off"

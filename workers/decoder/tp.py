@@ -8,8 +8,9 @@ rank 0 never meets a stale group, and the KV cache size) and every rank enters t
 on CPU, NCCL on GPUs). A rank that dies breaks the group: the others' collectives fail, they exit, and
 supervisord starts them again into a new one.
 
-Each step crosses as three tensor broadcasts — a header of sizes, the integers (token ids, media mask,
-positions, lengths, block tables, logits rows), the media rows — so no Python object is pickled.
+Each step crosses as up to four tensor broadcasts — a header of sizes, the integers (token ids, media mask,
+positions, lengths, block tables, logits rows), the media rows, their DeepStack sets (Qwen3-VL) — so no Python
+object is pickled.
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ from common.transport import Channel
 from workers.decoder.config import EngineConfig
 from workers.decoder.graphs import StepGraphs, StepInputs, engine_graphs
 from workers.models.language import LanguageModel
-from workers.models.paged import BatchLayout, FusedLayer, PagedAttention, PagedKVCache, fuse_layers, paged_forward
+from workers.models.paged import (
+    BatchLayout,
+    FusedLayer,
+    PagedAttention,
+    PagedKVCache,
+    StepDeepStack,
+    fuse_layers,
+    paged_forward,
+)
 from workers.models.registry import read_spec
 from workers.models.runtime import claim_device, resolve_dtype, upload
 from workers.models.tensor_parallel import TensorParallel, load_shard
@@ -41,7 +50,8 @@ from workers.models.tensor_parallel import TensorParallel, load_shard
 log = logging.getLogger(__name__)
 
 STEP, STOP = 1, 2
-HEADER = 8  # kind, mode, tokens, sequences, logits rows, media rows, block-table width, device ids that follow
+# kind, mode, tokens, sequences, logits rows, media rows, block-table width, device ids that follow, DeepStack sets
+HEADER = 9
 
 
 EAGER, DECODE_GRAPH, MIXED_GRAPH = 0, 1, 2  # how a step runs: every rank takes the same path
@@ -64,6 +74,15 @@ class StepPayload:
     # A step staged before rank 0 read the input ids of its first rows (decodes, one token each: overlap):
     # those ids follow as a device tensor (zeros stand in for them in ``ids``).
     device_ids: torch.Tensor | None = None
+    # [K, M, hidden]: the DeepStack sets of the media rows (Qwen3-VL), set k added after decoder layer k; None
+    # where the step has no media rows or the model no DeepStack
+    deepstack: torch.Tensor | None = None
+
+    def step_deepstack(self, device: torch.device) -> StepDeepStack | None:
+        """The DeepStack input `paged_forward` takes: the media rows' flat indices and their sets."""
+        if self.deepstack is None or not self.media_rows.shape[0]:
+            return None
+        return StepDeepStack(self.media_mask.nonzero().squeeze(1).to(device), self.deepstack.to(device))
 
     def step_inputs(self) -> StepInputs:
         return StepInputs(
@@ -94,15 +113,25 @@ class RankForward:
         embeds = self.tp.embed(self.model.embed_tokens.weight, ids)
         if payload.media_rows.shape[0]:
             embeds[payload.media_mask.to(device)] = payload.media_rows.to(device, embeds.dtype)
+        deepstack = payload.step_deepstack(device)
         if payload.mode == MIXED_GRAPH:
             assert self.graphs is not None
-            return self.graphs.mixed(payload.step_inputs(), embeds)
+            return self.graphs.mixed(payload.step_inputs(), embeds, deepstack)
         kv = self.kv
         layout = BatchLayout.build(
             payload.query_lens, payload.context_lens, payload.block_tables, kv.block_size, device, kv.num_blocks
         )
         return paged_forward(
-            self.model, embeds, payload.positions, layout, kv, payload.rows, self.attention, self.fused, self.tp
+            self.model,
+            embeds,
+            payload.positions,
+            layout,
+            kv,
+            payload.rows,
+            self.attention,
+            self.fused,
+            self.tp,
+            deepstack,
         )
 
 
@@ -117,7 +146,9 @@ class StepBroadcast:
         t, s, r, m = payload.ids.shape[0], len(payload.query_lens), len(payload.rows), payload.media_rows.shape[0]
         width = max(len(table) for table in payload.block_tables)
         follow = 0 if payload.device_ids is None else payload.device_ids.shape[0]
-        self._broadcast(torch.tensor([STEP, payload.mode, t, s, r, m, width, follow], dtype=torch.int64))
+        deepstack = payload.deepstack if m else None
+        sets = 0 if deepstack is None else deepstack.shape[0]
+        self._broadcast(torch.tensor([STEP, payload.mode, t, s, r, m, width, follow, sets], dtype=torch.int64))
         tables = [table + [-1] * (width - len(table)) for table in payload.block_tables]
         ints = torch.cat(
             [
@@ -133,15 +164,17 @@ class StepBroadcast:
         self._broadcast(ints)
         if m:
             self._broadcast(payload.media_rows.to(self.dtype))
+        if deepstack is not None:
+            self._broadcast(deepstack.to(self.dtype))
         if payload.device_ids is not None:
             self._broadcast(payload.device_ids)  # in stream order after the sampling that makes them
 
     def send_stop(self) -> None:
-        self._broadcast(torch.tensor([STOP, 0, 0, 0, 0, 0, 0, 0], dtype=torch.int64))
+        self._broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64))
 
     def receive(self) -> StepPayload | None:
         header = self._broadcast(torch.empty(HEADER, dtype=torch.int64)).tolist()
-        kind, mode, t, s, r, m, width, follow = header
+        kind, mode, t, s, r, m, width, follow, sets = header
         if kind == STOP:
             return None
         ints = self._broadcast(torch.empty(6 * t + 2 * s + s * width + r, dtype=torch.int64)).cpu()
@@ -149,6 +182,7 @@ class StepBroadcast:
         media = torch.empty((m, self.hidden), dtype=self.dtype)
         if m:
             media = self._broadcast(media)
+        deepstack = self._broadcast(torch.empty((sets, m, self.hidden), dtype=self.dtype)) if sets else None
         table_rows = tables.view(s, width).tolist()
         device_ids = self._broadcast(torch.empty(follow, dtype=torch.int64)) if follow else None
         return StepPayload(
@@ -163,10 +197,13 @@ class StepBroadcast:
             context_lens=lens[s:].tolist(),
             block_tables=[[b for b in row if b >= 0] for row in table_rows],
             rows=rows.tolist(),
+            deepstack=deepstack,
         )
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.to(self.device)
+        # Contiguous: gloo reads the storage from the first element on, so a strided view (such as one item's rows
+        # of every DeepStack set) would cross as the wrong rows.
+        tensor = tensor.to(self.device).contiguous()
         dist.broadcast(tensor, src=0, group=self.tp.group)
         return tensor
 

@@ -26,7 +26,6 @@ import torch
 from common.config import Config
 from workers.models.registry import checkpoint_family, read_spec
 from workers.models.spec import VisionSpec
-from workers.models.vision import VisionTower
 
 
 class VisionBackend(Protocol):
@@ -60,14 +59,16 @@ def load_vision_backend(cfg: Config, device: torch.device, dtype: torch.dtype) -
 
 
 def check_backend(cfg: Config, spec: VisionSpec) -> None:
-    """ValueError where the configured backend cannot run this tower: the exported ones (onnxruntime, tensorrt)
-    have no window attention (Qwen2.5-VL's) nor DeepStack outputs (Qwen3-VL's) yet. The launcher's preflight asks
-    too, before any worker starts."""
-    if cfg.encoder.backend != "torch" and (spec.windowed or spec.num_position_embeddings):
-        kind = "windowed" if spec.windowed else "Qwen3-VL (DeepStack)"
+    """ValueError where the configured backend cannot run this tower: onnxruntime runs every family's export;
+    the TensorRT engine is built for Qwen2-VL's graph only (its inputs and one output). The launcher's preflight
+    asks too, before any worker starts."""
+    if cfg.encoder.backend == "tensorrt" and (spec.windowed or spec.num_position_embeddings):
+        kind = "windowed Qwen2.5-VL" if spec.windowed else "Qwen3-VL (DeepStack)"
         raise ValueError(
-            f"[encoder] backend = {cfg.encoder.backend!r} exports only Qwen2-VL's vision tower, not this "
-            f'checkpoint\'s {kind} one; set [encoder] backend = "torch"'
+            f"[encoder] backend = 'tensorrt' builds only Qwen2-VL's vision tower, not this checkpoint's {kind} one: "
+            "its ONNX export has more inputs (the window index, or the position-table taps) and Qwen3-VL's its "
+            "DeepStack sets in the output, which the engine's optimisation profile and bindings do not cover yet; "
+            'set [encoder] backend = "onnxruntime" or "torch"'
         )
 
 
@@ -84,7 +85,7 @@ def checkpoint_fingerprint(model_dir: Path) -> str:
 
 def exported_onnx(model_dir: Path, cache_dir: Path) -> Path:
     """The vision tower's ONNX export for this checkpoint and toolchain, exporting it first if missing
-    (the tower is then read on the host in fp32, as the export takes it; a cached export reads nothing)."""
+    (the family's tower is then read on the host in fp32, as the export takes it; a cached export reads nothing)."""
     from workers.encoder.onnx_backend import OPSET, export_vision_onnx
 
     key = hashlib.sha256(
@@ -95,7 +96,8 @@ def exported_onnx(model_dir: Path, cache_dir: Path) -> Path:
         cache_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".vision-{key}-", dir=cache_dir))
         try:
-            export_vision_onnx(VisionTower.from_checkpoint(model_dir, dtype=torch.float32), staging / "model.onnx")
+            tower = checkpoint_family(model_dir).vision_tower(model_dir, dtype=torch.float32)
+            export_vision_onnx(tower, staging / "model.onnx", spec=read_spec(model_dir).vision)
             publish(staging, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -97,4 +97,5 @@ FAMILY = Family(
     rope_positions=frame_rope_positions,
     synth=SYNTH,
     video_timestamps=True,
+    tensor_parallel=True,  # q/k norm replicated per head, DeepStack added after the all-reduce
 )

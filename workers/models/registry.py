@@ -91,8 +91,8 @@ class Family:
     rope_positions: RopePositions
     # The synthetic generator's tables: sizes, config.json, tensor shapes, processor configs.
     synth: SynthTables
-    # Whether `workers.models.tensor_parallel` shards its language model (Megatron's split of Qwen2's layers);
-    # a family without it is refused at start-up when [decoder] tensor_parallel > 1.
+    # Whether `workers.models.tensor_parallel` shards its language model (Megatron's split of Qwen2's or Qwen3's
+    # layers); a family without it is refused at start-up when [decoder] tensor_parallel > 1.
     tensor_parallel: bool = False
     # Whether its processor writes each video's frame times into the prompt (Qwen3-VL: "<1.5 seconds>" before each
     # temporal step's tokens), which the fetcher then samples, sizes and times by `workers.fetcher.video_qwen3_vl`.

@@ -7,6 +7,11 @@ partial sum, all-reduced). Embedding and lm_head are vocab-parallel: a rank keep
 rows (the last shard zero-padded), looks up only the ids it owns (zeros elsewhere, all-reduced: the sum
 of one row and zeros is exact), and its logits are all-gathered into the full vocabulary. Norms and
 rotary tables are replicated. The KV cache of a rank holds its kv heads only.
+
+Qwen3's text model (Qwen3-VL) shards the same way. Its q/k RMSNorm normalises each head over head_dim, so
+``q_norm`` / ``k_norm`` (weights [head_dim]) are the same for every head and replicated like the other norms;
+its projections have no bias. DeepStack's adds go to the full hidden after a layer's all-reduces, where every
+rank holds the same activations, so every rank adds the same (broadcast) feature sets.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from workers.models.language import LanguageModel
+from workers.models.qwen3_vl_text import Qwen3LanguageModel
 from workers.models.registry import FAMILY_MODULES, family
 from workers.models.spec import ModelSpec
 from workers.models.weights import EMBED_KEY, LANGUAGE_PREFIX, LM_HEAD_KEY, CheckpointWeights
@@ -57,14 +63,21 @@ class TensorParallel:
 
 
 def check_shardable(spec: ModelSpec, world: int) -> None:
-    """ValueError unless heads, kv heads and the MLP split evenly over ``world`` ranks."""
+    """ValueError unless heads, kv heads and the MLP split evenly over ``world`` ranks (a rank holds whole heads:
+    attention, rotary and Qwen3's per-head q/k norm never cross ranks)."""
+    if world < 1:
+        raise ValueError(f"tensor_parallel must be >= 1, got {world}")
     for name, count in (
         ("attention heads", spec.num_heads),
         ("kv heads", spec.num_kv_heads),
         ("MLP intermediate size", spec.intermediate_size),
     ):
         if count % world:
-            raise ValueError(f"tensor_parallel = {world} does not divide the model's {count} {name}")
+            raise ValueError(
+                f"tensor_parallel = {world} does not divide the model's {count} {name} ({spec.model_type}); "
+                f"choose a tensor_parallel that divides its {spec.num_heads} attention heads, "
+                f"{spec.num_kv_heads} kv heads and {spec.intermediate_size} MLP columns"
+            )
 
 
 def shard_index(name: str, spec: ModelSpec, tp: TensorParallel) -> tuple[slice, ...] | None:
@@ -86,7 +99,7 @@ def shard_index(name: str, spec: ModelSpec, tp: TensorParallel) -> tuple[slice, 
     if name in ("embed_tokens.weight", "lm_head.weight"):
         first, rows = tp.vocab_shard()
         return (slice(first, min(first + rows, spec.vocab_size)),)
-    return None  # norms: replicated
+    return None  # norms (Qwen3's q_norm / k_norm: one [head_dim] weight for every head): replicated
 
 
 def shard_state(state: Mapping[str, torch.Tensor], spec: ModelSpec, tp: TensorParallel) -> dict[str, torch.Tensor]:
@@ -181,6 +194,7 @@ def load_shard(
     check_tensor_parallel(spec, tp.world)
     load = family(spec.model_type).language_model
     model = load(ShardWeights(path, spec, tp), device=device, dtype=dtype, spec=local_spec(spec, tp.world))
-    if not isinstance(model, LanguageModel):  # the sharded forward (`workers.models.paged`) runs Qwen2's layers
-        raise TypeError(f"the {spec.model_type} family sets tensor_parallel; its language model is no LanguageModel")
-    return model
+    # The sharded forward (`workers.models.paged`) runs Qwen2's layers and Qwen3's (q/k norm, DeepStack).
+    if not isinstance(model, LanguageModel | Qwen3LanguageModel):
+        raise TypeError(f"the {spec.model_type} family sets tensor_parallel; `paged_forward` cannot run its model")
+    return model  # type: ignore[return-value]  # paged's functions take either, annotated as LanguageModel
