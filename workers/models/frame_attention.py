@@ -1,6 +1,6 @@
 """The vision tower's attention: every frame of every image or video attends to itself alone.
 
-Two ways to run it, both starting from a block's qkv projection (rotary applied on the way), both one SDPA
+Three ways to run it, all starting from a block's qkv projection (rotary applied on the way). Two are one SDPA
 call per run of consecutive frames of one length (`frame_runs`: a video's frames, images of one size side
 by side), the frames its batch:
 - `SegmentFrames`: the frames as they are (FlashAttention-2, or what `VisionTower.tune_attention` picked),
@@ -9,6 +9,8 @@ by side), the frames its batch:
   a hundred calls' worth; `benchmarks.vit_profile`) and is faster than FlashAttention-2 on large frames once
   built. Images come in every size, so each
   frame is padded to one of a few lengths (`frame_bucket`), and the padding is masked.
+The third, `VarlenSegments`, is one variable-length FlashAttention call over segments of any lengths (CUDA, fp16
+or bf16): Qwen2.5-VL's windows, many and of several lengths (short at a grid's edges), and its frames.
 """
 
 from __future__ import annotations
