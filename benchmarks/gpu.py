@@ -363,7 +363,12 @@ def part_engine(run: Run) -> None:
 
 def part_vision(run: Run) -> None:
     model = checkpoint(run.args)
-    for name, module in (("vision", "benchmarks.vision"), ("vit_profile", "benchmarks.vit_profile")):
+    parts = [("vision", "benchmarks.vision"), ("vit_profile", "benchmarks.vit_profile")]
+    model_type = json.loads((model / "config.json").read_text()).get("model_type")
+    if model_type != "qwen2_vl":  # the profile takes Qwen2-VL's tower apart (its SDPA kernels, its blocks)
+        log(f"vit_profile: skipped, it profiles Qwen2-VL's tower and the checkpoint is {model_type}")
+        parts = parts[:1]
+    for name, module in parts:
         run.python(
             name, module, "--model", str(model), "--out", str(run.raw / f"{name}.json"), timeout=run.args.timeout
         )

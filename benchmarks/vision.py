@@ -1,15 +1,19 @@
 """Vision-path timings without HTTP: where an image's time goes between upload and embedding.
 
-    python -m benchmarks.vision --model DIR --out vision.json [--skip-hf]
+    python -m benchmarks.vision --model DIR --out vision.json [--skip-hf] [--batches 1,4,16] [--device cuda]
+
+Any family's checkpoint (the tower is the family's, loaded as the encoder loads it: `checkpoint_family`).
 
 - ``preprocess``: the fetcher's host work per image (decode, resize, normalise, patchify), per size;
 - ``tune_forward_ms``: the tower's forward of three ~4,096-patch frames with each SDPA kernel, as the encoder
-  picks its kernel at start-up (`VisionTower.tune_attention`);
+  picks its kernel at start-up (`VisionTower.tune_attention`; empty for a tower with nothing to pick);
 - ``tower``: our vision tower (`workers.encoder.worker.encode_images`, what the encoder runs) on
   batches of 1..16 images of 640x480 and 1280x720, images per second, CUDA-event timed;
-- ``hf``: transformers' Qwen2-VL vision tower on the same pixels, same batches;
-- ``roofline``: 2 * params * patches + attention FLOPs at 790 TFLOP/s (ANCHORS' bf16 dense figure).
-Needs a CUDA GPU (it says so and exits 2 otherwise).
+- ``hf``: transformers' vision tower of the checkpoint's family on the same pixels, same batches;
+- ``roofline``: 2 * params * patches + attention FLOPs (a windowed block's over its window) at 790 TFLOP/s
+  (ANCHORS' bf16 dense figure).
+Needs a CUDA GPU (it says so and exits 2 otherwise); ``--device cpu`` runs the same steps on the CPU in fp32, wall
+-clock timed: a smoke test of the script, its figures meaningless.
 """
 
 from __future__ import annotations
@@ -19,17 +23,19 @@ import io
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
+from torch import nn
 
 from benchmarks.engine import BF16_FLOPS, cuda_time_ms
 from workers.encoder.worker import encode_images
 from workers.fetcher.image import ImageProcessorSpec, decode_image, preprocess_image
-from workers.models.vision import VisionTower
+from workers.models.registry import checkpoint_family
 
 SIZES = {"640x480": (640, 480), "1280x720": (1280, 720)}
 BATCHES = [1, 4, 16]
@@ -53,26 +59,55 @@ def bench_preprocess(spec: ImageProcessorSpec, width: int, height: int) -> tuple
     return 1e3 * (time.perf_counter() - started) / repeats, pixels, list(grid)
 
 
-def tower_flops(tower: VisionTower, patches: int, grid: list[int]) -> float:
+def tower_flops(tower: nn.Module, patches: int, grid: list[int]) -> float:
     params = sum(p.numel() for p in tower.parameters())
     spec = tower.spec
     frame = grid[1] * grid[2]
-    attention = 4 * spec.depth * spec.embed_dim * frame * patches  # QK^T and PV over each frame
-    return 2 * params * patches + attention
+    # QK^T and PV over each frame; in Qwen2.5-VL's windowed blocks over a window at most.
+    window = (spec.window_size // spec.patch_size) ** 2 if getattr(spec, "windowed", False) else frame
+    full = len(spec.fullatt_block_indexes) if getattr(spec, "windowed", False) else spec.depth
+    keys = full * frame + (spec.depth - full) * min(window, frame)
+    return 2 * params * patches + 4 * spec.embed_dim * keys * patches
 
 
-def bench_hf_tower(model_dir: Path, pixels: torch.Tensor, grid: torch.Tensor, batches: list[int]) -> list[float]:
-    from transformers import Qwen2VLForConditionalGeneration
+def tower_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda().eval()
+
+def load_tower(model_dir: Path, device: torch.device) -> Any:
+    """The checkpoint family's tower (bf16 on a GPU), as the encoder loads it (`load_vision_backend`)."""
+    return checkpoint_family(model_dir).vision_tower(model_dir, device=device, dtype=tower_dtype(device))
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    """Mean milliseconds per call: CUDA-event timed on a GPU, wall-clock elsewhere (after two warm-ups too)."""
+    if device.type == "cuda":
+        return cuda_time_ms(fn, repeats)
+    for _ in range(2):
+        fn()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return 1e3 * (time.perf_counter() - started) / repeats
+
+
+def bench_hf_tower(
+    model_dir: Path, pixels: torch.Tensor, grid: torch.Tensor, batches: list[int], device: torch.device
+) -> list[float]:
+    from transformers import AutoModelForImageTextToText
+
+    # The class of the checkpoint's model_type (Qwen2VL..., Qwen2_5_VL..., Qwen3VLForConditionalGeneration).
+    dtype = tower_dtype(device)
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     visual = model.model.visual
     out = []
     with torch.inference_mode():
         for batch in batches:
-            flat, grids = pixels.repeat(batch, 1).cuda().bfloat16(), grid.repeat(batch, 1).cuda()
-            out.append(cuda_time_ms(lambda f=flat, g=grids: visual(f, grid_thw=g), 5))
+            flat, grids = pixels.repeat(batch, 1).to(device, dtype), grid.repeat(batch, 1).to(device)
+            out.append(time_ms(lambda f=flat, g=grids: visual(f, grid_thw=g), device))
     del model
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -81,17 +116,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="images per forward, comma-separated")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    device = torch.device(args.device)
+    batches = [int(b) for b in args.batches.split(",")]
+    if device.type == "cuda" and not torch.cuda.is_available():
         print("benchmarks.vision needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
     spec = ImageProcessorSpec.from_dir(args.model)
-    tower = VisionTower.from_checkpoint(args.model, device="cuda", dtype=torch.bfloat16)
+    tower = load_tower(args.model, device)
     tune_ms = tower.tune_attention()  # what the encoder does at start-up
+    tower.warm_up()
     print("ms per forward of three ~4,096-patch frames: " + ", ".join(f"{k} {v:.1f}" for k, v in tune_ms.items()))
     results: dict[str, Any] = {
         "model": str(args.model),
-        "device": torch.cuda.get_device_name(),
+        "model_type": checkpoint_family(args.model).model_type,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "tune_forward_ms": tune_ms,
         "sizes": {},
     }
@@ -99,10 +140,10 @@ def main(argv: list[str] | None = None) -> None:
         host_ms, patches, grid = bench_preprocess(spec, width, height)
         pixels = torch.from_numpy(patches)
         row: dict[str, Any] = {"grid": grid, "patches": pixels.shape[0], "preprocess_ms": host_ms, "tower": []}
-        on_gpu = pixels.to("cuda", torch.bfloat16)  # both towers are timed without the host-to-device copy
+        on_gpu = pixels.to(device, tower_dtype(device))  # both towers are timed without the host-to-device copy
         print(f"{name}: grid {grid}, {pixels.shape[0]} patches, host preprocessing {host_ms:.1f} ms", flush=True)
-        for batch in BATCHES:
-            ms = cuda_time_ms(lambda b=batch, p=on_gpu, g=grid: encode_images(tower, [p] * b, [g] * b), 5)
+        for batch in batches:
+            ms = time_ms(lambda b=batch, p=on_gpu, g=grid: encode_images(tower, [p] * b, [g] * b), device)
             roof = tower_flops(tower, pixels.shape[0], grid) * batch / BF16_FLOPS * 1e3
             row["tower"].append({"batch": batch, "ms": ms, "images_per_s": 1e3 * batch / ms, "roofline_ms": roof})
             print(
@@ -112,8 +153,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         if not args.skip_hf:
             grid_t = torch.tensor([grid])
-            hf_ms = bench_hf_tower(args.model, pixels, grid_t, BATCHES)
-            pairs = list(zip(BATCHES, hf_ms, strict=True))
+            hf_ms = bench_hf_tower(args.model, pixels, grid_t, batches, device)
+            pairs = list(zip(batches, hf_ms, strict=True))
             row["hf"] = [{"batch": b, "ms": ms, "images_per_s": 1e3 * b / ms} for b, ms in pairs]
             print("  transformers: " + ", ".join(f"b{b} {1e3 * b / ms:.1f} img/s" for b, ms in pairs), flush=True)
         results["sizes"][name] = row

@@ -160,3 +160,41 @@ def test_qwen3_vl_tower_and_deepstack_sets_in_bf16_on_cuda(
     qwen3_towers: tuple[torch.nn.Module, ...], grids: list[list[int]]
 ) -> None:
     check_tower(qwen3_towers, grids, 3 * 2 * 16 * 16, outputs=1 + len(QWEN3_VISION["deepstack_visual_indexes"]))
+
+
+# Qwen2.5-VL's fast path (variable-length FlashAttention, fused norms and MLP) on what stresses its boundaries:
+# images of three sizes whose merged grids are no multiple of the window's side (short windows at the right and
+# bottom edges), two of one size apart, and a video of three frames, all in one batch.
+QWEN2_5_MIXED = [[1, 22, 30], [1, 52, 92], [3, 20, 28], [1, 16, 22], [1, 22, 30]]
+
+
+def test_qwen2_5_vl_fast_path_on_mixed_images_and_a_video(qwen2_5_towers: tuple[torch.nn.Module, ...]) -> None:
+    from workers.models.frame_attention import varlen_runs
+
+    assert varlen_runs(torch.bfloat16, CUDA)  # the variable-length kernel is there: this is the path under test
+    qwen2_5_towers[0].warm_up()
+    check_tower(qwen2_5_towers, QWEN2_5_MIXED, 3 * 2 * 14 * 14, outputs=1)
+
+
+@pytest.mark.parametrize("kind", ["windows", "frames"])
+def test_varlen_attention_matches_the_masked_reference(kind: str) -> None:
+    """One variable-length FlashAttention call over the window (or frame) boundaries of QWEN2_5_MIXED, against the
+    block-diagonal reference in fp32 on the same bf16 inputs; attention over the wrong boundaries is far off, so
+    the bound tells them apart."""
+    from workers.models.frame_attention import VarlenSegments, segment_attention_reference, varlen_attention
+    from workers.models.qwen2_5_vl import window_index
+
+    grid = torch.tensor(QWEN2_5_MIXED)
+    _, windows = window_index(grid, 2, QWEN2_5_VISION["window_size"], 14)
+    frames = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0]).tolist()
+    lengths, other = (windows, frames) if kind == "windows" else (frames, windows)
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(sum(lengths), 16, 80, generator=generator).to(CUDA, torch.bfloat16) for _ in range(3))
+    segments = VarlenSegments.of(lengths, CUDA)
+    got = varlen_attention(q, k, v, segments.cu_seqlens, segments.longest)
+    truth = segment_attention_reference(q.float(), k.float(), v.float(), segments.cu_seqlens.long())
+    wrong = segment_attention_reference(q.float(), k.float(), v.float(), VarlenSegments.of(other, CUDA).cu_seqlens)
+    error, off = relative_error(got, truth.cpu()), relative_error(wrong, truth.cpu())
+    print(f"{kind}: varlen bf16 {error:.3e}, the other boundaries {off:.3e} (relative to fp32)")
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    assert error < 1e-2 < off

@@ -1,6 +1,7 @@
 """The GPU driver's paths for every model family, run end to end on the CPU with tiny checkpoints, so that what the
 H200 runs for Qwen2.5-VL and Qwen3-VL (`benchmarks.gpu --family F --size S`: the checkpoint, `benchmarks.engine`'s
-batch-1 TPOT, the ``hf-parity`` part's transformers reference and verdict) has run once before it gets there."""
+batch-1 TPOT, `benchmarks.vision`'s images/s, the ``hf-parity`` part's transformers reference and verdict) has run
+once before it gets there."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import engine, gpu, parity
+from benchmarks import engine, gpu, parity, vision
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
 
@@ -51,6 +52,32 @@ def test_engine_benchmark_runs_the_family_as_the_decoder_would(checkpoints: Path
     batch_one = result["engine_tpot"][0]
     assert batch_one["batch"] == 1 and batch_one["mean_step_ms"] > 0
     assert batch_one["steps"] == 1 + 4  # the prefill, then a step per further token (4 new tokens)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vision_benchmark_runs_the_familys_tower_and_transformers(checkpoints: Path, family: str) -> None:
+    """The ``vision`` part's images/s script on the family's tower (the encoder's loader) and transformers' tower of
+    the same family; the part leaves out `benchmarks.vit_profile`, which takes Qwen2-VL's tower apart."""
+    args = gpu.parse_args(["vision", "--result-dir", str(checkpoints / "unused"), *driver_args(checkpoints, family)])
+    out = checkpoints / f"vision-{family}.json"
+    vision.main(["--model", str(gpu.checkpoint(args)), "--out", str(out), "--device", "cpu", "--batches", "2"])
+    result = json.loads(out.read_text())
+    assert result["model_type"] == family and set(result["sizes"]) == set(vision.SIZES)
+    for row in result["sizes"].values():
+        assert [t["batch"] for t in row["tower"]] == [2] and row["tower"][0]["images_per_s"] > 0
+        assert row["tower"][0]["roofline_ms"] > 0 and row["hf"][0]["images_per_s"] > 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", *FAMILIES])
+def test_vision_part_profiles_only_qwen2_vls_tower(checkpoints: Path, tmp_path: Path, family: str) -> None:
+    args = gpu.parse_args(["vision", "--result-dir", str(tmp_path), *driver_args(checkpoints, family)])
+    run = gpu.Run(tmp_path, tmp_path, args)
+    called: list[str] = []
+    run.python = lambda name, module, *argv, timeout: called.append(module) or 0  # type: ignore[method-assign]
+    run.keep = lambda name, path: None  # type: ignore[method-assign]
+    gpu.part_vision(run)
+    profile = ["benchmarks.vit_profile"] if family == "qwen2_vl" else []
+    assert called == ["benchmarks.vision", *profile]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,6 +1,6 @@
 """The vision tower's attention: every frame of every image or video attends to itself alone.
 
-Two ways to run it, both starting from a block's qkv projection (rotary applied on the way), both one SDPA
+Three ways to run it, all starting from a block's qkv projection (rotary applied on the way). Two are one SDPA
 call per run of consecutive frames of one length (`frame_runs`: a video's frames, images of one size side
 by side), the frames its batch:
 - `SegmentFrames`: the frames as they are (FlashAttention-2, or what `VisionTower.tune_attention` picked),
@@ -9,12 +9,17 @@ by side), the frames its batch:
   a hundred calls' worth; `benchmarks.vit_profile`) and is faster than FlashAttention-2 on large frames once
   built. Images come in every size, so each
   frame is padded to one of a few lengths (`frame_bucket`), and the padding is masked.
+The third, `VarlenSegments`, is one variable-length FlashAttention call over segments of any lengths (CUDA, fp16
+or bf16): Qwen2.5-VL's windows, many and of several lengths (short at a grid's edges), and its frames.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,6 +29,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from workers.kernels.vision import vision_rotary_qk, vision_rotary_qk_into
 from workers.models.runtime import upload
+
+log = logging.getLogger(__name__)
 
 BUCKET_FLOOR = 256
 # Below this many (padded) patches a frame runs FlashAttention-2 on the padded layout instead: cuDNN's
@@ -213,6 +220,70 @@ def attention_runs(
     except RuntimeError:
         return False
     return True
+
+
+@functools.cache
+def varlen_kernel() -> Callable[..., torch.Tensor] | None:
+    """torch's variable-length FlashAttention (``torch.nn.attention.varlen.varlen_attn``, torch 2.10 on), with
+    the softmax scale bound where its signature takes one (2.11's may not: FlashAttention's own 1/sqrt(d) then);
+    None, logged once, where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        log.warning(
+            "torch %s has no torch.nn.attention.varlen: window attention runs one SDPA call per run of equal windows",
+            torch.__version__,
+        )
+        return None
+    takes_scale = "scale" in inspect.signature(varlen_attn).parameters
+    log.info(
+        "vision attention: variable-length FlashAttention (softmax scale %s)",
+        "passed" if takes_scale else "the kernel's own",
+    )
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int) -> torch.Tensor:
+        scale = {"scale": q.shape[-1] ** -0.5} if takes_scale else {}
+        return varlen_attn(q, k, v, cu, cu, longest, longest, **scale)
+
+    return attend
+
+
+def varlen_runs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `VarlenSegments` can run on this device in this dtype (FlashAttention: CUDA, fp16 or bf16)."""
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and varlen_kernel() is not None
+
+
+@dataclass
+class VarlenSegments:
+    """Attention within consecutive segments of rows (a window, a frame), all of them in one variable-length
+    FlashAttention call: no batching by length, no padding, no copies. Built once per forward, the boundaries
+    uploaded without making the host wait."""
+
+    cu_seqlens: torch.Tensor  # [segments + 1] int32 on the device
+    longest: int
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], device: torch.device) -> VarlenSegments:
+        if not lengths or min(lengths) <= 0:
+            raise ValueError(f"segments must be one or more, each of one row or more, got lengths {list(lengths)}")
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+        return cls(upload(cu, device), max(lengths))
+
+    def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+        q, k, v = vision_rotary_qk(qkv, cos, sin, heads)  # one Triton kernel on CUDA
+        return varlen_attention(q, k, v, self.cu_seqlens, self.longest)
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, longest: int
+) -> torch.Tensor:
+    """Non-causal attention within each segment ``cu_seqlens[i]:cu_seqlens[i + 1]``; q/k/v [N, heads, head_dim]
+    on CUDA in fp16 or bf16 (`varlen_runs`)."""
+    kernel = varlen_kernel()
+    if kernel is None:
+        raise RuntimeError(f"torch {torch.__version__} has no variable-length attention (torch.nn.attention.varlen)")
+    return kernel(q, k, v, cu_seqlens, longest)
 
 
 def segment_attention_reference(

@@ -5,6 +5,11 @@ absolute time (`workers.models.mrope`, ``vision.tokens_per_second``). The vision
 SiLU MLP, and attention within windows of ``window_size`` pixels except in ``fullatt_block_indexes``, where each
 frame attends to itself. The patches are reordered so that each window's are consecutive (`window_index`), run
 through the blocks and the merger in that order, and the merged rows put back in the processor's order.
+
+On CUDA in bf16/fp16 the tower runs a path of its own (`WindowVisionTower.forward`'s ``fast``): every block's
+attention, windowed or full, is one variable-length FlashAttention call over the window (or frame) boundaries;
+each residual add is fused with the RMSNorm after it; the MLP's gate and up projections are one GEMM followed by
+one silu-and-mul kernel. Elsewhere (the CPU, what the parity tests check) it runs the reference's ops one by one.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.models.frame_attention import FrameAttention, SegmentFrames
+from workers.kernels.activation import silu_and_mul
+from workers.kernels.norm import fused_add_rms_norm, rms_norm
+from workers.models.frame_attention import FrameAttention, SegmentFrames, VarlenSegments, varlen_runs
 from workers.models.language import LanguageModel, RMSNorm
 from workers.models.mrope import rope_positions
 from workers.models.registry import Family
@@ -71,8 +78,43 @@ class GatedMlp(nn.Module):
         self.up_proj = nn.Linear(spec.embed_dim, spec.mlp_hidden_dim, bias=True)
         self.down_proj = nn.Linear(spec.mlp_hidden_dim, spec.embed_dim, bias=True)
 
+        # (gate | up) weight and bias, concatenated for the fast path (`fused`), and the parameters' own data
+        # pointers when it was made: the parameters are views of it then.
+        self._gate_up: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The same with gate and up as one GEMM and silu(gate) * up as one kernel (Triton on CUDA)."""
+        weight, bias = self.gate_up()
+        gate_up = F.linear(x, weight, bias)
+        hidden = weight.shape[0] // 2
+        return self.down_proj(silu_and_mul(gate_up[..., :hidden], gate_up[..., hidden:]))
+
+    def gate_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate | up) weight and bias, concatenated on first use and the two projections' parameters pointed at
+        views of them, so the memory does not grow; made again if a parameter was replaced since (a new load, a
+        move to another device)."""
+        gate, up = self.gate_proj, self.up_proj
+        if self._gate_up is not None:
+            weight, bias = self._gate_up
+            views = (gate.weight, up.weight, gate.bias, up.bias)
+            wholes = (weight, weight[gate.weight.shape[0] :], bias, bias[gate.bias.shape[0] :])
+            if all(p.data_ptr() == w.data_ptr() and p.device == w.device for p, w in zip(views, wholes, strict=True)):
+                return self._gate_up
+        # Outside inference mode (the forward's): parameters made of inference tensors could not be used by a
+        # later forward that is not in it.
+        with torch.inference_mode(False), torch.no_grad():
+            weight = torch.cat([gate.weight, up.weight])
+            bias = torch.cat([gate.bias, up.bias])
+        rows = gate.weight.shape[0]
+        gate.weight = nn.Parameter(weight[:rows], requires_grad=False)
+        up.weight = nn.Parameter(weight[rows:], requires_grad=False)
+        gate.bias = nn.Parameter(bias[:rows], requires_grad=False)
+        up.bias = nn.Parameter(bias[rows:], requires_grad=False)
+        self._gate_up = (weight, bias)
+        return self._gate_up
 
 
 class WindowBlock(nn.Module):
@@ -88,6 +130,21 @@ class WindowBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: FrameAttention) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, attend)
         return x + self.mlp(self.norm2(x))
+
+    def fused(
+        self,
+        x: torch.Tensor,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: FrameAttention,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, norm1(x)) -> (the block's output, next_norm of it): each residual add fused with the RMSNorm after
+        it (as `workers.models.vision.VisionBlock` does with its LayerNorms), the MLP's gate and up as one GEMM."""
+        normed, x = fused_add_rms_norm(self.attn(normed, cos, sin, attend), x, self.norm2.weight, self.norm2.eps)
+        normed, x = fused_add_rms_norm(self.mlp.fused(normed), x, next_norm.weight, next_norm.eps)
+        return x, normed
 
 
 class RmsPatchMerger(nn.Module):
@@ -140,10 +197,19 @@ class WindowVisionTower(nn.Module):
         self.load_state_dict(dict(state), strict=True, assign=True)
 
     def tune_attention(self) -> dict[str, float]:
-        return {}  # SDPA's own choice: the CUDA path of window attention is a later step
+        return {}  # nothing to choose: variable-length FlashAttention on CUDA (`varlen_runs`), SDPA elsewhere
 
     def warm_up(self) -> None:
-        """No Triton kernels or graphs of its own to prepare yet."""
+        """On CUDA, one forward over two frames of different sizes, both cut into windows short at their edges, so
+        that the first request does not pay for compiling the Triton kernels (norms, rotary, silu-and-mul),
+        cuBLAS's set-up and the allocator's growth. A no-op elsewhere."""
+        if self.device.type != "cuda":
+            return
+        unit = self.spec.spatial_merge_size
+        grid = torch.tensor([[1, 16 * unit, 11 * unit], [1, 10 * unit, 14 * unit]])
+        pixels = torch.zeros(int(grid.prod(dim=1).sum()), self.spec.patch_dim, device=self.device, dtype=self.dtype)
+        self(pixels, grid)
+        torch.cuda.synchronize(self.device)
 
     @property
     def device(self) -> torch.device:
@@ -156,6 +222,12 @@ class WindowVisionTower(nn.Module):
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [num_patches, patch_dim], grid_thw [num_items, 3] -> [num_patches // merge**2, out_hidden]."""
+        return self.encode(pixel_values, grid_thw, fused=self.device.type == "cuda")
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, fused: bool) -> torch.Tensor:
+        """The forward, through the fused blocks (`_fused_blocks`: CUDA's path, whose kernels fall back to the
+        reference's ops elsewhere) or the reference's op by op (`_blocks`: the CPU's)."""
         spec = self.spec
         from workers.models.vision import VisionTower  # (its input checks are the same)
 
@@ -167,14 +239,45 @@ class WindowVisionTower(nn.Module):
         cos, sin = vision_rotary_cos_sin(positions, spec.head_dim, spec.rope_theta)
         x = self.patch_embed(upload(pixel_values, self.device))[rows]
         cos, sin = cos[rows], sin[rows]
+        blocks = self._fused_blocks if fused else self._blocks
+        merged = blocks(x, cos, sin, grid, lengths)
+        return merged[upload(torch.argsort(order), self.device)]
+
+    def _blocks(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grid: torch.Tensor, lengths: list[int]
+    ) -> torch.Tensor:
+        """The blocks and the merger as the reference runs them, op by op (the CPU's path)."""
+        spec = self.spec
         # A window's rows are consecutive now, and so are a frame's (windows never cross frames): each is a
         # segment of its own, as `SegmentFrames` takes them (a "frame" of 1 x length).
         windows = SegmentFrames(torch.tensor([[1, 1, length] for length in lengths]))
         frames = SegmentFrames(grid)
         for index, block in enumerate(self.blocks):
             x = block(x, cos, sin, frames if index in spec.fullatt_block_indexes else windows)
-        merged = self.merger(x)
-        return merged[upload(torch.argsort(order), self.device)]
+        return self.merger(x)
+
+    def _fused_blocks(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grid: torch.Tensor, lengths: list[int]
+    ) -> torch.Tensor:
+        """The blocks and the merger on CUDA: residual adds fused into the RMSNorms, gate and up in one GEMM, and
+        (in fp16/bf16) every block's attention one variable-length FlashAttention call. Windows never cross
+        frames and a frame's windows are consecutive, so in window order each frame's rows are still one
+        segment, at the same place as in the processor's order."""
+        spec = self.spec
+        if varlen_runs(x.dtype, x.device):
+            frame_lengths = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0]).tolist()
+            windows: FrameAttention = VarlenSegments.of(lengths, x.device)
+            frames: FrameAttention = VarlenSegments.of(frame_lengths, x.device)
+        else:
+            windows = SegmentFrames(torch.tensor([[1, 1, length] for length in lengths]))
+            frames = SegmentFrames(grid)
+        first = self.blocks[0].norm1
+        normed = rms_norm(x, first.weight, first.eps)
+        next_norms = [*(block.norm1 for block in self.blocks[1:]), self.merger.ln_q]
+        for index, (block, next_norm) in enumerate(zip(self.blocks, next_norms, strict=True)):
+            attend = frames if index in spec.fullatt_block_indexes else windows
+            x, normed = block.fused(x, normed, cos, sin, attend, next_norm)
+        return self.merger.mlp(normed.view(-1, self.merger.merged_dim))
 
 
 FAMILY = Family(
