@@ -174,6 +174,9 @@ class SamplingParams(Message):
     # OpenAI's logit_bias as two lists (msgpack maps with int keys are refused on decode)
     logit_bias_ids: list[int] = dataclasses.field(default_factory=list)
     logit_bias_values: list[float] = dataclasses.field(default_factory=list)
+    # Structured output: the grammar the answer must match, in llguidance's serialized form (the gateway turns
+    # response_format, a tool choice or a guided_* option into it and checks it compiles); "": unconstrained.
+    grammar: str = ""
 
 
 @message
