@@ -88,6 +88,7 @@ SAMPLING = SamplingParams(
     top_logprobs=3,
     logit_bias_ids=[42, 7],
     logit_bias_values=[-100.0, 2.5],
+    grammar='{"grammars": [{"json_schema": {"type": "object"}}]}',
 )
 MEDIA = MediaInput(kind="video", url="https://example.com/cat.avi", min_pixels=3136, max_pixels=1_000_000, fps=2.5)
 PREPARED = PreparedMedia(kind="image", content_hash="ab" * 32, grid_thw=[1, 14, 20], num_tokens=70)
