@@ -93,6 +93,8 @@ _TINY: SizeShape = {
 
 # The shapes of Qwen/Qwen3-VL-{2B,4B,8B}-Instruct: 2B and 4B share their vision tower (24 blocks of 1024), 8B has
 # the 27-block 1152-wide one (transformers' Qwen3VLVisionConfig defaults); parameter counts 2.13B, 4.44B, 8.77B.
+# The hub is out of reach here: every value below agrees with the configs of those checkpoints that public projects
+# embed in their code (the 4B's and 8B's whole text and vision configs, the 2B's text widths, heads and layers).
 _VISION_SMALL: VisionShape = {
     "depth": 24,
     "hidden_size": 1024,
