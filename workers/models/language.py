@@ -23,7 +23,13 @@ from workers.kernels.attention import causal_mask
 from workers.kernels.norm import rms_norm_reference as rms_norm
 from workers.kernels.rotary import apply_rotary
 from workers.models.spec import ModelSpec
-from workers.models.weights import CheckpointWeights, check_state, load_language_state
+from workers.models.weights import (
+    CheckpointWeights,
+    assign_state,
+    built_and_loaded,
+    checkpoint_root,
+    load_language_state,
+)
 
 # --- math -------------------------------------------------------------------------------------------
 
@@ -255,21 +261,13 @@ class LanguageModel(nn.Module):
         spec: ModelSpec | None = None,
     ) -> LanguageModel:
         """Build the decoder and load its weights (dtype defaults to the checkpoint's)."""
-        root = path.path if isinstance(path, CheckpointWeights) else Path(path)
-        spec = spec or ModelSpec.from_dir(root)
-        dtype = dtype or spec.dtype
-        with torch.device("meta"):
-            model = cls(spec)
-        model.load_state(load_language_state(path, spec.tie_word_embeddings, device, dtype))
-        return model.eval()
+        spec = spec or ModelSpec.from_dir(checkpoint_root(path))
+        state = load_language_state(path, spec.tie_word_embeddings, device, dtype or spec.dtype)
+        return built_and_loaded(lambda: cls(spec), state)
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load weights keyed relative to ``model.`` plus ``lm_head.weight``."""
-        check_state(self, state, "language model")
-        self.load_state_dict(dict(state), strict=True, assign=True)
-        if state["lm_head.weight"] is state["embed_tokens.weight"]:
-            # assign=True wraps each key in its own Parameter; share one so tied weights stay tied.
-            self.lm_head.weight = self.embed_tokens.weight
+        assign_state(self, state, "language model")
 
     @property
     def device(self) -> torch.device:

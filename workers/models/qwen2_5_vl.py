@@ -36,7 +36,7 @@ from workers.models.vision import (
     vision_rotary_cos_sin,
     vision_rotary_positions,
 )
-from workers.models.weights import CheckpointWeights, check_state, load_vision_state
+from workers.models.weights import CheckpointWeights, assign_state, built_and_loaded, checkpoint_root, load_vision_state
 
 # The reference's RMSNorms in the tower and the merger, fixed in code, not in the config.
 NORM_EPS = 1e-6
@@ -185,16 +185,12 @@ class WindowVisionTower(nn.Module):
         spec: ModelSpec | None = None,
     ) -> WindowVisionTower:
         """Build the tower and load ``visual.*`` from a checkpoint directory (dtype defaults to the file's)."""
-        root = path.path if isinstance(path, CheckpointWeights) else Path(path)
-        spec = spec or ModelSpec.from_dir(root)
-        with torch.device("meta"):
-            tower = cls(spec.vision)
-        tower.load_state(load_vision_state(path, device, dtype or spec.dtype))
-        return tower.eval()
+        spec = spec or ModelSpec.from_dir(checkpoint_root(path))
+        vision = spec.vision
+        return built_and_loaded(lambda: cls(vision), load_vision_state(path, device, dtype or spec.dtype))
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        check_state(self, state, "vision tower")
-        self.load_state_dict(dict(state), strict=True, assign=True)
+        assign_state(self, state, "vision tower")
 
     def tune_attention(self) -> dict[str, float]:
         return {}  # nothing to choose: variable-length FlashAttention on CUDA (`varlen_runs`), SDPA elsewhere

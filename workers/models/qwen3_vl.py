@@ -23,7 +23,7 @@ from workers.models.qwen3_vl_text import Qwen3LanguageModel
 from workers.models.qwen3_vl_vision import Qwen3VisionTower
 from workers.models.registry import Family, SynthTables
 from workers.models.spec import ModelSpec
-from workers.models.weights import CheckpointWeights
+from workers.models.weights import CheckpointWeights, checkpoint_root
 
 
 class StackedVisionTower(Qwen3VisionTower):
@@ -39,8 +39,8 @@ class StackedVisionTower(Qwen3VisionTower):
         spec: ModelSpec | None = None,
     ) -> StackedVisionTower:
         # The tower reads its own spec (grid_side, the DeepStack mergers); the served ModelSpec names the same fields.
-        root = path.path if isinstance(path, CheckpointWeights) else Path(path)
-        return cast(StackedVisionTower, cls.from_checkpoint(path, device, dtype, Qwen3VLSpec.from_dir(root)))
+        own = Qwen3VLSpec.from_dir(checkpoint_root(path))
+        return cast(StackedVisionTower, cls.from_checkpoint(path, device, dtype, own))
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -67,8 +67,8 @@ def load_language_model(
     spec: ModelSpec | None = None,
 ) -> Qwen3LanguageModel:
     """Qwen3's decoder, built from the served spec (it names every field the module reads)."""
-    root = path.path if isinstance(path, CheckpointWeights) else Path(path)
-    return Qwen3LanguageModel.from_checkpoint(path, device, dtype, spec or ModelSpec.from_dir(root))  # type: ignore[arg-type]
+    served = spec or ModelSpec.from_dir(checkpoint_root(path))
+    return Qwen3LanguageModel.from_checkpoint(path, device, dtype, served)  # type: ignore[arg-type]
 
 
 def storage(size: str) -> tuple[str, float]:

@@ -34,7 +34,13 @@ from workers.models.language import (
     rope_inv_freq,
 )
 from workers.models.qwen3_vl_spec import Qwen3VLSpec
-from workers.models.weights import CheckpointWeights, check_state, load_language_state
+from workers.models.weights import (
+    CheckpointWeights,
+    assign_state,
+    built_and_loaded,
+    checkpoint_root,
+    load_language_state,
+)
 
 # --- math -------------------------------------------------------------------------------------------
 
@@ -126,18 +132,12 @@ class Qwen3LanguageModel(nn.Module):
         dtype: torch.dtype | None = None,
         spec: Qwen3VLSpec | None = None,
     ) -> Qwen3LanguageModel:
-        root = path.path if isinstance(path, CheckpointWeights) else Path(path)
-        spec = spec or Qwen3VLSpec.from_dir(root)
-        with torch.device("meta"):
-            model = cls(spec)
-        model.load_state(load_language_state(path, spec.tie_word_embeddings, device, dtype or spec.dtype))
-        return model.eval()
+        spec = spec or Qwen3VLSpec.from_dir(checkpoint_root(path))
+        state = load_language_state(path, spec.tie_word_embeddings, device, dtype or spec.dtype)
+        return built_and_loaded(lambda: cls(spec), state)
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        check_state(self, state, "Qwen3-VL language model")
-        self.load_state_dict(dict(state), strict=True, assign=True)
-        if state["lm_head.weight"] is state["embed_tokens.weight"]:
-            self.lm_head.weight = self.embed_tokens.weight  # keep tied weights one tensor
+        assign_state(self, state, "Qwen3-VL language model")
 
     @property
     def device(self) -> torch.device:

@@ -26,7 +26,7 @@ from workers.models.vision import (
     vision_rotary_cos_sin,
     vision_rotary_positions,
 )
-from workers.models.weights import CheckpointWeights, check_state, load_vision_state
+from workers.models.weights import CheckpointWeights, assign_state, built_and_loaded, checkpoint_root, load_vision_state
 
 
 @dataclass
@@ -155,16 +155,12 @@ class Qwen3VisionTower(nn.Module):
         dtype: torch.dtype | None = None,
         spec: Qwen3VLSpec | None = None,
     ) -> Qwen3VisionTower:
-        root = path.path if isinstance(path, CheckpointWeights) else Path(path)
-        spec = spec or Qwen3VLSpec.from_dir(root)
-        with torch.device("meta"):
-            tower = cls(spec.vision)
-        tower.load_state(load_vision_state(path, device, dtype or spec.dtype))
-        return tower.eval()
+        spec = spec or Qwen3VLSpec.from_dir(checkpoint_root(path))
+        vision = spec.vision
+        return built_and_loaded(lambda: cls(vision), load_vision_state(path, device, dtype or spec.dtype))
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        check_state(self, state, "Qwen3-VL vision tower")
-        self.load_state_dict(dict(state), strict=True, assign=True)
+        assign_state(self, state, "Qwen3-VL vision tower")
 
     @property
     def device(self) -> torch.device:

@@ -30,7 +30,7 @@ from workers.models.frame_attention import (
 )
 from workers.models.runtime import upload
 from workers.models.spec import ModelSpec, VisionSpec
-from workers.models.weights import CheckpointWeights, check_state, load_vision_state
+from workers.models.weights import CheckpointWeights, assign_state, built_and_loaded, checkpoint_root, load_vision_state
 
 log = logging.getLogger(__name__)
 
@@ -214,19 +214,13 @@ class VisionTower(nn.Module):
         spec: ModelSpec | None = None,
     ) -> VisionTower:
         """Build the tower and load ``visual.*`` from a checkpoint directory (dtype defaults to the file's)."""
-        root = path.path if isinstance(path, CheckpointWeights) else Path(path)
-        spec = spec or ModelSpec.from_dir(root)
-        dtype = dtype or spec.dtype
-        # Meta construction skips random init of weights that are overwritten right away.
-        with torch.device("meta"):
-            tower = cls(spec.vision)
-        tower.load_state(load_vision_state(path, device, dtype))
-        return tower.eval()
+        spec = spec or ModelSpec.from_dir(checkpoint_root(path))
+        vision = spec.vision
+        return built_and_loaded(lambda: cls(vision), load_vision_state(path, device, dtype or spec.dtype))
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load weights keyed relative to ``visual.``; raises ValueError on missing/extra/misshapen keys."""
-        check_state(self, state, "vision tower")
-        self.load_state_dict(dict(state), strict=True, assign=True)
+        assign_state(self, state, "vision tower")
 
     def tune_attention(self, tokens: int = 4096) -> dict[str, float]:
         """On CUDA, the SDPA kernel whose whole forward is fastest on three frames of about ``tokens``

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -134,6 +135,41 @@ def load_language_state(
     else:
         state.update(weights.load([LM_HEAD_KEY], device, dtype))
     return state
+
+
+def checkpoint_root(path: CheckpointWeights | str | Path) -> Path:
+    """The checkpoint's directory, given as a path or as its open weights."""
+    return path.path if isinstance(path, CheckpointWeights) else Path(path)
+
+
+class Loadable(Protocol):
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+    def eval(self) -> Loadable: ...
+
+
+Built = TypeVar("Built", bound=Loadable)
+
+
+def built_and_loaded(make: Callable[[], Built], state: Mapping[str, torch.Tensor]) -> Built:
+    """``make()`` built on the meta device (no random init of weights the load overwrites at once), then
+    ``load_state(state)``, in eval mode: every family's towers and language models come this way."""
+    with torch.device("meta"):
+        module = make()
+    module.load_state(state)
+    module.eval()
+    return module
+
+
+def assign_state(module: nn.Module, state: Mapping[str, torch.Tensor], what: str) -> None:
+    """Load ``state`` into ``module`` (meta-built: its tensors become the state's), after `check_state`; where
+    ``lm_head.weight`` is ``embed_tokens.weight`` (tied embeddings) the two parameters stay one tensor."""
+    check_state(module, state, what)
+    module.load_state_dict(dict(state), strict=True, assign=True)
+    head, embed = state.get(LM_HEAD_KEY), state.get("embed_tokens.weight")
+    if head is not None and head is embed:
+        # assign=True wraps each key in its own Parameter; share one so tied weights stay tied.
+        module.lm_head.weight = module.embed_tokens.weight  # type: ignore[union-attr]
 
 
 def check_state(module: nn.Module, state: Mapping[str, torch.Tensor], what: str) -> None:
