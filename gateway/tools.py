@@ -208,9 +208,9 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     """A stand-in for gateway/structured.py's ``json_schema_grammar`` (the grammar engineer's, not on this branch
     yet): llguidance's grammar for the schema, checked to compile."""
     grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error and not llguidance.LLMatcher.is_validate_warning(error):
-        raise ValueError(error)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ValueError("; ".join(messages))
     return grammar
 
 
