@@ -106,6 +106,28 @@ def test_auto_is_refused_where_the_template_has_no_tools(client: OpenAI) -> None
     refused(client, "chat template that renders tools", param="tool_choice", tools=[WEATHER], tool_choice="auto")
 
 
+def test_a_named_call_cut_short_keeps_its_shape(client: OpenAI) -> None:
+    """(Runs before the decoder masks: the shape of the answer, not its arguments.) A named call cut short by
+    max_tokens is still that function's call, finishing "length"; streamed, its first piece carries the id, type and
+    name, and the arguments follow. A required answer cut short is no array of calls: it stays text."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choice = ask(client, tools=[WEATHER, TIME], tool_choice=named, max_tokens=3, temperature=0).choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("length", None)
+    [call] = choice.message.tool_calls
+    assert (call.type, call.function.name) == ("function", "get_weather") and call.id.startswith("call_")
+    pieces, finish = [], None
+    for chunk in ask(client, tools=[WEATHER, TIME], tool_choice=named, max_tokens=3, temperature=0, stream=True):
+        for streamed in chunk.choices:
+            pieces += streamed.delta.tool_calls or []
+            finish = streamed.finish_reason or finish
+    assert pieces[0].id.startswith("call_") and pieces[0].function.name == "get_weather"
+    assert all(p.index == 0 and p.id is None for p in pieces[1:])
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments  # (greedy: the same)
+    assert finish == "length"
+    cut = ask(client, tools=[WEATHER, TIME], tool_choice="required", max_tokens=3, temperature=0).choices[0]
+    assert (cut.finish_reason, cut.message.tool_calls) == ("length", None) and cut.message.content
+
+
 @needs_grammar_masking
 @pytest.mark.parametrize("stream", [False, True])
 def test_named_and_required_work_where_the_template_has_no_tools(client: OpenAI, stream: bool) -> None:
