@@ -29,6 +29,7 @@ from gateway.offload import off_loop_if_large
 from gateway.pipeline import Pipeline
 from gateway.prompt import Prompt, PromptBuilder
 from gateway.schema import GenerationOptions, parse_chat_request, parse_completion_request
+from gateway.tools import ToolPlan, ToolStream, plan_tools
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 log = logging.getLogger(__name__)
@@ -175,17 +176,19 @@ class Gateway:
         try:
             chat = parse_chat_request(await self._json(request))
             self._check_model(chat.model)
+            tools = plan_tools(chat, lambda: self.prompts.renders_tools)
             build = functools.partial(
                 self.prompts.build,
                 chat.messages,
                 chat.add_generation_prompt,
                 chat.continue_final_message,
                 chat.chat_template_kwargs,
+                tools.template_tools,
             )
             prompt = await asyncio.get_running_loop().run_in_executor(None, build)
         except ApiError as exc:
             return exc.response()
-        return await self._serve(request, chat, [prompt], CHAT)
+        return await self._serve(request, chat, [prompt], CHAT, tools)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -200,17 +203,23 @@ class Gateway:
         return await self._serve(request, options, prompts, TEXT)
 
     async def _serve(
-        self, request: web.Request, options: GenerationOptions, prompts: list[Prompt], flavor: Flavor
+        self,
+        request: web.Request,
+        options: GenerationOptions,
+        prompts: list[Prompt],
+        flavor: Flavor,
+        tools: ToolPlan | None = None,
     ) -> web.StreamResponse:
         self.counters["requests_total"] += 1
         completion_id = f"{flavor.id_prefix}-{request[REQUEST_ID]}"  # (the id the workers log it under)
         events: Events = asyncio.Queue()
         choices: list[ChoiceStream] = []
         try:
-            choices = await self._submit(options, prompts, completion_id, events)  # (503 where no replica is live)
+            # (503 where no replica is live)
+            choices = await self._submit(options, prompts, completion_id, events, tools.grammar if tools else "")
             if options.stream:
-                return await self._stream(request, options, completion_id, choices, events, flavor)
-            return await self._complete(options, completion_id, choices, events, flavor)
+                return await self._stream(request, options, completion_id, choices, events, flavor, tools)
+            return await self._complete(options, completion_id, choices, events, flavor, tools)
         except ApiError as exc:
             self.counters["requests_failed"] += 1
             return exc.response()
@@ -247,11 +256,13 @@ class Gateway:
             )
 
     async def _submit(
-        self, chat: GenerationOptions, prompts: list[Prompt], completion_id: str, events: Events
+        self, chat: GenerationOptions, prompts: list[Prompt], completion_id: str, events: Events, grammar: str = ""
     ) -> list[ChoiceStream]:
         """One pipeline request per choice (n per prompt, indexed prompt by prompt, as OpenAI's batches are);
-        seeded choices of a prompt get seeds seed, seed+1, ... so they differ."""
+        seeded choices of a prompt get seeds seed, seed+1, ... so they differ. ``grammar``: a tool choice's."""
         sampling = sampling_params(with_defaults(chat, self.defaults))
+        if grammar:
+            sampling = dataclasses.replace(sampling, grammar=grammar)
         stops = [chat.stop] if isinstance(chat.stop, str) else list(chat.stop or [])
         choices: list[ChoiceStream] = []
         try:
@@ -351,12 +362,15 @@ class Gateway:
         choices: list[ChoiceStream],
         events: Events,
         flavor: Flavor,
+        tools: ToolPlan | None = None,
     ) -> web.Response:
         async for _ in self._updates(choices, events):
             pass
         body = []
         for c in choices:
             choice = flavor.choice(c, options)
+            if tools is not None:
+                choice["message"], choice["finish_reason"] = tools.message(c.text, c.finish_reason)
             if options.return_token_ids:
                 choice["token_ids"] = c.token_ids
             body.append(choice)
@@ -380,6 +394,7 @@ class Gateway:
         choices: list[ChoiceStream],
         events: Events,
         flavor: Flavor,
+        tools: ToolPlan | None = None,
     ) -> web.StreamResponse:
         updates = self._updates(choices, events)
         try:
@@ -391,7 +406,7 @@ class Gateway:
         sse = SseWriter(web.StreamResponse(headers=headers), completion_id, self.model_name, flavor, wants_usage)
         await sse.response.prepare(request)
         try:
-            await self._stream_updates(sse, options, choices, updates, first)
+            await self._stream_updates(sse, options, choices, updates, first, tools)
         except ConnectionResetError:  # the client went away; _serve's finally aborts the request
             self.counters["requests_disconnected"] += 1
             log.info("client of %s disconnected mid-stream", completion_id)
@@ -404,7 +419,9 @@ class Gateway:
         choices: list[ChoiceStream],
         updates: AsyncIterator[tuple[ChoiceStream, ChoiceUpdate]],
         first: tuple[ChoiceStream, ChoiceUpdate] | None,
+        tools: ToolPlan | None = None,
     ) -> None:
+        calls = {c.index: tools.stream() for c in choices} if tools is not None else {}
         if sse.flavor is CHAT:
             for c in choices:
                 await sse.chunk(c.index, {"role": "assistant", "content": ""}, None, {})
@@ -417,7 +434,10 @@ class Gateway:
                     extra["logprobs"] = sse.flavor.logprobs(update.logprobs)
                 if options.return_token_ids:
                     extra["token_ids"] = update.token_ids
-                if update.text or update.finish_reason or extra:
+                assembler = calls.get(choice.index)
+                if assembler is not None:
+                    await _send_tool_deltas(sse, choice.index, assembler, update, extra)
+                elif update.text or update.finish_reason or extra:
                     await sse.chunk(choice.index, update.text, update.finish_reason, extra)
                 item = await anext(updates, None)
         except ApiError as exc:  # mid-stream failure: the status is already sent, so report in-band
@@ -434,6 +454,18 @@ class Gateway:
             await sse.send({**sse.header(), "choices": [], "usage": usage(choices)})
         await sse.response.write(b"data: [DONE]\n\n")
         await sse.response.write_eof()
+
+
+async def _send_tool_deltas(
+    sse: SseWriter, index: int, assembler: ToolStream, update: ChoiceUpdate, extra: dict[str, Any]
+) -> None:
+    """A tool-calling choice's update as its content and ``tool_calls`` deltas; the finish reason goes with the
+    last, the logprobs and token ids with the first."""
+    deltas, finish = assembler.feed(update.text, update.finish_reason)
+    if not deltas and (finish or extra):
+        deltas = [{}]
+    for k, delta in enumerate(deltas):
+        await sse.chunk(index, delta, finish if k == len(deltas) - 1 else None, extra if k == 0 else {})
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from common.protocol import MediaInput
 from gateway.errors import ApiError
 from gateway.schema import ChatMessage, ImagePart, TextPart, VideoPart
+from gateway.tools import history_fields
 
 
 @dataclass
@@ -90,15 +92,17 @@ class PromptBuilder:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Prompt:
         """The prompt's token ids and media; the options are vLLM's: ``continue_final_message`` leaves the last
-        (assistant) message open for the answer to continue, ``template_kwargs`` are the template's variables."""
+        (assistant) message open for the answer to continue, ``template_kwargs`` are the template's variables;
+        ``tools`` (transformers' form, ``{"type": "function", "function": {...}}``) go to the template."""
         media: list[MediaInput] = []
         rendered: list[dict[str, Any]] = []
         for i, message in enumerate(messages):
             role = "system" if message.role == "developer" else message.role
             if message.content is None or isinstance(message.content, str):
-                rendered.append({"role": role, "content": message.content or ""})
+                rendered.append({"role": role, "content": message.content or "", **history_fields(message)})
                 continue
             parts: list[dict[str, Any]] = []
             for part in message.content:
@@ -117,11 +121,12 @@ class PromptBuilder:
                     media.append(MediaInput("video", video.url, video.min_pixels, video.max_pixels, video.fps))
                     # The Qwen2-VL template renders this as <|vision_start|><|video_pad|><|vision_end|>.
                     parts.append({"type": "video"})
-            rendered.append({"role": role, "content": parts})
+            rendered.append({"role": role, "content": parts, **history_fields(message)})
         try:
             text = self.tokenizer.apply_chat_template(
                 rendered,
                 chat_template=self.chat_template,
+                tools=tools or None,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
@@ -132,6 +137,24 @@ class PromptBuilder:
             raise ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from exc
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return Prompt(list(ids), media)
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders tools: a conversation rendered with a tool and without differs. (Read
+        from what it renders, not from its source: a template may mention tools, or a ``tool`` role, and still
+        leave them out of the prompt, as Qwen2-VL's tool-role-only templates do.)"""
+        conversation = [{"role": "user", "content": "hi"}]
+        probe = [{"type": "function", "function": {"name": "probe", "description": "a probe", "parameters": {}}}]
+
+        def render(tools: list[dict[str, Any]] | None) -> str:
+            return str(self.tokenizer.apply_chat_template(
+                conversation, chat_template=self.chat_template, tools=tools, tokenize=False, add_generation_prompt=True
+            ))  # fmt: skip
+
+        try:
+            return render(probe) != render(None)
+        except (TemplateError, ValueError):
+            return False
 
     def encode_text(self, prompt: str | list[int]) -> Prompt:
         """A raw text prompt (``/v1/completions``): tokenized as is, no chat template."""

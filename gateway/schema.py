@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.errors import ApiError
+from gateway.tools import ToolCall, check_history
 
 # Every integer crosses a socket as msgpack, which holds 64 bits: larger ones are refused here, by name,
 # rather than failing to encode (an HTTP 500) after validation.
@@ -90,9 +91,11 @@ def _spelled_out(part: Any) -> Any:
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # (an assistant's)
+    tool_call_id: str | None = None  # (a tool's: the call it answers)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -175,8 +178,10 @@ class ChatCompletionRequest(GenerationOptions):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # Read only to refuse them: each would change the answer, so ignoring it would mislead the client.
     response_format: dict[str, Any] | None = None
+    # tools: checked by gateway.tools.plan_tools
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -341,16 +346,15 @@ def _refuse_what_we_cannot_honour(request: ChatCompletionRequest) -> None:
             code="unsupported_value",
             param="response_format",
         )
-    for offered, choice, name in (("tools", "tool_choice", "tool"), ("functions", "function_call", "function")):
-        asked = getattr(request, choice)
-        if (getattr(request, offered) and asked != "none") or asked not in (None, "none", "auto"):
-            raise ApiError(
-                400,
-                f"{name} calling is not supported (Qwen2-VL's chat template has no tools); "
-                f'leave out {offered} and {choice}, or send {choice}: "none"',
-                code="unsupported_value",
-                param=offered if getattr(request, offered) else choice,
-            )
+    if (request.functions and request.function_call != "none") or request.function_call not in (None, "none", "auto"):
+        raise ApiError(
+            400,
+            "legacy function calling (functions, function_call) is not supported: send the functions as tools "
+            "([{'type': 'function', 'function': {...}}]) and function_call as tool_choice",
+            code="unsupported_value",
+            param="functions" if request.functions else "function_call",
+        )
+    check_history(request.messages)
     if request.audio is not None or any(m != "text" for m in request.modalities or []):
         raise ApiError(400, "only text output is supported: leave out audio and modalities other than 'text'",
                        code="unsupported_value", param="modalities")  # fmt: skip
