@@ -28,6 +28,7 @@ from gateway.metrics import GatewayMetrics, Reported
 from gateway.offload import off_loop_if_large
 from gateway.pipeline import Pipeline
 from gateway.prompt import Prompt, PromptBuilder
+from gateway.reasoning import thinking_template
 from gateway.schema import GenerationOptions, parse_chat_request, parse_completion_request
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -43,6 +44,7 @@ class Gateway:
         self.model_name = cfg.server.served_model_name or model_dir.name
         self.started = int(time.time())  # the model card's "created"
         self.prompts = PromptBuilder(model_dir)
+        self.thinking = thinking_template(self.prompts.tokenizer, self.prompts.chat_template)  # None: it does not
         self.defaults = sampling_defaults(model_dir) if cfg.model.generation_config == "auto" else {}
         if self.defaults:
             log.info("sampling defaults from %s/generation_config.json: %s", model_dir, self.defaults)
@@ -208,6 +210,9 @@ class Gateway:
         choices: list[ChoiceStream] = []
         try:
             choices = await self._submit(options, prompts, completion_id, events)  # (503 where no replica is live)
+            if flavor is CHAT and self.thinking is not None:
+                for c in choices:
+                    c.reasoning = self.thinking.splitter(prompts[c.prompt_index].token_ids)
             if options.stream:
                 return await self._stream(request, options, completion_id, choices, events, flavor)
             return await self._complete(options, completion_id, choices, events, flavor)
@@ -417,8 +422,12 @@ class Gateway:
                     extra["logprobs"] = sse.flavor.logprobs(update.logprobs)
                 if options.return_token_ids:
                     extra["token_ids"] = update.token_ids
-                if update.text or update.finish_reason or extra:
-                    await sse.chunk(choice.index, update.text, update.finish_reason, extra)
+                delta: str | dict[str, Any] = update.text
+                if choice.reasoning is not None:
+                    final = update.finish_reason is not None
+                    delta = choice.reasoning.feed(update.text, update.token_ids, final).delta()
+                if delta or update.finish_reason or extra:
+                    await sse.chunk(choice.index, delta, update.finish_reason, extra)
                 item = await anext(updates, None)
         except ApiError as exc:  # mid-stream failure: the status is already sent, so report in-band
             log.info("%s failed after its first token: %d %s", sse.completion_id, exc.status, exc.message)
@@ -460,6 +469,8 @@ class Flavor:
     def choice(self, c: ChoiceStream, options: GenerationOptions) -> dict[str, Any]:
         logprobs = self.logprobs(c.logprobs) if options.top_logprobs_asked >= 0 else None
         body = {"message": {"role": "assistant", "content": c.text}} if self.is_chat else {"text": c.text}
+        if c.reasoning is not None:
+            body["message"].update(c.reasoning.message(c.text, c.token_ids))
         return {"index": c.index, **body, "finish_reason": c.finish_reason, "logprobs": logprobs}
 
     def delta(self, text: str | dict[str, Any]) -> dict[str, Any]:
