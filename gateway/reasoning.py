@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 THINK_START = "<think>"
@@ -103,9 +104,12 @@ def thinking_template(tokenizer: PreTrainedTokenizerBase, chat_template: str) ->
     if tokens is None:
         return None
     for variables in ({}, {"enable_thinking": False}):
-        text = tokenizer.apply_chat_template(
-            _PROBE, chat_template=chat_template, tokenize=False, add_generation_prompt=True, **variables
-        )
+        try:
+            text = tokenizer.apply_chat_template(
+                _PROBE, chat_template=chat_template, tokenize=False, add_generation_prompt=True, **variables
+            )
+        except (TemplateError, ValueError):  # a template that wants more than one user message: no probe
+            continue
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if tokens.start in generation_prompt(list(ids), tokens):
             return ThinkingTemplate(tokens)
