@@ -28,6 +28,7 @@ from gateway.metrics import GatewayMetrics, Reported
 from gateway.offload import off_loop_if_large
 from gateway.pipeline import Pipeline
 from gateway.prompt import Prompt, PromptBuilder
+from gateway.reasoning import thinking_template
 from gateway.schema import GenerationOptions, parse_chat_request, parse_completion_request
 from gateway.tools import ToolPlan, ToolStream, plan_tools
 
@@ -44,6 +45,7 @@ class Gateway:
         self.model_name = cfg.server.served_model_name or model_dir.name
         self.started = int(time.time())  # the model card's "created"
         self.prompts = PromptBuilder(model_dir)
+        self.thinking = thinking_template(self.prompts.tokenizer, self.prompts.chat_template)  # None: it does not
         self.defaults = sampling_defaults(model_dir) if cfg.model.generation_config == "auto" else {}
         if self.defaults:
             log.info("sampling defaults from %s/generation_config.json: %s", model_dir, self.defaults)
@@ -217,6 +219,9 @@ class Gateway:
         try:
             # (503 where no replica is live)
             choices = await self._submit(options, prompts, completion_id, events, tools.grammar if tools else "")
+            if flavor is CHAT and self.thinking is not None:
+                for c in choices:
+                    c.reasoning = self.thinking.splitter(prompts[c.prompt_index].token_ids)
             if options.stream:
                 return await self._stream(request, options, completion_id, choices, events, flavor, tools)
             return await self._complete(options, completion_id, choices, events, flavor, tools)
@@ -369,8 +374,11 @@ class Gateway:
         body = []
         for c in choices:
             choice = flavor.choice(c, options)
-            if tools is not None:
-                choice["message"], choice["finish_reason"] = tools.message(c.text, c.finish_reason)
+            if tools is not None:  # (on the content alone: a thinking checkpoint's reasoning stays as it is)
+                content = choice["message"]["content"] or ""
+                message, choice["finish_reason"] = tools.message(content, c.finish_reason)
+                thought = choice["message"].get("reasoning_content")
+                choice["message"] = {**message, "reasoning_content": thought} if c.reasoning is not None else message
             if options.return_token_ids:
                 choice["token_ids"] = c.token_ids
             body.append(choice)
@@ -434,11 +442,7 @@ class Gateway:
                     extra["logprobs"] = sse.flavor.logprobs(update.logprobs)
                 if options.return_token_ids:
                     extra["token_ids"] = update.token_ids
-                assembler = calls.get(choice.index)
-                if assembler is not None:
-                    await _send_tool_deltas(sse, choice.index, assembler, update, extra)
-                elif update.text or update.finish_reason or extra:
-                    await sse.chunk(choice.index, update.text, update.finish_reason, extra)
+                await _send_update(sse, choice, update, extra, calls.get(choice.index))
                 item = await anext(updates, None)
         except ApiError as exc:  # mid-stream failure: the status is already sent, so report in-band
             log.info("%s failed after its first token: %d %s", sse.completion_id, exc.status, exc.message)
@@ -456,12 +460,34 @@ class Gateway:
         await sse.response.write_eof()
 
 
-async def _send_tool_deltas(
-    sse: SseWriter, index: int, assembler: ToolStream, update: ChoiceUpdate, extra: dict[str, Any]
+async def _send_update(
+    sse: SseWriter, choice: ChoiceStream, update: ChoiceUpdate, extra: dict[str, Any], calls: ToolStream | None
 ) -> None:
-    """A tool-calling choice's update as its content and ``tool_calls`` deltas; the finish reason goes with the
-    last, the logprobs and token ids with the first."""
-    deltas, finish = assembler.feed(update.text, update.finish_reason)
+    """One choice's update as chunks: the thinking split off first (a thinking checkpoint's), then tool calls
+    parsed in the content alone (a request with tools), else the text as it is."""
+    text, thought = update.text, ""
+    if choice.reasoning is not None:
+        piece = choice.reasoning.feed(update.text, update.token_ids, update.finish_reason is not None)
+        text, thought = piece.content, piece.reasoning
+    if calls is not None:
+        if thought:
+            await sse.chunk(choice.index, {"reasoning_content": thought}, None, extra)
+            extra = {}
+        await _send_tool_deltas(sse, choice.index, calls, text, update.finish_reason, extra)
+        return
+    delta: str | dict[str, Any] = text
+    if choice.reasoning is not None:
+        delta = {k: v for k, v in (("reasoning_content", thought), ("content", text)) if v}
+    if delta or update.finish_reason or extra:
+        await sse.chunk(choice.index, delta, update.finish_reason, extra)
+
+
+async def _send_tool_deltas(
+    sse: SseWriter, index: int, assembler: ToolStream, text: str, finish_reason: str | None, extra: dict[str, Any]
+) -> None:
+    """A tool-calling choice's update (its content ``text``) as content and ``tool_calls`` deltas; the finish
+    reason goes with the last, the logprobs and token ids with the first."""
+    deltas, finish = assembler.feed(text, finish_reason)
     if not deltas and (finish or extra):
         deltas = [{}]
     for k, delta in enumerate(deltas):
@@ -492,6 +518,8 @@ class Flavor:
     def choice(self, c: ChoiceStream, options: GenerationOptions) -> dict[str, Any]:
         logprobs = self.logprobs(c.logprobs) if options.top_logprobs_asked >= 0 else None
         body = {"message": {"role": "assistant", "content": c.text}} if self.is_chat else {"text": c.text}
+        if c.reasoning is not None:
+            body["message"].update(c.reasoning.message(c.text, c.token_ids))
         return {"index": c.index, **body, "finish_reason": c.finish_reason, "logprobs": logprobs}
 
     def delta(self, text: str | dict[str, Any]) -> dict[str, Any]:

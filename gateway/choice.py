@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from common.protocol import TokenDelta
 from gateway.detokenize import IncrementalDetokenizer
+from gateway.reasoning import ReasoningSplitter
 
 
 @dataclass
@@ -38,6 +39,7 @@ class ChoiceStream:
     prompt_index: int = 0  # which prompt of a batch (/v1/completions) it answers
     include_stop: bool = False  # the stop string found ends the text, included (vLLM's include_stop_str_in_output)
     skip_special_tokens: bool = True
+    reasoning: ReasoningSplitter | None = None  # a chat choice of a checkpoint that thinks (`gateway.reasoning`)
     detok: IncrementalDetokenizer = field(init=False)
     special_ids: frozenset[int] = field(init=False)
     token_ids: list[int] = field(default_factory=list)

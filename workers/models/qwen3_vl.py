@@ -87,6 +87,7 @@ SYNTH = SynthTables(
     chat_template=tables.CHAT_TEMPLATE,
     dir_name="qwen3-vl",
     write_tokenizer=tables.write_tokenizer,
+    thinking_chat_template=tables.THINKING_CHAT_TEMPLATE,
 )
 
 FAMILY = Family(

@@ -210,6 +210,17 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# A Qwen3-VL "Thinking" checkpoint's template: the generation prompt opens the thinking (`<think>\n`), so the model's
+# answer starts inside it and closes it with `</think>`. `enable_thinking=false` (Qwen3's hybrid templates' switch)
+# gives the closed empty block instead, so that one synthetic checkpoint covers both styles of prompt.
+THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.removesuffix(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+) + (
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
+)
+
 
 def _shape(size: str) -> SizeShape:
     try:

@@ -77,6 +77,8 @@ class SynthTables:
     dir_name: str  # e.g. "qwen2-vl": generated checkpoints are named <dir_name>-<size>-seed<seed>
     # The tokenizer files, where the family's differ from Qwen2-VL's (Qwen3's added tokens); None: synth's own
     write_tokenizer: Callable[[Path], None] | None = None
+    # A "Thinking" variant's chat template (its generation prompt opens `<think>`); None: the family has none
+    thinking_chat_template: str | None = None
 
 
 @dataclass(frozen=True)

@@ -829,7 +829,7 @@ def family_tables(family: str) -> SynthTables:
     return registered(family).synth
 
 
-def _write_all(out_dir: Path, size: str, seed: int, family: str) -> None:
+def _write_all(out_dir: Path, size: str, seed: int, family: str, thinking: bool = False) -> None:
     tables = family_tables(family)
     _write_json(out_dir / "config.json", tables.config(size))
     _write_json(out_dir / "generation_config.json", generation_config())
@@ -837,11 +837,26 @@ def _write_all(out_dir: Path, size: str, seed: int, family: str) -> None:
     _write_json(out_dir / "video_preprocessor_config.json", tables.video_preprocessor(size))
     _write_json(out_dir / "chat_template.json", {"chat_template": tables.chat_template})
     (tables.write_tokenizer or write_tokenizer)(out_dir)
+    if thinking:
+        _write_thinking_template(out_dir, family)
     write_weights(out_dir, size, seed, tables)
-    meta = {"generator": "vlm-serve synth", "version": GENERATOR_VERSION, "size": size, "seed": seed}
+    meta: dict[str, Any] = {"generator": "vlm-serve synth", "version": GENERATOR_VERSION, "size": size, "seed": seed}
     if family != QWEN2_VL:  # (a Qwen2-VL checkpoint's meta is unchanged, so cached demo models stay current)
         meta["family"] = family
+    if thinking:
+        meta["thinking"] = True
     _write_json(out_dir / META_FILE, meta)
+
+
+def _write_thinking_template(out_dir: Path, family: str) -> None:
+    """The family's "Thinking" chat template in place of its own, where the processor and tokenizer read it."""
+    template = family_tables(family).thinking_chat_template
+    if template is None:
+        raise ValueError(f"{family} has no thinking variant (its tokenizer has no <think> tokens)")
+    _write_json(out_dir / "chat_template.json", {"chat_template": template})
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    _write_json(config_path, {**config, "chat_template": template})
 
 
 def _swap_into_place(tmp_dir: Path, out_dir: Path) -> None:
@@ -859,8 +874,11 @@ def _swap_into_place(tmp_dir: Path, out_dir: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def generate_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0, family: str = "qwen2_vl") -> Path:
-    """Write a complete checkpoint directory of the family (its model_type) to out_dir and return its path.
+def generate_checkpoint(
+    out_dir: str | Path, size: str = "tiny", seed: int = 0, family: str = "qwen2_vl", thinking: bool = False
+) -> Path:
+    """Write a complete checkpoint directory of the family (its model_type) to out_dir and return its path;
+    ``thinking``: with the family's "Thinking" chat template (Qwen3-VL's: the answer starts inside `<think>`).
 
     Readers never see a half-written directory: everything is built in a sibling temp dir
     and renamed into place. The same (family, size, seed) always gives byte-identical weight files.
@@ -872,7 +890,7 @@ def generate_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0, 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        _write_all(tmp_dir, size, seed, family)
+        _write_all(tmp_dir, size, seed, family, thinking)
         tmp_dir.chmod(0o755)  # mkdtemp makes it 0700
         _swap_into_place(tmp_dir, out_dir)
     except BaseException:
@@ -945,13 +963,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="tiny", help="tiny or a real shape (qwen2_vl: 2b, 7b; qwen2_5_vl: 3b, 7b)")
     parser.add_argument("--out", type=Path, help="checkpoint directory to create (default: <family>-<size>-seed<S>)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--thinking", action="store_true", help="the family's Thinking chat template (qwen3_vl)")
     args = parser.parse_args(argv)
     tables = family_tables(args.family)
+    if args.thinking and tables.thinking_chat_template is None:
+        parser.error(f"--thinking: {args.family} has no thinking variant")
     if args.size not in tables.sizes:
         parser.error(f"--size: {args.family} has sizes {', '.join(tables.sizes)}")
     out = args.out or Path(f"{tables.dir_name}-{args.size}-seed{args.seed}")
     start = time.monotonic()
-    path = generate_checkpoint(out, args.size, args.seed, args.family)
+    path = generate_checkpoint(out, args.size, args.seed, args.family, args.thinking)
     elapsed = time.monotonic() - start
     params = sum(math.prod(shape) for shape in tables.shapes(args.size).values())
     print(
