@@ -374,7 +374,7 @@ class Gateway:
         body = []
         for c in choices:
             choice = flavor.choice(c, options)
-            if tools is not None:  # (on the content alone: a thinking checkpoint's reasoning stays as it is)
+            if tools is not None and tools.kind != "none":  # (on the content: the reasoning stays as it is)
                 content = choice["message"]["content"] or ""
                 message, choice["finish_reason"] = tools.message(content, c.finish_reason)
                 thought = choice["message"].get("reasoning_content")
