@@ -29,6 +29,7 @@ from gateway.offload import off_loop_if_large
 from gateway.pipeline import Pipeline
 from gateway.prompt import Prompt, PromptBuilder
 from gateway.schema import GenerationOptions, parse_chat_request, parse_completion_request
+from gateway.structured import GrammarChecker
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class Gateway:
         self.model_name = cfg.server.served_model_name or model_dir.name
         self.started = int(time.time())  # the model card's "created"
         self.prompts = PromptBuilder(model_dir)
+        self.grammars = GrammarChecker(self.prompts.tokenizer)
         self.defaults = sampling_defaults(model_dir) if cfg.model.generation_config == "auto" else {}
         if self.defaults:
             log.info("sampling defaults from %s/generation_config.json: %s", model_dir, self.defaults)
@@ -252,6 +254,7 @@ class Gateway:
         """One pipeline request per choice (n per prompt, indexed prompt by prompt, as OpenAI's batches are);
         seeded choices of a prompt get seeds seed, seed+1, ... so they differ."""
         sampling = sampling_params(with_defaults(chat, self.defaults))
+        sampling = dataclasses.replace(sampling, grammar=await self.grammars.grammar(chat))  # (400 if it cannot)
         stops = [chat.stop] if isinstance(chat.stop, str) else list(chat.stop or [])
         choices: list[ChoiceStream] = []
         try:
