@@ -30,6 +30,7 @@ from gateway.pipeline import Pipeline
 from gateway.prompt import Prompt, PromptBuilder
 from gateway.reasoning import thinking_template
 from gateway.schema import GenerationOptions, parse_chat_request, parse_completion_request
+from gateway.structured import GrammarChecker
 from gateway.tools import ToolPlan, ToolStream, plan_tools
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -46,6 +47,7 @@ class Gateway:
         self.started = int(time.time())  # the model card's "created"
         self.prompts = PromptBuilder(model_dir)
         self.thinking = thinking_template(self.prompts.tokenizer, self.prompts.chat_template)  # None: it does not
+        self.grammars = GrammarChecker(self.prompts.tokenizer)
         self.defaults = sampling_defaults(model_dir) if cfg.model.generation_config == "auto" else {}
         if self.defaults:
             log.info("sampling defaults from %s/generation_config.json: %s", model_dir, self.defaults)
@@ -266,8 +268,16 @@ class Gateway:
         """One pipeline request per choice (n per prompt, indexed prompt by prompt, as OpenAI's batches are);
         seeded choices of a prompt get seeds seed, seed+1, ... so they differ. ``grammar``: a tool choice's."""
         sampling = sampling_params(with_defaults(chat, self.defaults))
-        if grammar:
-            sampling = dataclasses.replace(sampling, grammar=grammar)
+        constrained = await self.grammars.grammar(chat)  # (400 if it cannot)
+        if grammar and constrained:
+            raise ApiError(
+                400,
+                "tool_choice 'required' or a named function constrains the answer to a call; leave out "
+                "response_format and the structured_outputs / guided_* options",
+                code="invalid_request_error",
+                param="tool_choice",
+            )
+        sampling = dataclasses.replace(sampling, grammar=grammar or constrained)
         stops = [chat.stop] if isinstance(chat.stop, str) else list(chat.stop or [])
         choices: list[ChoiceStream] = []
         try:

@@ -141,6 +141,12 @@ class GenerationOptions(BaseModel):
     skip_special_tokens: bool = True  # (vLLM's)
     user: str | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # structured outputs, vLLM's forms (gateway/structured.py turns them into a grammar and checks it)
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -176,8 +182,8 @@ class ChatCompletionRequest(GenerationOptions):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None  # (gateway/structured.py)
     # Read only to refuse them: each would change the answer, so ignoring it would mislead the client.
-    response_format: dict[str, Any] | None = None
     # tools: checked by gateway.tools.plan_tools
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -258,10 +264,6 @@ def _validate(model: type[GenerationOptions], body: Any) -> Any:
 # vLLM's request extensions that would change the answer, with why they cannot be honoured here; each is
 # refused unless it is at the value that changes nothing (null, false, empty), never silently ignored.
 _EXTENSIONS_REFUSED = {
-    **dict.fromkeys(
-        ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
-        "this server does not constrain its output to a schema, a pattern or a list of choices",
-    ),
     "echo": "the answer does not repeat the prompt here",
     "prompt_logprobs": "logprobs are given for generated tokens only",
     "use_beam_search": "beam search is not implemented; sample n choices instead",
@@ -337,15 +339,6 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
 
 
 def _refuse_what_we_cannot_honour(request: ChatCompletionRequest) -> None:
-    kind = (request.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise ApiError(
-            400,
-            f"response_format {kind!r} is not supported: this server does not constrain its output to JSON; "
-            "leave response_format out (or use type 'text') and ask for the format in the prompt",
-            code="unsupported_value",
-            param="response_format",
-        )
     if (request.functions and request.function_call != "none") or request.function_call not in (None, "none", "auto"):
         raise ApiError(
             400,

@@ -21,6 +21,7 @@ import jsonschema
 import llguidance
 from pydantic import BaseModel, ConfigDict
 
+from gateway import structured
 from gateway.errors import ApiError
 
 # OpenAI's rule for a function's name
@@ -205,9 +206,8 @@ def history_fields(message: HistoryMessage) -> dict[str, Any]:
 
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
-    """A stand-in for gateway/structured.py's ``json_schema_grammar`` (the grammar engineer's, not on this branch
-    yet): llguidance's grammar for the schema, checked to compile."""
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    """The grammar of a call's JSON (`structured.json_schema_grammar`: compact JSON), checked to compile."""
+    grammar = structured.json_schema_grammar(schema)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise ValueError("; ".join(messages))

@@ -216,9 +216,6 @@ def test_special_tokens_are_shown_when_asked(client: OpenAI) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"guided_json": {"type": "object"}}, "guided_json"),
-        ({"guided_choice": ["yes", "no"]}, "guided_choice"),
-        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
         ({"echo": True}, "echo"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"use_beam_search": True}, "use_beam_search"),

@@ -69,7 +69,12 @@ CASES = {
     "bad_base64": (chat(image("data:image/png;base64,@@@not-base64@@@")), 400, ("base64",)),
     "unsupported_scheme": (chat(image("ftp://example.com/cat.png")), 400, ("scheme",)),
     # options that would change the answer are refused by name, never ignored
-    "json_response_format": (chat("hi", response_format={"type": "json_object"}), 400, ("response_format",)),
+    "unknown_response_format": (chat("hi", response_format={"type": "xml"}), 400, ("response_format",)),
+    "json_schema_that_cannot_compile": (
+        chat("hi", response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}),
+        400,
+        ("response_format", "foo"),
+    ),
     # (Qwen2-VL's template renders no tools: auto, the default with tools, cannot be honoured)
     "tools": (chat("hi", tools=[{"type": "function", "function": {"name": "f"}}]), 400, ("renders tools",)),
     "tool_choice_required": (chat("hi", tool_choice="required"), 400, ("tool_choice", "needs tools")),

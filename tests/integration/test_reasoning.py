@@ -84,9 +84,7 @@ def test_streamed_reasoning_and_content_are_the_whole_answers(
     assert any(r and c for r, c in zip(reasoning, content, strict=True))
 
 
-def test_an_answer_cut_inside_the_thinking_is_all_reasoning(
-    client: OpenAI, tokenizer: PreTrainedTokenizerBase
-) -> None:
+def test_an_answer_cut_inside_the_thinking_is_all_reasoning(client: OpenAI, tokenizer: PreTrainedTokenizerBase) -> None:
     reply = client.chat.completions.create(
         model="", messages=MESSAGES, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ from workers.decoder.tp import StepPayload
 from workers.models.language import LanguageModel
 from workers.models.paged import StepDeepStack
 from workers.models.runtime import upload
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 @dataclass
@@ -43,6 +47,9 @@ class Sequence:
     queued_at: float = 0.0
     queue_s: float | None = None  # arrival in the engine -> first admission
     media_wait_s: float | None = None  # arrival in the decoder -> its embeddings read (media requests)
+    # Structured output: the grammar's state after output_ids (workers/decoder/grammar.py); kept through
+    # preemption, as output_ids are.
+    matcher: LLMatcher | None = None
 
     def __post_init__(self) -> None:
         self.all_keys = list(self.prompt_keys)

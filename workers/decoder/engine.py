@@ -16,6 +16,7 @@ import torch
 from common.protocol import PreparedRequest, TokenDelta
 from workers.decoder.batch import Scheduled, Sequence
 from workers.decoder.config import EngineConfig
+from workers.decoder.grammar import Grammars
 from workers.decoder.runner import ModelRunner
 from workers.decoder.sampling import SampleFuture
 from workers.decoder.scheduler import Scheduler
@@ -50,13 +51,19 @@ class Pending:
 
 class Engine:
     def __init__(
-        self, model: LanguageModel, spec: ModelSpec, config: EngineConfig, tp_steps: StepBroadcast | None = None
+        self,
+        model: LanguageModel,
+        spec: ModelSpec,
+        config: EngineConfig,
+        tp_steps: StepBroadcast | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
-        """``tp_steps``: rank 0 of a tensor-parallel group (each step is broadcast to the other ranks)."""
+        """``tp_steps``: rank 0 of a tensor-parallel group (each step is broadcast to the other ranks).
+        ``grammars``: for structured outputs (None: constrained requests are refused)."""
         self.config = config
         self.counters = dict.fromkeys(COUNTERS, 0.0)
-        self.scheduler = Scheduler(config, spec, self.counters)
-        self.runner = ModelRunner(model, spec, config, self.counters, tp_steps)
+        self.scheduler = Scheduler(config, spec, self.counters, grammars)
+        self.runner = ModelRunner(model, spec, config, self.counters, tp_steps, grammars)
         self.pending: Pending | None = None
 
     def prepare(self, request: PreparedRequest) -> Sequence:
@@ -70,6 +77,10 @@ class Engine:
 
     def holds(self, request_id: str) -> bool:
         return self.scheduler.holds(request_id)
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """Requests ended by an error since the last call (a matcher refused a token): id and why."""
+        return self.scheduler.take_failed()
 
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting or self.pending)

@@ -25,6 +25,7 @@ from workers.decoder.batch import (
     tp_payload,
 )
 from workers.decoder.config import EngineConfig
+from workers.decoder.grammar import Grammars, constrain
 from workers.decoder.graphs import engine_graphs
 from workers.decoder.sampling import SampleFuture, sample_async
 from workers.decoder.tp import DECODE_GRAPH, EAGER, MIXED_GRAPH, RankForward, StepBroadcast
@@ -41,9 +42,12 @@ class ModelRunner:
         config: EngineConfig,
         counters: dict[str, float],
         tp_steps: StepBroadcast | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
-        """``tp_steps``: this is rank 0 of a tensor-parallel group; each step is broadcast, then run."""
+        """``tp_steps``: this is rank 0 of a tensor-parallel group; each step is broadcast, then run.
+        ``grammars``: the structured-output matchers' tokenizer and bitmask filler."""
         self.model, self.spec, self.config, self.counters, self.tp_steps = model, spec, config, counters, tp_steps
+        self.grammars = grammars
         self.fused = fuse_layers(model) if config.fuse else None
         # The graphs' padding tokens need a block that no sequence owns: one more than the manager hands out.
         graphs = config.graphs != "off"
@@ -72,8 +76,12 @@ class ModelRunner:
         return logits
 
     def sample(self, batch: list[Scheduled], logits: torch.Tensor) -> SampleFuture:
-        """Launch the sampling of ``batch``'s rows (one row of ``logits`` each) on the device."""
-        return sample_async(logits, [item.seq.sampling_row(self.spec.eos_token_ids) for item in batch])
+        """Launch the sampling of ``batch``'s rows (one row of ``logits`` each) on the device. The constrained
+        rows' grammar masks are filled here on the host: with overlapped steps this runs after the previous
+        step's tokens were read and fed to the matchers, while the device computes this step's forward."""
+        rows = [item.seq.sampling_row(self.spec.eos_token_ids) for item in batch]
+        rows, mask = constrain(self.grammars, [item.seq.matcher for item in batch], rows)
+        return sample_async(logits, rows, mask)
 
     def _mode(self, batch: list[Scheduled], decode_graph: bool = True) -> int:
         """How the step runs: a decode graph, a mixed graph (any step of up to ``graph_tokens``), or eagerly."""

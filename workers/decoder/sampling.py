@@ -7,6 +7,9 @@ in one device-to-host copy.
 
 Per row, in this order:
 
+0. a grammar's allowed-token bitmask, for the rows that have one (structured outputs): forbidden tokens to
+   -inf, on the device, in a copy of the logits; rows without one are copied unchanged, and with no
+   constrained row the logits are not touched at all;
 1. penalties on the raw logits: repetition (HF/vLLM: ``l > 0 ? l / p : l * p`` over prompt and
    generated tokens), then frequency and presence (OpenAI: ``l -= f * count``, ``l -= p * (count > 0)``
    over generated tokens only) — the order and arithmetic of vLLM, in float32;
@@ -32,7 +35,9 @@ top-p boundary. Rows without a seed use the global torch RNG of the logits' devi
 excludes Apple MPS, which is not a target.)
 
 Logprobs are those of the model's raw distribution — ``log_softmax`` in float32 of the logits as
-given, before penalties, bans, temperature and filters — as vLLM reports by default. If every token
+given, before penalties, bans, temperature and filters — as vLLM reports by default. For a constrained row
+that distribution is taken after its grammar mask (the tokens the grammar allows, renormalised), as vLLM's are:
+it applies the bitmask to the logits before its sampler reads them. If every token
 of a row is banned, the row's result is token 0 (no error: detecting it would need a device sync).
 """
 
@@ -409,15 +414,41 @@ def _logprob_table(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int]
     return torch.cat(columns, dim=1).double()
 
 
-def sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Sampled:
+@dataclass
+class TokenMask:
+    """The allowed tokens of some rows of a batch: ``bitmask`` (int32 ``[len(rows), words]``, on the host) has
+    bit ``t % 32`` of word ``t // 32`` set where token t is allowed; tokens past ``32 * words`` are forbidden."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """A copy of ``logits`` with the tokens ``mask`` forbids at -inf in its rows (the other rows unchanged)."""
+    vocab = logits.shape[1]
+    words = upload(mask.bitmask, logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    forbidden = ~allowed[:, :vocab]
+    if mask.rows == list(range(logits.shape[0])):
+        return logits.masked_fill(forbidden, float("-inf"))
+    index = _index(mask.rows, logits.device)
+    return logits.index_copy(0, index, logits.index_select(0, index).masked_fill_(forbidden, float("-inf")))
+
+
+def sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow], mask: TokenMask | None = None) -> Sampled:
     """The next token of each row of ``logits`` ``[batch, vocab]`` under ``rows[i]``; see the module doc."""
-    return sample_async(logits, rows).result()
+    return sample_async(logits, rows, mask).result()
 
 
-def sample_async(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleFuture:
+def sample_async(logits: torch.Tensor, rows: Sequence[SamplingRow], mask: TokenMask | None = None) -> SampleFuture:
     """`sample_batch` launched on the device; the host waits only when the result is read."""
     if logits.dim() != 2 or logits.shape[0] != len(rows) or not logits.is_floating_point():
         raise ValueError(f"logits must be a float [{len(rows)}, vocab] tensor, got {tuple(logits.shape)}")
+    if mask is not None and mask.rows:
+        logits = apply_token_bitmask(logits, mask)
     if not rows:
         return SampleFuture(torch.empty(0, dtype=torch.int64, device=logits.device), rows, [])
     tokens = _choose(logits, rows)

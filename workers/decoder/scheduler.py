@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,10 +22,14 @@ from common.protocol import PreparedRequest, TokenDelta
 from workers.decoder.batch import Scheduled, Sequence
 from workers.decoder.blocks import BlockManager, BlockTable, media_token_keys
 from workers.decoder.config import EngineConfig
+from workers.decoder.grammar import GrammarError, Grammars, consume
 from workers.decoder.sampling import Sampled, sampling_row, stop_ids
 from workers.models.mrope import expand_media_placeholders
 from workers.models.registry import family
 from workers.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class PromptError(ValueError):
@@ -36,8 +41,13 @@ class PromptError(ValueError):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, spec: ModelSpec, counters: dict[str, float]) -> None:
-        self.config, self.spec, self.counters = config, spec, counters
+    def __init__(
+        self, config: EngineConfig, spec: ModelSpec, counters: dict[str, float], grammars: Grammars | None = None
+    ) -> None:
+        """``grammars``: the structured-output matchers (None: constrained requests are refused)."""
+        self.config, self.spec, self.counters, self.grammars = config, spec, counters, grammars
+        # Requests ended by an error while decoding (their matcher refused a token): id and why, until taken.
+        self.failed: list[tuple[str, str]] = []
         self.rope_positions = family(spec.model_type).rope_positions  # the family's M-RoPE index rule
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.prefix_cache)
         self.waiting: deque[Sequence] = deque()
@@ -79,7 +89,19 @@ class Scheduler:
         seconds = [m.second_per_grid_t for m in request.media if m.kind == "video"]
         rope, delta = self.rope_positions(ids, images, videos, spec, video_seconds=seconds)
         mask = torch.isin(torch.tensor(ids), torch.tensor([spec.image_token_id, spec.video_token_id]))
-        return Sequence(request, ids, self._keys(ids, request), rope, delta, mask)
+        return Sequence(request, ids, self._keys(ids, request), rope, delta, mask, matcher=self._matcher(request))
+
+    def _matcher(self, request: PreparedRequest) -> LLMatcher | None:
+        """The sequence's grammar matcher at its start (None: unconstrained); raises ``PromptError``."""
+        grammar = request.sampling.grammar
+        if not grammar:
+            return None
+        if self.grammars is None:
+            raise PromptError("structured outputs are not available: the checkpoint has no tokenizer.json")
+        try:
+            return self.grammars.matcher(grammar)
+        except GrammarError as exc:
+            raise PromptError(str(exc), code="invalid_grammar") from exc
 
     def _keys(self, ids: list[int], request: PreparedRequest) -> list[int]:
         """Token ids, except that each media token is keyed by its media's content hash: the same
@@ -209,6 +231,15 @@ class Scheduler:
             item.seq.num_computed += item.num_new
             self.blocks.commit(item.seq.keys(), item.seq.table, item.seq.num_computed)
 
+    def _fail(self, seq: Sequence, why: str) -> None:
+        del self.running[seq.request_id]
+        self.blocks.free(seq.table)
+        self.failed.append((seq.request_id, why))
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        failed, self.failed = self.failed, []
+        return failed
+
     def postprocess(self, seqs: list[Sequence], sampled: Sampled) -> list[TokenDelta]:
         """Append each sequence's sampled token (row i is ``seqs[i]``'s) and check its stops; a sequence that
         finishes leaves and gives its blocks back. Sequences aborted since they were scheduled are skipped."""
@@ -219,7 +250,13 @@ class Scheduler:
             params, token = seq.request.sampling, sampled.token_ids[row]
             seq.add_output(token)
             self.counters["generated_tokens"] += 1
-            if token in stop_ids(params, self.spec.eos_token_ids):  # (banned while below min_tokens)
+            if seq.matcher is not None and (error := consume(seq.matcher, token)) is not None:
+                self._fail(seq, f"the output left its grammar: {error}")
+                continue
+            # A stop token (banned while below min_tokens), or a matcher that stopped: its grammar is complete,
+            # or it took an EOS (under ignore_eos too).
+            grammar_done = seq.matcher is not None and seq.matcher.is_stopped()
+            if grammar_done or token in stop_ids(params, self.spec.eos_token_ids):
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
                 seq.finish_reason = "length"

@@ -42,6 +42,7 @@ from common.transport import Channel, EventLoop, worker_identity
 from workers.decoder.batch import Sequence
 from workers.decoder.config import EngineConfig
 from workers.decoder.engine import Engine
+from workers.decoder.grammar import Grammars
 from workers.decoder.scheduler import PromptError
 from workers.decoder.tp import StepBroadcast, leader_rendezvous, leave_group
 from workers.models.language import LanguageModel
@@ -124,7 +125,8 @@ class DecoderWorker:
             num_blocks = kv_cache_blocks(cfg, model)
         max_len = cfg.decoder.max_model_len or self.spec.max_position_embeddings
         config = EngineConfig.from_settings(cfg.decoder, device, num_blocks, max_len)
-        self.engine = Engine(model, self.spec, config, tp_steps)
+        grammars = Grammars.for_checkpoint(path, self.spec.vocab_size, self.spec.eos_token_ids)
+        self.engine = Engine(model, self.spec, config, tp_steps, grammars)
         self.ctx = zmq.Context()
         self.inbox = Channel(self.ctx, zmq.PULL, cfg.decoder_endpoint(replica), bind=True)
         self.results = Channel(self.ctx, zmq.PUSH, cfg.endpoint("gateway"), bind=False)
@@ -190,6 +192,8 @@ class DecoderWorker:
             return False
         if deltas:
             self.results.send(TokenBatch(deltas))
+        for request_id, why in self.engine.take_failed():
+            self.fail(request_id, 500, "grammar_error", why)
         took = time.monotonic() - started
         self.timing["busy_s"] += took
         self.timing["steps"] += 1
