@@ -154,12 +154,31 @@ class GrammarChecker:
         """Why ``grammar`` cannot be matched ("" when it can); blocking: compiles it on a cache miss."""
         verdict = self._verdicts.get(grammar)
         if verdict is None:
-            verdict = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())
+            verdict = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer()) or self._spelled_tokens(grammar)
             with self._lock:
                 self._verdicts[grammar] = verdict
                 while len(self._verdicts) > CHECKED_GRAMMARS:
                     self._verdicts.popitem(last=False)
         return verdict
+
+    def _spelled_tokens(self, grammar: str) -> str:
+        """Why a regex or Lark grammar that spells out an added token's text (Qwen's ``<tool_call>``) is refused:
+        the model emits such a token whole, and llguidance's mask can allow it where its matcher then rejects it
+        (the request would fail mid-answer). Named by id (``<[151657]>``) the token matches as the model emits it."""
+        texts = " ".join(str(entry.get("lark_grammar") or "") for entry in json.loads(grammar).get("grammars", []))
+        texts = texts.replace("\\", "")  # (a regex escapes the token's | and [ characters)
+        added = self.hf_tokenizer.added_tokens_decoder
+        spelled = [
+            f"{token.content} (<[{i}]>)"
+            for i, token in added.items()
+            if len(token.content) > 1 and token.content in texts
+        ]
+        if not spelled:
+            return ""
+        return (
+            f"it spells out {', '.join(spelled[:4])}, which the model emits as single tokens: name them by id in a "
+            "Lark grammar, e.g. <[id]>"
+        )
 
     async def grammar(self, options: object) -> str:
         """The checked grammar the request asks for ("" for none); a 400 naming the parameter otherwise."""

@@ -221,6 +221,7 @@ def required_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
             "type": "object",
             "properties": {"name": {"type": "string", "enum": [t.name]}, "parameters": t.arguments_schema},
             "required": ["name", "parameters"],
+            "additionalProperties": False,  # (a call is these two keys: nothing may follow the arguments)
         }
         for t in tools
     ]

@@ -75,6 +75,9 @@ CASES = {
         400,
         ("response_format", "foo"),
     ),
+    "regex_spelling_an_added_token": (
+        chat("hi", structured_outputs={"regex": "yes<\\|im_end\\|>"}), 400, ("<|im_end|>", "by id")
+    ),
     # (Qwen2-VL's template renders no tools: auto, the default with tools, cannot be honoured)
     "tools": (chat("hi", tools=[{"type": "function", "function": {"name": "f"}}]), 400, ("renders tools",)),
     "tool_choice_required": (chat("hi", tool_choice="required"), 400, ("tool_choice", "needs tools")),
