@@ -165,7 +165,10 @@ class GrammarChecker:
         """Why a regex or Lark grammar that spells out an added token's text (Qwen's ``<tool_call>``) is refused:
         the model emits such a token whole, and llguidance's mask can allow it where its matcher then rejects it
         (the request would fail mid-answer). Named by id (``<[151657]>``) the token matches as the model emits it."""
-        texts = " ".join(str(entry.get("lark_grammar") or "") for entry in json.loads(grammar).get("grammars", []))
+        texts = grammar  # (a grammar is llguidance's JSON, or Lark text as it is)
+        if grammar.lstrip().startswith("{"):
+            entries = json.loads(grammar).get("grammars", [])
+            texts = " ".join(str(entry.get("lark_grammar") or "") for entry in entries)
         texts = texts.replace("\\", "")  # (a regex escapes the token's | and [ characters)
         added = self.hf_tokenizer.added_tokens_decoder
         spelled = [
