@@ -37,7 +37,7 @@ class CheckpointFileError(ValueError):
 
 def read_config(root: Path) -> dict[str, Any]:
     """The checkpoint's config.json as a dict; CheckpointFileError naming the file when it cannot be."""
-    return _read_object(root / CONFIG_FILE, "the model's configuration")
+    return read_json_object(root / CONFIG_FILE, "the model's configuration")
 
 
 def model_family(config: dict[str, Any], where: str = CONFIG_FILE) -> str:
@@ -89,15 +89,17 @@ def _family_of_architecture(name: str) -> str | None:
 def _check_image_processor(root: Path) -> None:
     # transformers reads processor_config.json's image_processor section first, preprocessor_config.json else.
     nested = root / "processor_config.json"
-    if nested.is_file() and isinstance(_read_object(nested, "the processor").get("image_processor"), dict):
+    if nested.is_file() and isinstance(read_json_object(nested, "the processor").get("image_processor"), dict):
         return
-    _read_object(root / IMAGE_PROCESSOR_FILE, "the image processor's settings: patch, merge, mean/std, pixel limits")
+    read_json_object(
+        root / IMAGE_PROCESSOR_FILE, "the image processor's settings: patch, merge, mean/std, pixel limits"
+    )
 
 
 def _check_weights(root: Path) -> None:
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_object(index, "the safetensors index").get("weight_map")
+        weight_map = read_json_object(index, "the safetensors index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointFileError(f"{index} has no weight_map")
         missing = sorted({str(name) for name in weight_map.values() if not (root / str(name)).is_file()})
@@ -108,7 +110,9 @@ def _check_weights(root: Path) -> None:
         raise CheckpointFileError(f"{root} has no weights: no model.safetensors nor model.safetensors.index.json")
 
 
-def _read_object(path: Path, what: str) -> dict[str, Any]:
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in ``path`` (``what`` it is, for the message); CheckpointFileError naming the file where it is
+    missing, unreadable or not an object."""
     if not path.is_file():
         raise CheckpointFileError(f"{path} is missing ({what})")
     try:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 from PIL import Image
 
+from common.model_files import read_json_object
 from workers.fetcher.errors import MediaError
 from workers.fetcher.image import ImageProcessorSpec, _rescale_and_normalize, smart_resize
 
@@ -64,13 +65,7 @@ class VideoProcessorSpec:
         path = root / "video_preprocessor_config.json"
         if not path.is_file():
             return cls(ImageProcessorSpec.from_dir(root), source="preprocessor_config.json")
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-        if not isinstance(config, dict):
-            raise ValueError(f"{path} must hold a JSON object")
-        return cls.from_dict(config)
+        return cls.from_dict(read_json_object(path, "the video processor's configuration"))
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> VideoProcessorSpec:

@@ -22,7 +22,6 @@ are resized with PIL bicubic as the image path does, so pixel values can differ 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from common.config import FetcherConfig
+from common.model_files import read_json_object
 from workers.fetcher.errors import MediaError
 from workers.fetcher.image import ImageProcessorSpec, _per_channel
 from workers.fetcher.video import DecodedVideo, FrameSampler, patch_rows, resize_frames_to
@@ -62,13 +62,7 @@ class Qwen3VideoSpec:
         path = Path(checkpoint_dir) / "video_preprocessor_config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: a Qwen3-VL checkpoint needs its video processor config")
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-        if not isinstance(config, dict):
-            raise ValueError(f"{path} must hold a JSON object")
-        return cls.from_dict(config)
+        return cls.from_dict(read_json_object(path, "the video processor's configuration"))
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> Qwen3VideoSpec:
