@@ -35,6 +35,7 @@ from workers.models.vision import (
     VisionAttention,
     vision_rotary_cos_sin,
     vision_rotary_positions,
+    warm_up_forward,
 )
 from workers.models.weights import CheckpointWeights, assign_state, built_and_loaded, checkpoint_root, load_vision_state
 
@@ -199,13 +200,7 @@ class WindowVisionTower(nn.Module):
         """On CUDA, one forward over two frames of different sizes, both cut into windows short at their edges, so
         that the first request does not pay for compiling the Triton kernels (norms, rotary, silu-and-mul),
         cuBLAS's set-up and the allocator's growth. A no-op elsewhere."""
-        if self.device.type != "cuda":
-            return
-        unit = self.spec.spatial_merge_size
-        grid = torch.tensor([[1, 16 * unit, 11 * unit], [1, 10 * unit, 14 * unit]])
-        pixels = torch.zeros(int(grid.prod(dim=1).sum()), self.spec.patch_dim, device=self.device, dtype=self.dtype)
-        self(pixels, grid)
-        torch.cuda.synchronize(self.device)
+        warm_up_forward(self, [(16, 11), (10, 14)])
 
     @property
     def device(self) -> torch.device:

@@ -23,6 +23,7 @@ from workers.models.qwen3_vl_text import Qwen3LanguageModel
 from workers.models.qwen3_vl_vision import Qwen3VisionTower
 from workers.models.registry import Family, SynthTables
 from workers.models.spec import ModelSpec
+from workers.models.vision import warm_up_forward
 from workers.models.weights import CheckpointWeights, checkpoint_root
 
 
@@ -52,12 +53,7 @@ class StackedVisionTower(Qwen3VisionTower):
 
     def warm_up(self) -> None:
         """On CUDA, one forward, so that the first request does not pay for the kernels' set-up."""
-        if self.device.type != "cuda":
-            return
-        unit = self.spec.spatial_merge_size
-        grid = torch.tensor([[1, 8 * unit, 6 * unit]])
-        self(torch.zeros(int(grid.prod()), self.spec.patch_dim, device=self.device, dtype=self.dtype), grid)
-        torch.cuda.synchronize(self.device)
+        warm_up_forward(self, [(8, 6)])
 
 
 def load_language_model(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +193,18 @@ class PatchMerger(nn.Module):
         return self.mlp(normed.view(-1, self.merged_dim))
 
 
+def warm_up_forward(tower: Any, frames: Sequence[tuple[int, int]]) -> None:
+    """On CUDA, one forward of ``tower`` over blank frames of (rows, columns) merge units each; a no-op elsewhere.
+    Every family's tower warms up this way, each over the frame sizes its own kernels need."""
+    if tower.device.type != "cuda":
+        return
+    unit = tower.spec.spatial_merge_size
+    grid = torch.tensor([[1, rows * unit, cols * unit] for rows, cols in frames])
+    pixels = torch.zeros(int(grid.prod(dim=1).sum()), tower.spec.patch_dim, device=tower.device, dtype=tower.dtype)
+    tower(pixels, grid)
+    torch.cuda.synchronize(tower.device)
+
+
 class VisionTower(nn.Module):
     """Qwen2-VL vision encoder: pixel patches -> one embedding per merged ``merge x merge`` window."""
 
@@ -265,13 +277,7 @@ class VisionTower(nn.Module):
         """On CUDA, one forward over two frames of different sizes, so that the first request does not
         pay for compiling the Triton kernels, cuBLAS's set-up and the allocator's growth (the first
         requests' images were several times slower without it). A no-op elsewhere."""
-        if self.device.type != "cuda":
-            return
-        unit = self.spec.spatial_merge_size
-        grid = torch.tensor([[1, 16 * unit, 12 * unit], [1, 10 * unit, 14 * unit]])
-        pixels = torch.zeros(int(grid.prod(dim=1).sum()), self.spec.patch_dim, device=self.device, dtype=self.dtype)
-        self(pixels, grid)
-        torch.cuda.synchronize(self.device)
+        warm_up_forward(self, [(16, 12), (10, 14)])
 
     @property
     def device(self) -> torch.device:
