@@ -74,7 +74,14 @@ def opening_for_each_replica(stack: Stack) -> dict[int, str]:
 
 def test_each_replica_answers_like_transformers_and_images_go_to_theirs(dp2: Stack) -> None:
     assert dp2.pid("decoder") > 0 and dp2.pid("decoder-1") > 0
-    status, body = dp2.get_json("/health")
+    # /health answers 200 once every kind of request has a live replica (here: once replica 1 is), so
+    # replica 0 may still be loading then; both must report live soon after.
+    deadline = time.monotonic() + 60
+    while True:
+        status, body = dp2.get_json("/health")
+        if body.get("decoders") == {"decoder": True, "decoder-1": True} or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert status == 200 and body["decoders"] == {"decoder": True, "decoder-1": True}, body
     client = OpenAI(base_url=dp2.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     hf = HfChat(load_config(dp2.config_path).model_path())
