@@ -150,6 +150,33 @@ def _has_stack_packages() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in ("zmq", "pydantic", "supervisor"))
 
 
+# The stack's dependencies that are optional on the GPU box: only video requests need decord (and its wheel is
+# often left out of .whl to make room for the vLLM parts).
+OPTIONAL_ON_BOX = {"decord"}
+_MISSING_DISTRIBUTIONS = """
+import importlib.metadata, re, sys, tomllib
+specs = tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
+names = [re.split(r"[\\s<>=!~;\\[]", spec, maxsplit=1)[0] for spec in specs]
+for name in names:
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        print(name)
+"""
+
+
+def missing_distributions(run: Run) -> list[str]:
+    """The repository's declared dependencies that the stack's Python (with the carried wheels) lacks."""
+    out = subprocess.run(
+        [sys.executable, "-c", _MISSING_DISTRIBUTIONS, str(run.repo / "pyproject.toml")],
+        env=run.env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [name for name in out.stdout.split() if name not in OPTIONAL_ON_BOX]
+
+
 def install_wheels() -> None:
     """The wheels carried in .whl/ (../shared/tools/device-wheels.sh fills it) into /tmp/site, once per machine."""
     wheels = sorted((HERE / ".whl").glob("*.whl"))
@@ -261,6 +288,11 @@ def stack_config(run: Run) -> Path:
 
 def start_stack(run: Run, model: Path) -> subprocess.Popen[bytes]:
     """supervisord with the repository's deploy (ops.deploy, or common.deploy before it), healthy or raise."""
+    if missing := missing_distributions(run):  # fail in seconds, not after the health wait
+        raise RuntimeError(
+            f"the stack needs {', '.join(missing)}, missing here: carry their wheels in .whl "
+            f"(../shared/tools/device-wheels.sh {' '.join(missing)})"
+        )
     env = {**run.env(), "VLM_CONFIG": str(stack_config(run)), "VLM_MODEL": str(model)}
     deploy = "ops.deploy" if (run.repo / "ops" / "deploy.py").exists() else "common.deploy"
     conf = run.repo / "run" / str(PORT) / "supervisord.conf"

@@ -120,3 +120,16 @@ def test_a_result_folder_used_again_keeps_the_earlier_calls_record(tmp_path: Pat
     summary = (tmp_path / "summary.md").read_text()
     assert summary.index("gpu vllm serve") < summary.index("vllm-seed3img-c32") < summary.index("gpu hf-parity")
     assert "parity-vs-hf" in summary and len(json.loads((tmp_path / "calls.json").read_text())) == 2
+
+
+def test_the_driver_names_a_dependency_missing_on_the_box_before_starting_the_stack(tmp_path: Path) -> None:
+    """A wheel left out of .whl (jsonschema once) is named at once, not found after the health wait."""
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "x"\ndependencies = ["numpy>=1", "surely-not-installed-dist>=2", '
+        "\"decord>=0.6; platform_machine == 'x86_64'\"]\n"
+    )
+    run = gpu.Run(tmp_path, tmp_path / "out", gpu.parse_args(["--result-dir", str(tmp_path / "out"), "serve"]))
+    assert gpu.missing_distributions(run) == ["surely-not-installed-dist"]  # (decord: only videos need it)
+    with pytest.raises(RuntimeError, match="surely-not-installed-dist, missing here: carry their wheels"):
+        gpu.start_stack(run, tmp_path)
+    assert gpu.missing_distributions(gpu.Run(gpu.HERE, tmp_path / "o2", run.args)) == []  # this checkout's own
