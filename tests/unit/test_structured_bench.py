@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -133,3 +134,23 @@ def test_grammar_cost_runs_on_the_tiny_checkpoint(tmp_path: Path, capsys: pytest
         assert result["xgrammar"]["ready_ms"]["n"] == 2 * len(schemas.CASES)
     row = gpu.table_row(result)
     assert set(row["llguidance"]) == {"version", "ready_p99_ms", "fill_2_p50_ms", "fill_8_p50_ms"}
+
+
+def test_gpu_driver_grammar_part_runs_ours_and_the_peers_python(tmp_path: Path) -> None:
+    """The ``grammar`` part: grammar_cost with this Python, then through a stand-in for the vLLM peer's
+    device.sh (its ``python3`` is this one here) with the peer's site first on the path."""
+    peer = tmp_path / "peer"
+    peer.mkdir()
+    (peer / "device.sh").write_text(
+        f"P={tmp_path}/peer-tmp\n"
+        f'python3() {{ echo "PYTHONPATH=$PYTHONPATH" >&2; {sys.executable} "$@"; }}\n'
+        '[ "${BASH_SOURCE[0]}" != "$0" ] && return 0\n'
+        'case "$1" in setup) echo "vllm 0.22.0 (stand-in)";; *) exit 2;; esac\n'
+    )
+    result = tmp_path / "result"
+    gpu.main(["grammar", "--result-dir", str(result), "--model", str(demo_checkpoint()), "--peer-dir", str(peer)])
+    assert json.loads((result / "grammar_cost.json").read_text())["llguidance"]["ready_ms"]["n"] > 0
+    assert json.loads((result / "vllm-grammar_cost.json").read_text())["llguidance"]["ready_ms"]["n"] > 0
+    assert f"PYTHONPATH={tmp_path}/peer-tmp/site:" in (result / "raw" / "vllm-grammar_cost.log").read_text()
+    record = (result / "summary.md").read_text()
+    assert "| grammar_cost |" in record and "| vllm-grammar_cost |" in record and "ready_p99_ms" in record
