@@ -84,7 +84,10 @@ def llguidance_grammar(schema: dict[str, Any]) -> str:
 
 
 def llguidance_cost(tokenizer_json: Path, vocab: int, eos: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    tokenizer = llguidance.LLTokenizer(tokenizer_json.read_text(), n_vocab=vocab, eos_token=eos or None)
+    try:
+        tokenizer = llguidance.LLTokenizer(tokenizer_json.read_text(), n_vocab=vocab, eos_token=eos or None)
+    except TypeError:  # (older versions, vLLM 0.22's among them maybe, take one EOS id only)
+        tokenizer = llguidance.LLTokenizer(tokenizer_json.read_text(), n_vocab=vocab, eos_token=eos[0])
     mask = torch.empty(llguidance.torch.get_bitmask_shape(1, vocab), dtype=torch.int32)
     compile_s: dict[str, list[float]] = {}
     first_s: dict[str, list[float]] = {}
