@@ -15,10 +15,15 @@ Parts (run in the order given, each against every ``--repo``):
 - ``vllm``: vLLM 0.22 (`--peer-dir`, a copy of ../shared/tools/vllm-peer) on the same checkpoint with the same
   workloads, then stopped; ``vllm-part1`` and ``vllm-part2`` copy the carried tarball parts first (one device
   call each, see that folder's README).
+- ``grammar``: `benchmarks.grammar_cost` (schema compile time, per-step bitmask fill of 8 and 32 rows) with the
+  checkpoint's tokenizer: llguidance with this Python, then, where the vLLM peer is carried (``--peer-dir``,
+  set up by ``vllm`` or its ``setup``), with vLLM's Python too: its llguidance and xgrammar side by side.
 
 Workloads (``--workloads``, for ``serve`` and ``vllm`` alike): `benchmarks.serve`'s ``seed3img``, ``seed3img-anchor``,
-``multiturn``, ``text``, ``mixed`` (with its text-only control), ``parity``, and ``vllm-bench``: vLLM's own client
-(`vllm bench serve`, ANCHORS' 3 x 768x1024 images) from the carried peer, against whichever server is measured.
+``multiturn``, ``text``, ``mixed`` (with its text-only control), ``structured`` (a quarter of the streams
+constrained to JSON schemas, with its control of none constrained), ``parity``, and ``vllm-bench``: vLLM's own
+client (`vllm bench serve`, ANCHORS' 3 x 768x1024 images) from the carried peer, against whichever server is
+measured.
 
 The checkpoint is ``--model``, else the synthetic one of ``--family`` and ``--size`` (`workers.models.synth`),
 generated into ``--checkpoint-dir`` the first time a part needs it and reused while the machine stays warm.
@@ -56,8 +61,20 @@ from common.model_files import SUPPORTED_MODEL_TYPES
 HERE = Path(__file__).resolve().parents[1]  # this checkout: the client, the wheels, gpu.toml
 PORT = 8000
 PEER_PORT = 8100
-PARTS = ("tests", "kernels", "engine", "vision", "serve", "hf", "hf-parity", "vllm", "vllm-part1", "vllm-part2")
-SERVE_WORKLOADS = ("seed3img", "seed3img-anchor", "multiturn", "text", "mixed")  # benchmarks.serve's
+PARTS = (
+    "tests",
+    "kernels",
+    "engine",
+    "vision",
+    "serve",
+    "hf",
+    "hf-parity",
+    "vllm",
+    "vllm-part1",
+    "vllm-part2",
+    "grammar",
+)
+SERVE_WORKLOADS = ("seed3img", "seed3img-anchor", "multiturn", "text", "mixed", "structured")  # benchmarks.serve's
 WORKLOADS = ("parity", *SERVE_WORKLOADS, "vllm-bench")
 GPU_TESTS = ["tests/gpu", "tests/unit/test_paged.py", "tests/unit/test_sampling.py", "tests/unit/test_model_parity.py"]
 # bf16 against transformers' bf16 (`benchmarks.parity compare`): the one-GPU engine's own gap on the 7b-shaped
@@ -139,7 +156,17 @@ def table_row(data: Any) -> dict[str, Any]:
         return {key: data.get(key) for key in (*keys, "mean_tpot_ms", "p99_itl_ms")}
     if isinstance(data, dict) and "engine_tpot" in data:
         return {"engine_tpot": data["engine_tpot"]}
+    if isinstance(data, dict) and "llguidance" in data and "xgrammar" in data:  # `benchmarks.grammar_cost`
+        return {library: grammar_row(data[library]) for library in ("llguidance", "xgrammar")}
     return {}
+
+
+def grammar_row(figures: dict[str, Any]) -> dict[str, Any] | str:
+    """A library's compile p99 (to a ready matcher) and its p50 mask fill per row count, or why it was skipped."""
+    if "skipped" in figures:
+        return f"skipped: {figures['skipped']}"
+    fills = {f"fill_{rows}_p50_ms": steps["fill_ms"]["p50"] for rows, steps in figures["steps"].items()}
+    return {"version": figures["version"], "ready_p99_ms": figures["ready_ms"]["p99"], **fills}
 
 
 # --- the machine: wheels, the venv wrapper, the checkpoint ---------------------------------------------------
@@ -531,6 +558,13 @@ def workload_argv(workload: str, clients: int, requests: int | None) -> list[tup
                 ],
             )
         ]
+    if workload == "structured":
+        structured = ["--workload", "structured", "--concurrency", str(clients), "--num-requests"]
+        structured.append(str(requests or 8 * clients))
+        return [
+            (f"structured-c{clients}", [*structured, "--seed", "7"]),
+            (f"structured-control-c{clients}", [*structured, "--seed", "8", "--constrained-share", "0"]),
+        ]
     if workload != "mixed":
         raise ValueError(f"{workload} is not a benchmarks.serve workload ({', '.join(SERVE_WORKLOADS)})")
     mixed = [
@@ -675,6 +709,37 @@ def part_vllm(run: Run) -> None:
         server.wait()
 
 
+def part_grammar(run: Run) -> None:
+    """`benchmarks.grammar_cost` with this Python (llguidance), then with vLLM's where its peer is carried and set
+    up (its llguidance and xgrammar), on the checkpoint's tokenizer."""
+    model = checkpoint(run.args)
+    out = run.raw / "grammar_cost.json"
+    argv = ["--checkpoint", str(model), "--out", str(out)]
+    run.python("grammar_cost", "benchmarks.grammar_cost", *argv, timeout=run.args.timeout, cwd=HERE)
+    run.keep("grammar_cost", out)
+    if not Path(peer_script(run)).exists():
+        run.rows.append({"name": "vllm-grammar_cost", "note": f"no vLLM peer at {run.args.peer_dir}"})
+        return
+    setup = subprocess.run(["bash", peer_script(run), "setup"], cwd=HERE, capture_output=True, text=True)
+    if setup.returncode:
+        run.rows.append({"name": "vllm-grammar_cost", "note": f"the peer is not set up: {setup.stdout[-300:]}"})
+        return
+    out = run.raw / "vllm-grammar_cost.json"
+    command = ["python3", "-m", "benchmarks.grammar_cost", "--checkpoint", str(model), "--out", str(out)]
+    script = f'source {shlex.quote(peer_script(run))} && PYTHONPATH="$P/site:{HERE}" {shlex.join(command)}'
+    log(f"vllm-grammar_cost: {script}")
+    with open(run.raw / "vllm-grammar_cost.log", "w") as log_file:
+        try:
+            code = subprocess.run(
+                ["bash", "-c", script], cwd=HERE, stdout=log_file, stderr=subprocess.STDOUT, timeout=run.args.timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    if code:
+        log(f"vllm-grammar_cost: exit {code}")
+    run.keep("vllm-grammar_cost", out)
+
+
 def part_vllm_copy(run: Run, number: int) -> None:
     subprocess.run(["bash", peer_script(run), "part", str(number)], cwd=HERE, check=True)
 
@@ -724,6 +789,7 @@ def run_part(run: Run, part: str) -> None:
         "vllm": part_vllm,
         "vllm-part1": lambda r: part_vllm_copy(r, 1),
         "vllm-part2": lambda r: part_vllm_copy(r, 2),
+        "grammar": part_grammar,
     }
     try:
         runners[part](run)

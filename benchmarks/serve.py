@@ -6,6 +6,17 @@
 Streams every request and parses the SSE bytes itself (no OpenAI client in between), so each
 chunk's arrival time is taken the moment its line is read. Writes ``results.json`` (config,
 summary, every request) and ``results.png`` beside it.
+
+``structured``: ``--concurrency`` text streams, each sending its next request the moment its previous one
+ends, until ``--num-requests`` requests were started in all (whichever streams started them). The first
+``--constrained-share`` of the streams (a quarter of 32: 8) send OpenAI's strict ``json_schema`` response
+format, the schemas of `benchmarks.schemas` in turn, and no ``ignore_eos`` (their grammar ends them); the
+others ask the same questions unconstrained, ``--text-max-tokens`` long. ``--constrained-share 0`` is the
+control: the same prompts from every stream, none constrained. The summary is split by ``stream_kind``
+(constrained, unconstrained), and counts the constrained answers that parse as JSON (``valid_json``) and
+validate against their schema (``schema_valid``; None where ``jsonschema`` is not installed). A constrained
+answer ends sooner than an unconstrained one, so its stream sends prompts more often: those prefills are part
+of what both groups' TPOT sees, in the constrained run and not in the control.
 """
 
 from __future__ import annotations
@@ -31,16 +42,18 @@ from typing import Any, Generic, TypeVar
 import aiohttp
 import numpy as np
 
-from benchmarks import report
+from benchmarks import report, schemas
 from benchmarks.workloads import (
     WORKLOADS,
     RequestSpec,
     SessionSpec,
     WorkloadOptions,
+    constrained_streams,
     multiturn_session,
     next_turn,
     request_for,
     stream_text_request,
+    structured_request,
 )
 
 Record = dict[str, Any]
@@ -48,22 +61,26 @@ T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
 
 # The tag each workload's summary is split by (the text streams of ``mixed`` are what shows whether
-# vision work stalls decoding).
-GROUP_BY: dict[str, list[str]] = {"mixed": ["stream_kind"], "multiturn": ["turn"]}
+# vision work stalls decoding; ``structured``'s unconstrained streams, whether constrained rows slow the batch).
+GROUP_BY: dict[str, list[str]] = {"mixed": ["stream_kind"], "multiturn": ["turn"], "structured": ["stream_kind"]}
 
 
 # ---------------------------------------------------------------------------------------- requests
 def request_body(spec: RequestSpec, model: str) -> bytes:
-    """A streamed, greedy, fixed-length request: ``ignore_eos`` makes output length what we asked for."""
-    body = {
+    """A streamed, greedy, fixed-length request: ``ignore_eos`` makes output length what we asked for. A
+    constrained one (``response_format``) goes without ``ignore_eos``: its grammar ends it."""
+    body: dict[str, Any] = {
         "model": model,
         "messages": spec.messages,
         "max_tokens": spec.max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "ignore_eos": True,
     }
+    if spec.response_format is None:
+        body["ignore_eos"] = True
+    else:
+        body["response_format"] = spec.response_format
     return json.dumps(body).encode()
 
 
@@ -465,6 +482,41 @@ async def run_mixed(run: Run, prefetch: Prefetcher[Prepared]) -> None:
     await asyncio.gather(vision(), *(text_stream(s) for s in range(run.args.concurrency)))
 
 
+async def run_structured(run: Run, _prefetch: Prefetcher[Prepared]) -> None:
+    """``--concurrency`` text streams back to back until ``--num-requests`` requests were started in all; the
+    first ``--constrained-share`` of the streams send a JSON schema, and each of their answers is checked."""
+    constrained = constrained_streams(run.opts, run.args.concurrency)
+    started = 0
+
+    async def stream(number: int) -> None:
+        nonlocal started
+        turn = 0
+        while started < run.args.num_requests:
+            started += 1
+            spec = structured_request(run.opts, number, turn, number < constrained)
+            body = await asyncio.to_thread(request_body, spec, run.model)
+            tags = {**spec.tags, "stream": number, "request": turn}
+            record, answer = await run.send(Prepared(body, spec.max_tokens, tags), None)
+            if spec.response_format is not None and record["error"] is None:
+                valid_json, schema_valid = schemas.check_answer(schemas.SCHEMAS[spec.tags["schema"]], answer)
+                record.update(answer=answer, valid_json=valid_json, schema_valid=schema_valid)
+            turn += 1
+
+    await asyncio.gather(*(stream(s) for s in range(run.args.concurrency)))
+
+
+def answer_checks(records: list[Record]) -> dict[str, int | None]:
+    """How many constrained answers completed, parsed as JSON and validated against their schema (None: no
+    ``jsonschema`` here to check with)."""
+    checked = [r for r in records if "valid_json" in r]
+    validated = [r["schema_valid"] for r in checked if r["schema_valid"] is not None]
+    return {
+        "constrained_answers": len(checked),
+        "valid_json": sum(r["valid_json"] for r in checked),
+        "schema_valid": sum(validated) if len(validated) == len(checked) else None,
+    }
+
+
 # ---------------------------------------------------------------------------------------- the run
 async def resolve_model(http: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> str:
     url = base_url.rstrip("/") + "/v1/models"
@@ -491,6 +543,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         prefetch: Prefetcher[Any]
         if args.workload == "multiturn":
             prefetch = Prefetcher(lambda i: multiturn_session(opts, i), args.num_requests, 8)
+        elif args.workload == "structured":  # (its streams build their own requests)
+            prefetch = Prefetcher(lambda i: Prepared(b"", 0, {}), 0, 1)
         else:
             prefetch = Prefetcher(lambda i: _prepare(args.workload, opts, model, i), args.num_requests, 8)
         records: list[Record] = []
@@ -509,7 +563,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             run.client.t0 = time.perf_counter()
             progress.start()
             loop_lag.start()
-            runner = {"multiturn": run_multiturn, "mixed": run_mixed}.get(args.workload, run_single)
+            runners = {"multiturn": run_multiturn, "mixed": run_mixed, "structured": run_structured}
+            runner = runners.get(args.workload, run_single)
             stopped_at_limit = False
             try:
                 await asyncio.wait_for(runner(run, prefetch), args.time_limit)
@@ -534,6 +589,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     summary = report.summarize_run(records, duration, group_by)
     summary.update(client_health(records, prefetch.waited_s))
     summary.update(loop_lag.summary())
+    if args.workload == "structured":
+        summary.update(answer_checks(records))
     return {"config": config, "summary": summary, "requests": records}
 
 
@@ -618,16 +675,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--vision-off", action="store_true", help="mixed: send no images (the control run for the text streams)"
     )
-    p.add_argument("--text-max-tokens", type=int, default=256, help="mixed: output tokens of each text request")
+    p.add_argument(
+        "--text-max-tokens",
+        type=int,
+        default=256,
+        help="mixed: output tokens of each text request; structured: of each unconstrained one",
+    )
+    p.add_argument(
+        "--constrained-share",
+        type=float,
+        default=0.25,
+        help="structured: the share of the streams whose requests carry a JSON schema (0: the control run)",
+    )
+    p.add_argument(
+        "--json-max-tokens",
+        type=int,
+        default=512,
+        help="structured: max_tokens of a constrained request (a cap: its grammar ends the answer first)",
+    )
     p.add_argument("--video-format", choices=("avi", "frames"), default="avi", help="video url: MJPEG AVI or frames")
     p.add_argument("--video-frames", type=int, default=8)
     p.add_argument("--video-fps", type=int, default=2)
     args = p.parse_args(argv)
     if args.small:
         args.image_scale = 0.1
-    if args.workload == "mixed" and args.concurrency is None:
-        p.error("mixed needs --concurrency (the number of text streams); images arrive at --vision-rate")
-    for name in ("concurrency", "rate", "num_requests", "vision_rate", "turns", "prompt_tokens"):
+    if args.workload in ("mixed", "structured") and args.concurrency is None:
+        p.error(f"{args.workload} needs --concurrency (the number of text streams)")
+    if not 0 <= args.constrained_share <= 1:
+        p.error("--constrained-share must be between 0 and 1")
+    for name in ("concurrency", "rate", "num_requests", "vision_rate", "turns", "prompt_tokens", "json_max_tokens"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
@@ -651,6 +727,11 @@ def print_summary(summary: dict[str, Any], title: str = "all") -> None:
         print(
             f"    client event loop late by p99 {fmt(s['client_loop_lag_p99_ms'])} ms, "
             f"max {fmt(s['client_loop_lag_max_ms'])} ms (part of the ITL above)"
+        )
+    if s.get("constrained_answers") is not None:
+        print(
+            f"    constrained answers: {s['constrained_answers']}, valid JSON {s['valid_json']}, "
+            f"valid under their schema {'- (no jsonschema)' if s['schema_valid'] is None else s['schema_valid']}"
         )
     for key, groups in s.get("groups", {}).items():
         for value, group in groups.items():

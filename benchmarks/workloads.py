@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import media
+from benchmarks import media, schemas
 
-WORKLOADS = ("seed3img", "multiturn", "text", "video", "mixed")
+WORKLOADS = ("seed3img", "multiturn", "text", "video", "mixed", "structured")
 
 # Independent random streams per purpose, so that adding one request kind never shifts another.
-_IMAGES, _TEXT, _VIDEO, _SESSION, _STREAM_TEXT = 11, 12, 13, 14, 15
+_IMAGES, _TEXT, _VIDEO, _SESSION, _STREAM_TEXT, _STRUCTURED = 11, 12, 13, 14, 15, 16
 
 # Document pages: sizes of letter/A4 scans at ~96 dpi, all at most ~800k pixels.
 _DOCUMENT_SIZES = ((800, 1000), (794, 1000), (612, 792), (720, 960), (640, 900))
@@ -75,7 +75,9 @@ class WorkloadOptions:
     repeat_media: bool = False
     media_pool: int = 4
     prompt_tokens: int = 1000
-    text_max_tokens: int = 256  # the long text streams of ``mixed``
+    text_max_tokens: int = 256  # the long text streams of ``mixed``, the unconstrained streams of ``structured``
+    json_max_tokens: int = 512  # ``structured``'s constrained answers: a cap only, their grammar ends them
+    constrained_share: float = 0.25  # ``structured``: the share of the streams that send a JSON schema
     turns: int = 3
     video_format: str = "avi"  # "avi": one MJPEG AVI data URL; "frames": a list of JPEG data URLs
     video_frames: int = 8
@@ -90,11 +92,13 @@ class WorkloadOptions:
 
 @dataclass
 class RequestSpec:
-    """One chat request: the messages, its output length and the tags the summary groups by."""
+    """One chat request: the messages, its output length and the tags the summary groups by; with a
+    ``response_format`` the answer is constrained (and ends with its grammar: no ``ignore_eos``)."""
 
     messages: list[dict[str, Any]]
     max_tokens: int
     tags: dict[str, Any] = field(default_factory=dict)
+    response_format: dict[str, Any] | None = None
 
 
 @dataclass
@@ -190,6 +194,26 @@ def stream_text_request(opts: WorkloadOptions, stream: int, index: int) -> Reque
     rng = _rng(opts, _STREAM_TEXT, stream, index)
     text = text_prompt(rng, _text_words(opts)) + "\n\nContinue the text above with a long story."
     return RequestSpec([{"role": "user", "content": text}], opts.text_max_tokens, {"stream_kind": "text"})
+
+
+def constrained_streams(opts: WorkloadOptions, streams: int) -> int:
+    """How many of ``structured``'s ``streams`` are constrained: streams 0 .. that - 1 (a quarter of 32: 8)."""
+    return min(streams, round(opts.constrained_share * streams))
+
+
+def structured_request(opts: WorkloadOptions, stream: int, index: int, constrained: bool) -> RequestSpec:
+    """Request ``index`` of ``structured``'s stream ``stream``: text and a JSON question, the same whether or
+    not the stream is constrained (the control run sends the same prompts). A constrained request carries its
+    schema as a strict ``json_schema`` response format; the schemas come in turn (`benchmarks.schemas`)."""
+    rng = _rng(opts, _STRUCTURED, stream, index)
+    case = schemas.case_for(stream + index)
+    question = f"Reply with a JSON object {case.task}"
+    text = text_prompt(rng, _text_words(opts)) + "\n\n" + question
+    messages = [{"role": "user", "content": text}]
+    if not constrained:
+        return RequestSpec(messages, opts.text_max_tokens, {"stream_kind": "unconstrained", "schema": case.name})
+    tags = {"stream_kind": "constrained", "schema": case.name}
+    return RequestSpec(messages, opts.json_max_tokens, tags, schemas.response_format(case))
 
 
 def video_request(opts: WorkloadOptions, index: int) -> RequestSpec:

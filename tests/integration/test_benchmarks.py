@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
+import jsonschema
 import pytest
 from aiohttp import web
 from PIL import Image
 
-from benchmarks import baseline_hf, gpu, media, prune_results, report, serve, workloads
+from benchmarks import baseline_hf, gpu, media, prune_results, report, schemas, serve, workloads
 from common.config import load_config
 from tests.integration.conftest import REPO, Stack
 
@@ -352,7 +353,10 @@ def check_document(results: dict[str, Any], workload: str) -> None:
         if r["error"] is not None:
             continue
         assert r["status"] == 200 and r["usage_reported"]
-        assert r["output_tokens"] == r["max_tokens"]  # ignore_eos: exactly what was asked for
+        if "valid_json" in r:  # a constrained answer (structured): its grammar ends it
+            assert r["output_tokens"] < r["max_tokens"]
+        else:
+            assert r["output_tokens"] == r["max_tokens"]  # ignore_eos: exactly what was asked for
         # A chunk may carry several tokens, never fewer than one.
         assert 1 <= r["chunks"] <= r["output_tokens"] and len(r["itl_s"]) == r["chunks"] - 1
         assert 0 < r["ttft_s"] <= r["e2e_s"] and r["tpot_s"] is not None
@@ -475,6 +479,31 @@ def test_mixed_control_sends_the_same_streams_and_no_images(stack: Stack, tmp_pa
     assert sorted(results["summary"]["groups"]["stream_kind"]) == ["text"]
     text = results["requests"]
     assert {r["tags"]["stream"] for r in text} == {0, 1} and all(r["error"] is None for r in text)
+
+
+def test_structured_constrains_a_share_of_the_streams_and_checks_their_answers(stack: Stack, tmp_path: Path) -> None:
+    """Two of four streams send JSON schemas: their answers end with the grammar, parse and validate (random
+    weights: only the grammar can make them valid); the others run to their length. The control sends the same
+    streams, none constrained."""
+    extra = ["--concurrency", "4", "--num-requests", "8", "--text-max-tokens", "16", "--json-max-tokens", "400"]
+    results = bench(stack, tmp_path, "structured", *extra, "--constrained-share", "0.5")
+    check_document(results, "structured")
+    summary, records = results["summary"], results["requests"]
+    assert summary["requests"] == 8 and summary["errors"] == 0
+    groups = summary["groups"]["stream_kind"]
+    assert sorted(groups) == ["constrained", "unconstrained"]
+    assert groups["constrained"]["p50_tpot_ms"] is not None and groups["unconstrained"]["p50_tpot_ms"] is not None
+    constrained = [r for r in records if r["tags"]["stream_kind"] == "constrained"]
+    assert {r["tags"]["stream"] for r in constrained} == {0, 1}
+    assert {r["tags"]["stream"] for r in records} - {0, 1} == {2, 3}
+    assert groups["constrained"]["requests"] == len(constrained) >= 2
+    assert summary["constrained_answers"] == summary["valid_json"] == summary["schema_valid"] == len(constrained)
+    for r in constrained:
+        jsonschema.validate(json.loads(r["answer"]), schemas.SCHEMAS[r["tags"]["schema"]].schema)
+    control = bench(stack, tmp_path, "structured", *extra, "--constrained-share", "0")
+    check_document(control, "structured")
+    assert sorted(control["summary"]["groups"]["stream_kind"]) == ["unconstrained"]
+    assert control["summary"]["constrained_answers"] == 0 and control["summary"]["errors"] == 0
 
 
 def test_hf_baseline(stack: Stack, tmp_path: Path) -> None:
