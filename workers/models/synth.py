@@ -942,7 +942,7 @@ def prepared_model(cfg: Config) -> Path:
     from workers.models.registry import checkpoint_family  # (the family modules import this one)
 
     path = cfg.model_path() if cfg.model.path else demo_checkpoint()
-    checkpoint_family(path)
+    checkpoint_family(path, cfg.model.quantization)
     return path
 
 
