@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from workers.models.weights import (
     checkpoint_root,
     load_language_state,
 )
+
+if TYPE_CHECKING:
+    from workers.models.qwen3_vl_spec import Qwen3VLSpec
 
 # --- math -------------------------------------------------------------------------------------------
 
@@ -116,7 +119,7 @@ def mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch
 # --- KV cache ---------------------------------------------------------------------------------------
 
 
-def quantized_at_load(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+def quantized_at_load(state: dict[str, torch.Tensor], spec: ModelSpec | Qwen3VLSpec) -> dict[str, torch.Tensor]:
     """``state`` (keys relative to ``model.``) with its decoder layers' linear weights quantized to FP8 where
     ``[model] quantization = "fp8"`` asks for it (`common.quantization`); embeddings, norms and lm_head stay."""
     if spec.quantization is None or spec.quantization.in_checkpoint:
