@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.quantization import QUANTIZATION_SETTINGS
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "ops" / "vlm.toml"
 
@@ -84,6 +86,12 @@ class ModelConfig:
         '"auto": what a request leaves unset comes from the sampling keys of the checkpoint\'s '
         'generation_config.json (as vLLM does); "ignore": OpenAI\'s defaults.',
     )
+    quantization: str = setting(
+        "auto",
+        '"auto": the checkpoint\'s own weight format (its config.json quantization_config: FP8 block-wise or '
+        'compressed-tensors FP8, see docs/quantization.md); "none": an unquantized checkpoint as it is; "fp8": an '
+        "unquantized checkpoint's language-model linears quantized to FP8 at load time (per-channel weight scales).",
+    )
 
     def validate(self, where: str) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -92,6 +100,8 @@ class ModelConfig:
             raise ValueError(f"{where}.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.generation_config not in ("auto", "ignore"):
             raise ValueError(f"{where}.generation_config: expected 'auto' or 'ignore', got {self.generation_config!r}")
+        if self.quantization not in QUANTIZATION_SETTINGS:
+            raise ValueError(f"{where}.quantization: expected 'auto', 'none' or 'fp8', got {self.quantization!r}")
 
 
 @dataclass

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from common.quantization import serving_quantization
+
 # model_type -> the architecture class names Hugging Face writes for it. One entry per family that
 # `workers.models.registry` implements (a unit test keeps the two lists equal).
 FAMILIES: dict[str, tuple[str, ...]] = {
@@ -68,13 +70,17 @@ def model_family(config: dict[str, Any], where: str = CONFIG_FILE) -> str:
     return model_type
 
 
-def check_model_files(root: Path) -> str:
+def check_model_files(root: Path, quantization: str = "auto") -> str:
     """The family of the checkpoint at ``root`` once every file the processes read is there: config.json of a
-    supported model_type, preprocessor_config.json, a tokenizer and the safetensors weights (with every shard its
-    index names). Raises UnsupportedModel or CheckpointFileError, each naming the file at fault."""
+    supported model_type and weight format (``quantization``: the ``[model]`` setting it is served with),
+    preprocessor_config.json, a tokenizer and the safetensors weights (with every shard its index names). Raises
+    UnsupportedModel, `common.quantization.UnsupportedQuantization` or CheckpointFileError, each naming the file at
+    fault."""
     if not root.is_dir():
         raise CheckpointFileError(f"the model directory {root} does not exist (set [model] path / VLM_MODEL)")
-    family = model_family(read_config(root), str(root / CONFIG_FILE))
+    config = read_config(root)
+    family = model_family(config, str(root / CONFIG_FILE))
+    serving_quantization(quantization, config, str(root / CONFIG_FILE))
     _check_image_processor(root)
     if not any(all((root / name).is_file() for name in files) for files in TOKENIZER_FILES):
         raise CheckpointFileError(f"{root} has no tokenizer: neither tokenizer.json nor vocab.json with merges.txt")

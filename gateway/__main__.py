@@ -40,7 +40,7 @@ def main() -> None:
             logging.getLogger("gateway").error("%s", exc)
             raise SystemExit(2) from exc
     try:  # the same check as the workers' (the model's family is the checkpoint's, never a flag)
-        check_model_files(cfg.model_path())
+        check_model_files(cfg.model_path(), cfg.model.quantization)
     except ValueError as exc:
         logging.getLogger("gateway").error("%s", exc)
         raise SystemExit(2) from exc

@@ -212,7 +212,7 @@ def preflight(cfg: Config) -> None:
     from workers.models.registry import read_spec
     from workers.models.tensor_parallel import check_tensor_parallel
 
-    spec = read_spec(prepared_model(cfg))
+    spec = read_spec(prepared_model(cfg), cfg.model.quantization)
     check_backend(cfg, spec.vision)
     check_tensor_parallel(spec, cfg.decoder.tensor_parallel)
     host, port = cfg.server.host, cfg.server.port

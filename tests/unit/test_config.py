@@ -397,6 +397,12 @@ def test_liveness_times_must_be_positive(tmp_path: Path) -> None:
         load_config(write(tmp_path, "[liveness]\ndead_after_s = 0\n"), env={})
 
 
+@pytest.mark.parametrize("value", ["auto", "none", "fp8"])
+def test_model_quantization_takes_its_three_values(tmp_path: Path, value: str) -> None:
+    assert ModelConfig().quantization == "auto"  # the checkpoint's own format unless told otherwise
+    assert load_config(write(tmp_path, f'[model]\nquantization = "{value}"'), env={}).model.quantization == value
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -416,6 +422,7 @@ def test_liveness_times_must_be_positive(tmp_path: Path) -> None:
             r"\.dtype: expected 'auto', 'float32', 'bfloat16' or 'float16', got 'fp8_typo'",
         ),
         ('[model]\ndevice = "tpu"', r"\.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+        ('[model]\nquantization = "awq"', r"\.quantization: expected 'auto', 'none' or 'fp8', got 'awq'"),
         ("[server]\nport = = 1", r"vlm\.toml is not valid TOML: .*line 2"),
     ],
 )

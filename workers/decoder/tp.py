@@ -317,7 +317,7 @@ class DecoderRank:
     def __init__(self, cfg: Config, replica: int, rank: int) -> None:
         incarnation = f"{os.getpid()}-{time.time_ns() % 10**9}"
         device = claim_device(cfg, cfg.decoder_gpu(replica, rank), vision=replica in vision_replicas(cfg))
-        spec = read_spec(cfg.model_path())
+        spec = read_spec(cfg.model_path(), cfg.model.quantization)
         tp = TensorParallel(rank, cfg.decoder.tensor_parallel, spec.vocab_size)
         model = load_shard(cfg.model_path(), spec, tp, device, resolve_dtype(cfg, device))
         setup = follower_rendezvous(cfg, replica, rank, incarnation, device)

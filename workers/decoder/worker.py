@@ -108,7 +108,7 @@ class DecoderWorker:
         self.name = decoder_name(replica)
         self.incarnation, _ = worker_identity(self.name)
         path = cfg.model_path()
-        self.spec = read_spec(path)
+        self.spec = read_spec(path, cfg.model.quantization)
         device = claim_device(cfg, cfg.decoder_gpu(replica), vision=replica in vision_replicas(cfg))
         started = time.monotonic()
         dtype = resolve_dtype(cfg, device)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ from torch import nn
 from workers.kernels.attention import causal_mask
 from workers.kernels.norm import rms_norm_reference as rms_norm
 from workers.kernels.rotary import apply_rotary
+from workers.models.fp8 import quantize_state
 from workers.models.spec import ModelSpec
 from workers.models.weights import (
     CheckpointWeights,
@@ -30,6 +31,9 @@ from workers.models.weights import (
     checkpoint_root,
     load_language_state,
 )
+
+if TYPE_CHECKING:
+    from workers.models.qwen3_vl_spec import Qwen3VLSpec
 
 # --- math -------------------------------------------------------------------------------------------
 
@@ -113,6 +117,15 @@ def mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch
 
 
 # --- KV cache ---------------------------------------------------------------------------------------
+
+
+def quantized_at_load(state: dict[str, torch.Tensor], spec: ModelSpec | Qwen3VLSpec) -> dict[str, torch.Tensor]:
+    """``state`` (keys relative to ``model.``) with its decoder layers' linear weights quantized to FP8 where
+    ``[model] quantization = "fp8"`` asks for it (`common.quantization`); embeddings, norms and lm_head stay."""
+    if spec.quantization is None or spec.quantization.in_checkpoint:
+        return state
+    names = [name for name in state if name.startswith("layers.") and name.endswith("_proj.weight")]
+    return quantize_state(state, names)
 
 
 class KVCache:
@@ -220,7 +233,8 @@ class Mlp(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        # `mlp`'s ops through the modules, which may be FP8 (`workers.models.fp8.Fp8Linear`)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -263,7 +277,7 @@ class LanguageModel(nn.Module):
         """Build the decoder and load its weights (dtype defaults to the checkpoint's)."""
         spec = spec or ModelSpec.from_dir(checkpoint_root(path))
         state = load_language_state(path, spec.tie_word_embeddings, device, dtype or spec.dtype)
-        return built_and_loaded(lambda: cls(spec), state)
+        return built_and_loaded(lambda: cls(spec), quantized_at_load(state, spec))
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load weights keyed relative to ``model.`` plus ``lm_head.weight``."""

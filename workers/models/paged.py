@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from workers.kernels.activation import silu_and_mul
 from workers.kernels.attention import paged_attention_reference
@@ -29,6 +28,7 @@ from workers.kernels.cache import reshape_and_cache
 from workers.kernels.layout import AttentionMetadata, BatchLayout
 from workers.kernels.norm import fused_add_rms_norm, rms_norm
 from workers.kernels.rotary import apply_mrope, apply_qk_norm_mrope
+from workers.models.fp8 import Fp8Linear, Fp8Weight, fuse_weights, linear
 from workers.models.language import (
     DecoderLayer,
     LanguageModel,
@@ -137,14 +137,15 @@ class PagedKVCache:
 class FusedLayer:
     """One layer's projections concatenated, so that q/k/v is one GEMM and gate/up another."""
 
-    qkv_weight: torch.Tensor  # [(heads + 2 kv_heads) * D, hidden]
+    qkv_weight: torch.Tensor | Fp8Weight  # [(heads + 2 kv_heads) * D, hidden]
     qkv_bias: torch.Tensor | None  # None where q/k/v have no bias (Qwen3)
-    gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_weight: torch.Tensor | Fp8Weight  # [2 * intermediate, hidden]
 
 
 def fuse_layers(model: LanguageModel | Qwen3LanguageModel) -> list[FusedLayer]:
     """Concatenate every layer's q/k/v and gate/up weights and point the modules' own parameters at
-    views of the result, so the model's memory does not grow and both forward paths keep working."""
+    views of the result, so the model's memory does not grow and both forward paths keep working. FP8 weights
+    fuse with their scales (`workers.models.fp8.fuse_weights`)."""
     fused = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -153,15 +154,33 @@ def fuse_layers(model: LanguageModel | Qwen3LanguageModel) -> list[FusedLayer]:
         if any(biased) and not all(biased):
             raise ValueError(f"layer {attn.layer}: q/k/v must all have a bias or none, got {biased}")
         with torch.no_grad():
-            qkv_w = torch.cat([p.weight for p in projections])
+            qkv_w = _fused_weight(projections)
             qkv_b = torch.cat([p.bias for p in projections]) if all(biased) else None
-            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        _point_at_parts(qkv_w, projections, "weight")
+            gate_up = _fused_weight([mlp.gate_proj, mlp.up_proj])
         if qkv_b is not None:
             _point_at_parts(qkv_b, projections, "bias")
-        _point_at_parts(gate_up, [mlp.gate_proj, mlp.up_proj], "weight")
         fused.append(FusedLayer(qkv_w, qkv_b, gate_up))
     return fused
+
+
+def _fused_weight(modules: Sequence[torch.nn.Module]) -> torch.Tensor | Fp8Weight:
+    """The modules' weights as one, their parameters pointed at its parts: plain or FP8 alike, and where only some
+    are FP8 (a checkpoint that left one unquantized) the parts dequantized, exact to the format, and left apart."""
+    fp8 = [isinstance(module, Fp8Linear) for module in modules]
+    if all(fp8):
+        fused = fuse_weights([module.fp8_weight() for module in modules])  # type: ignore[operator]
+        _point_at_parts(fused.data, modules, "weight")
+        return fused
+    if any(fp8):
+        dtype = next(module.weight.dtype for module, quantized in zip(modules, fp8, strict=True) if not quantized)
+        return torch.cat([_dense(module, dtype) for module in modules])
+    whole = torch.cat([module.weight for module in modules])
+    _point_at_parts(whole, modules, "weight")
+    return whole
+
+
+def _dense(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    return module.fp8_weight().dequantize(dtype) if isinstance(module, Fp8Linear) else module.weight
 
 
 def _point_at_parts(whole: torch.Tensor, modules: Sequence[torch.nn.Module], name: str) -> None:
@@ -352,9 +371,9 @@ def _fused_layers(
         norm = layer.post_attention_layernorm
         h, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
         intermediate = weights.gate_up_weight.shape[0] // 2
-        gate_up = F.linear(h, weights.gate_up_weight)
+        gate_up = linear(h, weights.gate_up_weight)
         activated = silu_and_mul(gate_up[:, :intermediate], gate_up[:, intermediate:])
-        h = step.reduce(F.linear(activated, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias))
+        h = step.reduce(layer.mlp.down_proj(activated))
         last = index + 1 == len(layers)
         if step.deepstack is not None and index < step.deepstack.num_sets:
             residual = step.add_deepstack(index, h + residual)
@@ -375,7 +394,7 @@ def _fused_attention(
 ) -> torch.Tensor:
     attn, t = layer.self_attn, h.shape[0]
     heads, kv_heads = attn.num_heads, attn.num_kv_heads
-    qkv = F.linear(h, weights.qkv_weight, weights.qkv_bias).view(t, heads + 2 * kv_heads, attn.head_dim)
+    qkv = linear(h, weights.qkv_weight, weights.qkv_bias).view(t, heads + 2 * kv_heads, attn.head_dim)
     q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
     if isinstance(attn, Qwen3SelfAttention):  # Qwen3: each head RMS-normalised, then rotated, in one pass
         if attn.q_norm.eps != attn.k_norm.eps:
@@ -385,7 +404,7 @@ def _fused_attention(
     else:
         apply_mrope(q, k, step.cos, step.sin, inplace=True)
     reshape_and_cache(k, v, step.kv.keys[index], step.kv.values[index], step.slots)
-    return F.linear(_attend(q, index, attn.head_dim, step).reshape(t, -1), attn.o_proj.weight, attn.o_proj.bias)
+    return attn.o_proj(_attend(q, index, attn.head_dim, step).reshape(t, -1))
 
 
 def _attend(q: torch.Tensor, index: int, head_dim: int, step: StepContext) -> torch.Tensor:

@@ -23,6 +23,7 @@ from torch import nn
 
 from workers.kernels.activation import silu_and_mul
 from workers.kernels.norm import fused_add_rms_norm, rms_norm
+from workers.models.fp8 import Fp8Linear
 from workers.models.frame_attention import FrameAttention, SegmentFrames, VarlenSegments, varlen_runs
 from workers.models.language import LanguageModel, RMSNorm
 from workers.models.mrope import rope_positions
@@ -87,7 +88,10 @@ class GatedMlp(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
-        """The same with gate and up as one GEMM and silu(gate) * up as one kernel (Triton on CUDA)."""
+        """The same with gate and up as one GEMM and silu(gate) * up as one kernel (Triton on CUDA); FP8 layers (a
+        checkpoint that quantized the tower) run unfused, each through `workers.models.fp8.fp8_linear`."""
+        if isinstance(self.gate_proj, Fp8Linear):
+            return self.forward(x)
         weight, bias = self.gate_up()
         gate_up = F.linear(x, weight, bias)
         hidden = weight.shape[0] // 2

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from common.quantization import Quantization
+
 MODEL_TYPE = "qwen3_vl"
 # LayerNorm eps of every vision LayerNorm, fixed in the reference implementation (not in config).
 VISION_LAYER_NORM_EPS = 1e-6
@@ -108,6 +110,7 @@ class Qwen3VLSpec:
     vision_start_token_id: int
     vision_end_token_id: int
     dtype: torch.dtype
+    quantization: Quantization | None = None  # as `ModelSpec.quantization`
 
     @property
     def num_deepstack(self) -> int:

@@ -30,6 +30,7 @@ from workers.models.language import (
     RMSNorm,
     attention,
     mrope_cos_sin,
+    quantized_at_load,
     rms_norm,
     rope_inv_freq,
 )
@@ -134,7 +135,7 @@ class Qwen3LanguageModel(nn.Module):
     ) -> Qwen3LanguageModel:
         spec = spec or Qwen3VLSpec.from_dir(checkpoint_root(path))
         state = load_language_state(path, spec.tie_word_embeddings, device, dtype or spec.dtype)
-        return built_and_loaded(lambda: cls(spec), state)
+        return built_and_loaded(lambda: cls(spec), quantized_at_load(state, spec))
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         assign_state(self, state, "Qwen3-VL language model")

@@ -11,6 +11,7 @@ To add a family: its module with ``FAMILY``, a line in `FAMILY_MODULES`, its mod
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from common.model_files import SUPPORTED_MODEL_TYPES, UnsupportedModel, check_model_files, read_config
+from common.quantization import serving_quantization
 
 if TYPE_CHECKING:
     import torch
@@ -111,15 +113,19 @@ def family(model_type: str) -> Family:
     return found
 
 
-def checkpoint_family(path: str | Path) -> Family:
-    """The family of the checkpoint at ``path``, once its files are all there (`common.model_files`); raises
-    ValueError naming the unsupported type or the file at fault. Every process calls this at start-up."""
-    return family(check_model_files(Path(path)))
+def checkpoint_family(path: str | Path, quantization: str = "auto") -> Family:
+    """The family of the checkpoint at ``path``, once its files are all there and its weight format is one served
+    with ``[model] quantization`` (`common.model_files`); raises ValueError naming the unsupported type or format or
+    the file at fault. Every process calls this at start-up."""
+    return family(check_model_files(Path(path), quantization))
 
 
-def read_spec(path: str | Path) -> ModelSpec:
-    """The spec of the checkpoint at ``path``, read by its family (`checkpoint_family` checks its files first)."""
+def read_spec(path: str | Path, quantization: str = "auto") -> ModelSpec:
+    """The spec of the checkpoint at ``path``, read by its family (`checkpoint_family` checks its files first), with
+    the weight format ``[model] quantization`` serves it in."""
     root = Path(path)
-    found = checkpoint_family(root)
+    found = checkpoint_family(root, quantization)
     generation = root / "generation_config.json"
-    return found.read_spec(read_config(root), json.loads(generation.read_text()) if generation.is_file() else None)
+    config = read_config(root)
+    spec = found.read_spec(config, json.loads(generation.read_text()) if generation.is_file() else None)
+    return dataclasses.replace(spec, quantization=serving_quantization(quantization, config))

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from common.model_files import model_family
+from common.quantization import Quantization
 
 # The families whose config this spec reads.
 SPEC_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -206,6 +207,8 @@ class ModelSpec:
     # Qwen3-VL's text model: q and k RMS-normalised per head before rotary, M-RoPE axes interleaved.
     qk_norm: bool = False
     mrope_interleaved: bool = False
+    # How the linear weights are stored or quantized at load (`common.quantization`); None: in ``dtype``.
+    quantization: Quantization | None = None
 
     @property
     def num_kv_groups(self) -> int:

@@ -829,7 +829,9 @@ def family_tables(family: str) -> SynthTables:
     return registered(family).synth
 
 
-def _write_all(out_dir: Path, size: str, seed: int, family: str, thinking: bool = False) -> None:
+def _write_all(
+    out_dir: Path, size: str, seed: int, family: str, thinking: bool = False, quantization: str | None = None
+) -> None:
     tables = family_tables(family)
     _write_json(out_dir / "config.json", tables.config(size))
     _write_json(out_dir / "generation_config.json", generation_config())
@@ -845,6 +847,11 @@ def _write_all(out_dir: Path, size: str, seed: int, family: str, thinking: bool 
         meta["family"] = family
     if thinking:
         meta["thinking"] = True
+    if quantization is not None:
+        from workers.models.synth_fp8 import quantize_checkpoint  # (it reads checkpoints through this layer's loader)
+
+        quantize_checkpoint(out_dir, quantization)
+        meta["quantization"] = quantization
     _write_json(out_dir / META_FILE, meta)
 
 
@@ -875,10 +882,17 @@ def _swap_into_place(tmp_dir: Path, out_dir: Path) -> None:
 
 
 def generate_checkpoint(
-    out_dir: str | Path, size: str = "tiny", seed: int = 0, family: str = "qwen2_vl", thinking: bool = False
+    out_dir: str | Path,
+    size: str = "tiny",
+    seed: int = 0,
+    family: str = "qwen2_vl",
+    thinking: bool = False,
+    quantization: str | None = None,
 ) -> Path:
     """Write a complete checkpoint directory of the family (its model_type) to out_dir and return its path;
-    ``thinking``: with the family's "Thinking" chat template (Qwen3-VL's: the answer starts inside `<think>`).
+    ``thinking``: with the family's "Thinking" chat template (Qwen3-VL's: the answer starts inside `<think>`);
+    ``quantization``: "fp8-block" or "fp8-channel", its linear weights rewritten in that hub FP8 format
+    (`workers.models.synth_fp8`).
 
     Readers never see a half-written directory: everything is built in a sibling temp dir
     and renamed into place. The same (family, size, seed) always gives byte-identical weight files.
@@ -890,7 +904,7 @@ def generate_checkpoint(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        _write_all(tmp_dir, size, seed, family, thinking)
+        _write_all(tmp_dir, size, seed, family, thinking, quantization)
         tmp_dir.chmod(0o755)  # mkdtemp makes it 0700
         _swap_into_place(tmp_dir, out_dir)
     except BaseException:
@@ -942,7 +956,7 @@ def prepared_model(cfg: Config) -> Path:
     from workers.models.registry import checkpoint_family  # (the family modules import this one)
 
     path = cfg.model_path() if cfg.model.path else demo_checkpoint()
-    checkpoint_family(path)
+    checkpoint_family(path, cfg.model.quantization)
     return path
 
 
@@ -964,6 +978,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="checkpoint directory to create (default: <family>-<size>-seed<S>)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--thinking", action="store_true", help="the family's Thinking chat template (qwen3_vl)")
+    parser.add_argument(
+        "--quantization",
+        choices=("fp8-block", "fp8-channel"),
+        help="write the linear weights in a Hugging Face hub FP8 format: Qwen's block-wise or compressed-tensors'",
+    )
     args = parser.parse_args(argv)
     tables = family_tables(args.family)
     if args.thinking and tables.thinking_chat_template is None:
@@ -972,7 +991,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--size: {args.family} has sizes {', '.join(tables.sizes)}")
     out = args.out or Path(f"{tables.dir_name}-{args.size}-seed{args.seed}")
     start = time.monotonic()
-    path = generate_checkpoint(out, args.size, args.seed, args.family, args.thinking)
+    path = generate_checkpoint(out, args.size, args.seed, args.family, args.thinking, args.quantization)
     elapsed = time.monotonic() - start
     params = sum(math.prod(shape) for shape in tables.shapes(args.size).values())
     print(

@@ -184,6 +184,12 @@ def check_tensor_parallel(spec: ModelSpec, world: int) -> None:
             f"model yet; set tensor_parallel = 1, or serve a model of a type it shards: "
             f"{', '.join(sharded_model_types())}"
         )
+    if world > 1 and spec.quantization is not None:
+        raise ValueError(
+            f"[decoder] tensor_parallel = {world}: tensor parallelism does not shard FP8 weights "
+            f"({spec.quantization.method}) yet; set tensor_parallel = 1, or serve an unquantized checkpoint with "
+            '[model] quantization = "auto"'
+        )
     check_shardable(spec, world)
 
 

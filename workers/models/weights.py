@@ -22,6 +22,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from workers.models.fp8 import FP8, SCALE_NAMES, adopt_fp8_layers
+
 VISION_PREFIX = "visual."
 LANGUAGE_PREFIX = "model."
 LM_HEAD_KEY = "lm_head.weight"
@@ -86,7 +88,9 @@ class CheckpointWeights:
                     raw = self._locations[name][1]
                     index = part(name) if part is not None else None
                     tensor = handle.get_tensor(raw) if index is None else handle.get_slice(raw)[index]
-                    out[name] = _convert(tensor, device, dtype)
+                    # FP8 weights and their fp32 scales keep their dtype (`workers.models.fp8`)
+                    kept = tensor.dtype == FP8 or name.endswith(SCALE_NAMES)
+                    out[name] = _convert(tensor, device, None if kept else dtype)
         return out
 
     def load_prefix(
@@ -153,9 +157,11 @@ Built = TypeVar("Built", bound=Loadable)
 
 def built_and_loaded(make: Callable[[], Built], state: Mapping[str, torch.Tensor]) -> Built:
     """``make()`` built on the meta device (no random init of weights the load overwrites at once), then
-    ``load_state(state)``, in eval mode: every family's towers and language models come this way."""
+    ``load_state(state)``, in eval mode: every family's towers and language models come this way. The linear layers
+    whose weights ``state`` holds in FP8 (with their scales) become `workers.models.fp8.Fp8Linear` first."""
     with torch.device("meta"):
         module = make()
+        adopt_fp8_layers(module, state)
     module.load_state(state)
     module.eval()
     return module
