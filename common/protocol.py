@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import types
+import typing
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
@@ -94,10 +97,47 @@ def _from_wire(obj: dict[str, Any]) -> Any:
         rows = _ROWS.get(cls)
         if rows is not None:
             field, item, _ = rows
-            obj[field] = [item(*row) for row in obj[field]]
-        return cls(**obj)
+            obj[field] = [_checked(item(*row)) for row in obj[field]]
+        return _checked(cls(**obj))
     except (TypeError, KeyError) as exc:
         raise ProtocolError(f"bad fields for {tag}: {exc!r}") from exc
+
+
+Check = Callable[[Any], bool]
+_CHECKS: dict[type, tuple[tuple[str, Check], ...]] = {}  # each class's field checks, made on its first decode
+
+
+def _check_for(hint: Any) -> Check:
+    """Whether a decoded value fits the annotation ``hint`` (ints pass for floats: msgpack keeps 1.0 apart
+    from 1 only when the sender did)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        options = [_check_for(a) for a in args]
+        return lambda v: any(check(v) for check in options)
+    if origin is list:
+        item = _check_for(args[0])
+        return lambda v: isinstance(v, list) and all(item(x) for x in v)
+    if origin is dict:
+        key, value = _check_for(args[0]), _check_for(args[1])
+        return lambda v: isinstance(v, dict) and all(key(k) and value(x) for k, x in v.items())
+    if hint is float:
+        return lambda v: isinstance(v, int | float)
+    if hint is type(None):
+        return lambda v: v is None
+    return lambda v: isinstance(v, hint)
+
+
+def _checked(msg: M) -> M:
+    """``msg`` if each field has its annotated type, so that no handler meets a map where it reads a number;
+    else a TypeError naming the field."""
+    cls = type(msg)
+    if cls not in _CHECKS:
+        hints = typing.get_type_hints(cls)
+        _CHECKS[cls] = tuple((name, _check_for(hints[name])) for name in _FIELD_NAMES[cls])
+    for name, check in _CHECKS[cls]:
+        if not check(getattr(msg, name)):
+            raise TypeError(f"{cls.__name__}.{name} is not {typing.get_type_hints(cls)[name]}")
+    return msg
 
 
 def encode(msg: Message) -> bytes:

@@ -154,3 +154,25 @@ def test_a_video_in_chunks_of_frames_gives_the_whole_videos_rows(checkpoint: Pat
     parts = [video[a * frame : b * frame] for a, b in frame_chunks(grid, 48)]
     chunked = encode_images(tower, parts, [[len(p) // frame, 4, 6] for p in parts])
     torch.testing.assert_close(torch.cat(chunked), whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("grid", [[], [1, 4], [1, 0, 4], [1, -4, 4]])
+def test_a_job_whose_grid_is_not_three_positive_sizes_is_refused_on_arrival(
+    worker: EncoderWorker, grid: list[int]
+) -> None:
+    """(such a job was queued and the next step, planning the batch from its grid, ended the encoder: found by
+    tests/integration/test_fuzz_zmq.py)"""
+    client = Channel(worker.ctx, zmq.DEALER, worker.jobs.address, bind=False)
+    try:
+        slot = TensorRef("shm", "float32", [4, 8], shm_name="vlm-nope")
+        client.send(EncodeJob("job", "hash", inline_ref(torch.zeros(4, 8)), grid, slot))
+        deadline = time.monotonic() + 30
+        while not client.sock.poll(100):
+            assert time.monotonic() < deadline, "no answer"
+            worker.loop.run_once(max_wait_s=0.5)
+            worker.step()
+        _, answer = client.recv()
+        assert isinstance(answer, EncodeResult) and answer.status == 400 and "grid_thw" in answer.message, answer
+        assert not worker.queued and not worker.step()
+    finally:
+        client.close()

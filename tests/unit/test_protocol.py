@@ -369,6 +369,28 @@ def test_bad_fields_in_nested_message() -> None:
         decode(pack([PROTOCOL_VERSION, "CacheLookupResult", {**body, "slot": slot}]))
 
 
+@pytest.mark.parametrize(
+    ("tag", "body", "field"),
+    [
+        ("Abort", {"request_id": 5}, "Abort.request_id"),
+        ("EncodeJob", {"job_id": "j", "content_hash": "h", "pixels": 3, "grid_thw": [1], "slot": 4}, "pixels"),
+        ("PreparedRequest", {"request_id": "r", "prompt_ids": [1, "2"], "media": [], "sampling": None}, "prompt_ids"),
+        ("CacheAcquire", {"call_id": "c", "request_id": "r", "content_hashes": [b"h"]}, "content_hashes"),
+        ("StatsResult", {"call_id": "c", "role": "r", "incarnation": "i", "counters": {"a": "x"}}, "counters"),
+        ("TokenBatch", {"deltas": [["r", {"a": 1}]]}, "TokenDelta.token_ids"),
+    ],
+)
+def test_fields_of_the_wrong_type_are_protocol_errors(tag: str, body: dict[str, Any], field: str) -> None:
+    # (a worker's handler met them as attributes and died: found by tests/integration/test_fuzz_zmq.py)
+    with pytest.raises(ProtocolError, match=f"bad fields for {tag}.*{field}"):
+        decode(pack([PROTOCOL_VERSION, tag, body]))
+
+
+def test_ints_pass_where_floats_are_declared() -> None:
+    sampling = decode(pack([PROTOCOL_VERSION, "SamplingParams", {"max_tokens": 3, "temperature": 1}]))
+    assert sampling == SamplingParams(3, temperature=1)
+
+
 def test_nil_tag_is_rejected() -> None:
     with pytest.raises(ProtocolError):
         decode(pack([PROTOCOL_VERSION, None, {"sender": "x"}]))

@@ -107,6 +107,10 @@ class EncoderWorker:
         match msg:
             case Ping():
                 self.jobs.send_to(peer, self.status())
+            case EncodeJob() if problem := job_problem(msg):
+                # (no CacheCommit: a job that is not the fetcher's own must not fail the entry it names)
+                log.warning("refusing encode job %r from %r: %s", msg.job_id, peer, problem)
+                self.jobs.send_to(peer, EncodeResult(msg.job_id, msg.content_hash, 400, problem))
             case EncodeJob():
                 self.queued.append((peer, msg, time.monotonic()))
             case StatsRequest(call_id=c):
@@ -262,6 +266,15 @@ def model_pixels(job: EncodeJob, device: torch.device, channels: int) -> torch.T
         )
     norm = Normalization(job.rescale_factor, tuple(job.image_mean) or None, tuple(job.image_std) or None)
     return normalize_patches(upload(pixels, device), norm)
+
+
+def job_problem(job: EncodeJob) -> str:
+    """Why ``job`` cannot be queued ("" if nothing): a grid that is not three positive sizes (batches are
+    planned from the grid before any pixel is read; pixels that do not fit it fail in the batch, alone)."""
+    grid = job.grid_thw
+    if len(grid) != 3 or min(grid) < 1:
+        return f"grid_thw must be three positive sizes, got {grid}"
+    return ""
 
 
 def job_patches(job: EncodeJob) -> int:
