@@ -23,7 +23,7 @@ from PIL import Image
 from tests.integration.conftest import Stack
 from tests.media import make_image
 
-EXAMPLES = 120
+EXAMPLES = 200
 ANSWER_BOUND_S = 30.0
 PROCESSES = ("gateway", "fetcher-0", "encoder-0", "cache", "decoder")
 
