@@ -114,6 +114,9 @@ def _check_for(hint: Any) -> Check:
     if origin in (types.UnionType, typing.Union):
         options = [_check_for(a) for a in args]
         return lambda v: any(check(v) for check in options)
+    if origin is list and isinstance(args[0], type) and args[0] not in (float, type(None)):
+        kind = args[0]  # (a prompt's token ids: the types present, in C, not each item in Python)
+        return lambda v: isinstance(v, list) and all(issubclass(t, kind) for t in set(map(type, v)))
     if origin is list:
         item = _check_for(args[0])
         return lambda v: isinstance(v, list) and all(item(x) for x in v)
