@@ -222,14 +222,19 @@ class Chaos:
                     await asyncio.sleep(float(self.rng.uniform(*self.hang_s)))
                     os.kill(pid, signal.SIGCONT)
                     event["resumed_s"] = time.perf_counter() - self.t0
-            event["back_s"] = await self._back(name)
+            event["back_s"] = await self._back(name, pid if action == "kill" else 0)
 
-    async def _back(self, name: str, timeout_s: float = 120.0) -> float | None:
-        """When the stage ran again and the stack was healthy (None: not within ``timeout_s``)."""
+    async def _back(self, name: str, killed_pid: int, timeout_s: float = 120.0) -> float | None:
+        """When the stage ran again (a killed one: as a new process) and the stack was healthy (None: not within
+        ``timeout_s``)."""
+
+        def back() -> bool:
+            return self.stack.pid(name) not in (0, killed_pid) and self.stack.healthy()
+
         deadline = time.perf_counter() + timeout_s
         while time.perf_counter() < deadline:
             with contextlib.suppress(Exception):
-                if await asyncio.to_thread(lambda: self.stack.pid(name) and self.stack.healthy()):
+                if await asyncio.to_thread(back):
                     return time.perf_counter() - self.t0
             await asyncio.sleep(0.5)
         return None
@@ -242,13 +247,16 @@ async def sampler(stack: Stack, t0: float, every_s: float, samples: list[dict[st
 
 
 async def drain(stack: Stack, timeout_s: float) -> dict[str, float]:
-    """The gauges once the traffic has stopped: polled until every one of ``IDLE_ZERO`` reads 0, or ``timeout_s``."""
-    deadline = time.perf_counter() + timeout_s
+    """The gauges once the traffic has stopped: polled until every one of ``IDLE_ZERO`` reads 0, or ``timeout_s``
+    (``drained_after_s``: how long that took; None: not within it)."""
+    started = time.perf_counter()
     while True:
         gauges = await asyncio.to_thread(stack.metrics)
-        idle = all(gauges.get(k, 0) == 0 for k in soak_verdict.IDLE_ZERO)
-        if (gauges and idle) or time.perf_counter() > deadline:
-            return gauges
+        waited = time.perf_counter() - started
+        if gauges and all(gauges.get(k, 0) == 0 for k in soak_verdict.IDLE_ZERO):
+            return {**gauges, "drained_after_s": waited}
+        if waited > timeout_s:
+            return {**gauges, "drained_after_s": None}
         await asyncio.sleep(1.0)
 
 
@@ -261,6 +269,7 @@ class Harness:
     t0: float
     records: list[Record] = field(default_factory=list)
     samples: list[dict[str, Any]] = field(default_factory=list)
+    sent: int = 0  # requests begun: each must end as a record (the JSON's "every request accounted for")
 
     @property
     def url(self) -> str:
@@ -275,6 +284,7 @@ class Harness:
         return time.perf_counter() - self.t0
 
     async def one(self, req: Request) -> Record:
+        self.sent += 1
         record = await send(self.http, self.url, req, self.t0, self.deadline_s)
         self.records.append(record)
         return record
@@ -539,7 +549,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline-grace", type=float, default=15.0, help="seconds past it before a request is lost")
     p.add_argument("--sample-every", type=float, default=3.0)
     p.add_argument("--warmup-s", type=float, default=30.0, help="samples before this are not judged")
-    p.add_argument("--drain-s", type=float, default=60.0, help="how long the gauges may take to reach 0 at the end")
+    p.add_argument(
+        "--drain-s",
+        type=float,
+        default=150.0,
+        help="how long the load gauges may take to reach 0 once the traffic stops (past [cache] lease_ttl_s: a lease "
+        "never released lapses by then)",
+    )
     p.add_argument("--strict", action="store_true", help="fail on requests that failed with chaos too")
     p.add_argument("--burst", action="store_true", help="the overload run instead of the soak")
     p.add_argument("--burst-workload", choices=["seed3img", "text"], default="seed3img")
@@ -577,7 +593,7 @@ async def run(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
     h.records.sort(key=lambda r: r["start_s"])
     return {
         "config": {**vars(args), **environment()},
-        "summary": {**summarise(h.records), **result.pop("overload", {})},
+        "summary": {"sent": h.sent, **summarise(h.records), **result.pop("overload", {})},
         **result,
         "requests": h.records,
         "samples": h.samples,
