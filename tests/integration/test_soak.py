@@ -48,7 +48,7 @@ def test_a_short_soak_with_chaos_accounts_for_every_request(tmp_path: Path) -> N
     assert (
         any(r["stream"] for r in records) and any(r["n"] == 2 for r in records) and any(r["hung_up"] for r in records)
     )
-    assert [e["action"] for e in events][:2] == ["hang", "kill"] and len(events) <= 3, events
+    assert [e["action"] for e in events][:2] == ["hang", "kill"], events
     assert all(e["stage"].startswith(("fetcher", "encoder")) and e["back_s"] is not None for e in events)
     assert len(samples) >= 15 and all(s["processes"] and s["metrics"] for s in samples[:-1])
     assert {"gateway", "decoder", "cache", "fetcher-0", "encoder-0"} <= set(samples[0]["processes"])
