@@ -532,6 +532,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", help="the running stack's settings file: its supervisord (chaos, pids) and /dev/shm")
     p.add_argument("--model", default="", help="checkpoint to start the stack on (default: the tiny demo one)")
     p.add_argument("--stack-toml", default="", help="extra TOML sections for the stack it starts")
+    p.add_argument("--server-toml", default="", help="extra [server] lines for it (e.g. 'max_queue_wait_s = 2')")
     p.add_argument("--stack-dir", help="where the started stack's settings and logs go (default: a temp dir)")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of traffic")
     p.add_argument("--seed", type=int, default=0)
@@ -581,7 +582,7 @@ def open_stack(args: argparse.Namespace) -> Stack:
         return Stack.from_config(args.url, Path(args.config)) if args.config else Stack(args.url)
     directory = Path(args.stack_dir or tempfile.mkdtemp(prefix="soak-"))
     print(f"starting a stack in {directory} ...", file=sys.stderr)
-    return start_stack(directory, free_port(), args.model, args.request_timeout, args.stack_toml)
+    return start_stack(directory, free_port(), args.model, args.request_timeout, args.stack_toml, args.server_toml)
 
 
 async def run(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:

@@ -39,11 +39,12 @@ METRIC_GAUGES = {
 }
 
 
-def stack_toml(port: int, request_timeout_s: float, extra: str = "") -> str:
-    """A soak stack's settings: its port, its request deadline, loopback media allowed, plus ``extra`` (whole
-    TOML sections)."""
+def stack_toml(port: int, request_timeout_s: float, extra: str = "", server: str = "") -> str:
+    """A soak stack's settings: its port, its request deadline, loopback media allowed, plus ``server`` (lines of
+    [server]) and ``extra`` (whole TOML sections)."""
+    server = server.strip() + "\n" if server.strip() else ""
     return (
-        f"[server]\nport = {port}\nrequest_timeout_s = {request_timeout_s}\n"
+        f"[server]\nport = {port}\nrequest_timeout_s = {request_timeout_s}\n{server}"
         "[fetcher]\nallow_private_addresses = true\n" + extra
     )
 
@@ -151,13 +152,16 @@ def gauges(text: str) -> dict[str, float]:
     return out
 
 
-def start_stack(directory: Path, port: int, model: str, request_timeout_s: float, extra_toml: str = "") -> Stack:
+def start_stack(
+    directory: Path, port: int, model: str, request_timeout_s: float, extra_toml: str = "", server_toml: str = ""
+) -> Stack:
     """``vlm-serve serve`` (supervisord, as ``ops/serve`` runs it, without its install step) on ``model`` ("" : the
     built-in tiny demo checkpoint), healthy or raise. Its output goes to ``directory/serve.log``."""
     directory.mkdir(parents=True, exist_ok=True)
     config = directory / "vlm.toml"
-    config.write_text(stack_toml(port, request_timeout_s, extra_toml))
-    env = {**os.environ, "VLM_CONFIG": str(config), "PYTHONPATH": str(REPO)}
+    config.write_text(stack_toml(port, request_timeout_s, extra_toml, server_toml))
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)  # (the GPU box's wheels)
+    env = {**os.environ, "VLM_CONFIG": str(config), "PYTHONPATH": path}
     if model:
         env["VLM_MODEL"] = model
     with open(directory / "serve.log", "wb") as log:

@@ -14,7 +14,7 @@ from pathlib import Path
 from benchmarks.soak_verdict import judge, judge_resources
 
 REPO = Path(__file__).resolve().parents[2]
-# Seed 4 draws a SIGSTOP/SIGCONT at about 8 s, a kill -9 1 s after the hang ends, and maybe one more event before
+# Seed 4 draws a SIGSTOP/SIGCONT at about 8 s, a kill -9 1 s after the hang ends, and more events may follow before
 # the chaos stops at 37 s. (The cache daemon is left out: its kill is the recovery work's, in tests/integration/
 # test_faults.py; here the harness is under test.)
 SOAK = ["--duration", "40", "--seed", "4", "--chaos-every", "15", "--hang-s", "2", "3"]
