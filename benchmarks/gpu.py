@@ -814,7 +814,9 @@ def run_part(run: Run, part: str) -> None:
         "vllm-part2": lambda r: part_vllm_copy(r, 2),
         "grammar": part_grammar,
         "soak": lambda r: part_soak(r, "soak", ["--duration", str(r.args.soak_s), "--chaos-every", "45"]),
-        "overload": lambda r: part_soak(r, "overload", ["--burst", "--burst-workload", "seed3img"]),
+        "overload": lambda r: part_soak(
+            r, "overload", ["--burst", "--burst-workload", "seed3img", "--server-toml", "max_queue_wait_s = 2.0"]
+        ),
     }
     try:
         runners[part](run)
