@@ -167,9 +167,14 @@ async def _read(response: aiohttp.ClientResponse, record: Record, hang_up: bool)
         return
     async for raw in response.content:  # the first data line, then the client goes away
         if raw.startswith(b"data:"):
+            if raw.startswith(b'data: {"error"'):  # (a failure, not an answer to hang up on)
+                record["error"] = _error_text(raw[5:].strip())
+                break
             record["hung_up"] = True
             record["error"] = "the client hung up (on purpose)"
             break
+    else:
+        record["error"] = "the stream ended before its first event"
     response.close()
 
 
@@ -203,9 +208,10 @@ class Chaos:
 
     async def run(self, until_s: float) -> None:
         while True:
-            await asyncio.sleep(float(self.rng.exponential(self.every_s)))
-            if time.perf_counter() - self.t0 >= until_s:
-                return
+            gap = float(self.rng.exponential(self.every_s))
+            if time.perf_counter() - self.t0 + gap >= until_s:
+                return  # (at once: the soak waits for this task once its traffic ends)
+            await asyncio.sleep(gap)
             chosen = await asyncio.to_thread(self._choose)
             if chosen is None:
                 continue
