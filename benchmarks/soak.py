@@ -178,6 +178,17 @@ async def _read(response: aiohttp.ClientResponse, record: Record, hang_up: bool)
     response.close()
 
 
+def retry_after_s(record: Record) -> float:
+    """How long a client waits before its next request: a 429 or 503's Retry-After (at most 10 s), as OpenAI's clients
+    do; else 0. (Without it a closed loop would send thousands of requests into a stage's restart.)"""
+    if record["status"] not in (429, 503):
+        return 0.0
+    try:
+        return min(max(float(record["retry_after"] or 0), 0.0), 10.0)
+    except ValueError:
+        return 0.0
+
+
 def _check_answer(record: Record, body: Any, n: int) -> None:
     choices = body.get("choices") if isinstance(body, dict) else None
     if not choices or len(choices) != n:
@@ -310,7 +321,8 @@ async def soak(h: Harness) -> dict[str, Any]:
 
     async def client() -> None:
         while h.now() < args.duration:
-            await h.one(draw(args.seed, next(counter), opts, args.max_tokens, weights))
+            record = await h.one(draw(args.seed, next(counter), opts, args.max_tokens, weights))
+            await asyncio.sleep(retry_after_s(record))
 
     chaos = Chaos(
         h.stack, np.random.default_rng([args.seed, 71]), args.chaos_every, tuple(args.hang_s), args.chaos_stages, h.t0
