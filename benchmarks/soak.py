@@ -124,6 +124,7 @@ def new_record(req: Request, t0: float) -> Record:
         "status": None,
         "error": None,
         "retry_after": None,
+        "error_code": None,
         "timed_out": False,
         "start_s": time.perf_counter() - t0,
         "end_s": None,
@@ -141,7 +142,8 @@ async def send(http: aiohttp.ClientSession, url: str, req: Request, t0: float, d
                 record["status"] = response.status
                 record["retry_after"] = response.headers.get("Retry-After")
                 if response.status != 200:
-                    record["error"] = _error_text(await response.read())
+                    raw = await response.read()
+                    record["error"], record["error_code"] = _error_text(raw), _error_code(raw)
                 elif req.stream:
                     await _read(response, record, req.hang_up)
                 else:
@@ -176,6 +178,15 @@ async def _read(response: aiohttp.ClientResponse, record: Record, hang_up: bool)
     else:
         record["error"] = "the stream ended before its first event"
     response.close()
+
+
+def _error_code(raw: bytes) -> str | None:
+    """The ``code`` of an OpenAI-shaped error body (``server_busy``: the gateway's refusal at its limits)."""
+    try:
+        error = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 def retry_after_s(record: Record) -> float:
@@ -416,9 +427,9 @@ async def overload(h: Harness) -> dict[str, Any]:
     for record in burst:
         record["phase"] = "burst"
     background.cancel()
-    recovered_at = _recovered_at(after, baseline * args.recover_factor)
+    recovered = recovered_at(after, baseline * args.recover_factor)
     resources = soak_verdict.judge_resources(h.samples, h.now(), burst_end + args.recover_within_s)
-    verdict = _overload_verdict(args, h, burst, recovered_at, burst_end, resources)
+    verdict = _overload_verdict(args, h, burst, recovered, burst_end, resources)
     summary = {
         "sustainable_rate": rate,
         "burst_rate": args.burst_factor * rate,
@@ -426,13 +437,13 @@ async def overload(h: Harness) -> dict[str, Any]:
         "burst_start_s": burst_start,
         "burst_end_s": burst_end,
         "latency_alone_s": baseline,
-        "recovered_after_s": None if recovered_at is None else recovered_at - burst_end,
+        "recovered_after_s": None if recovered is None else recovered - burst_end,
         "peak_rss_mib": _peak_rss(h.samples),
     }
     return {"verdict": verdict, "events": [], "resources": resources, "overload": summary}
 
 
-def _recovered_at(after: list[Record], bound_s: float) -> float | None:
+def recovered_at(after: list[Record], bound_s: float) -> float | None:
     """When the one-at-a-time requests were back near their pre-burst latency: the end of the first one from which
     on every one was answered within ``bound_s``."""
     good_from = None

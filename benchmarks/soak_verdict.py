@@ -4,7 +4,8 @@ Requests. Each record gets one outcome:
 
 - ``ok``: the answer the request asked for (2xx and complete; a client that hung up on purpose counts here once its
   connection closed), or a bad input answered with the 4xx it deserved;
-- ``refused``: a 503 with Retry-After (the server at its limits: the overload run counts these, a soak reports them);
+- ``refused``: the gateway's own refusal at its limits (503, code ``server_busy``, with Retry-After): the overload
+  run counts these, a soak reports them;
 - ``chaos``: failed (5xx, an error inside the stream, a cut stream, a refused or reset connection) while a chaos
   event was near: one at most ``recovery_s`` before the request started or during it. Counted by the stage hit;
   they fail the run only with ``strict``;
@@ -136,9 +137,8 @@ def outcome(record: dict[str, Any], events: list[dict[str, Any]], recovery_s: fl
         return "unexpected"  # a bad input accepted
     if error is None or (record.get("hang_up") and record.get("hung_up")):
         return "ok"
-    if status == 503 and record.get("retry_after"):
-        # (a stage restarting refuses with 503 + Retry-After too: that is chaos, not load)
-        return "chaos" if near_event(record, events, recovery_s) else "refused"
+    if status == 503 and record.get("retry_after") and record.get("error_code") == "server_busy":
+        return "refused"  # (a stage's failure is a 503 with Retry-After too, but not server_busy: below)
     if status is not None and 400 <= status < 500:
         return "unexpected"  # a good request refused as bad
     return "chaos" if near_event(record, events, recovery_s) else "unexpected"

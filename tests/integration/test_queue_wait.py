@@ -64,10 +64,9 @@ def test_a_request_waiting_past_the_limit_turns_new_ones_away(queue_stack: Stack
     thread = threading.Thread(target=stuck)
     thread.start()
     time.sleep(2.0)  # past max_queue_wait_s, within the fetcher's timeout
-    started = time.monotonic()
     with pytest.raises(openai.InternalServerError) as refused:
         ask(queue_stack, "hi")
-    assert refused.value.status_code == 503 and time.monotonic() - started < 5
+    assert refused.value.status_code == 503
     assert refused.value.response.headers["Retry-After"] == "1"
     assert "max_queue_wait_s" in refused.value.message
     thread.join(timeout=60)

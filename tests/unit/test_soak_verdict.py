@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.soak import recovered_at
+from benchmarks.soak_stack import gauges
 from benchmarks.soak_verdict import IDLE_ZERO, Tolerance, growth, judge, judge_resources, outcome
 
 DURATION = 1200.0
@@ -100,7 +102,8 @@ def test_outcomes() -> None:
     assert of(record(95, 103, 503, "no fetcher", retry_after="1")) == "chaos"
     assert of(record(110, 112, None, "ServerDisconnectedError")) == "chaos"  # within the recovery window
     assert of(record(130, 132, None, "ServerDisconnectedError")) == "unexpected"  # far from any event
-    assert of(record(10, 12, 503, "busy", retry_after="1")) == "refused"
+    assert of(record(10, 12, 503, "busy", retry_after="1", error_code="server_busy")) == "refused"
+    assert of(record(10, 12, 503, "cache not answering", retry_after="1")) == "unexpected"  # a stage's, no chaos
     assert of(record(10, 90, 200, None)) == "lost"  # answered after its deadline
     assert of(record(95, 170, None, "no answer", timed_out=True)) == "lost"  # lost even beside a kill
     assert of(record(10, 11, 200, "the client hung up", hang_up=True, hung_up=True)) == "ok"
@@ -118,3 +121,23 @@ def test_the_verdict_counts_chaos_by_stage_and_fails_on_lost_growth_and_leftover
     failed = judge(lost, [KILL], grown, {"cache_leased_requests": 2.0}, recovery_s=20, deadline_s=75, strict=False)
     assert not failed["ok"] and len(failed["reasons"]) == 3
     assert failed["outcomes"] == {"chaos": 1, "ok": 1, "lost": 1}
+
+
+def test_gauges_sum_over_labels() -> None:
+    text = (
+        "# HELP vlm_decoder_kv_blocks_used KV cache blocks in use.\n"
+        'vlm_decoder_kv_blocks_used{replica="0"} 12.0\n'
+        'vlm_decoder_kv_blocks_used{replica="1"} 3.0\n'
+        "vlm_cache_leased_requests 2.0\n"
+        "vlm_cache_leased_requests_total 9.0\n"
+    )
+    assert gauges(text) == {"kv_blocks_used": 15.0, "cache_leased_requests": 2.0}
+
+
+def test_recovery_is_the_first_answer_from_which_on_every_one_is_fast() -> None:
+    def alone(start: float, took: float, error: str | None = None) -> dict[str, Any]:
+        return {"start_s": start, "end_s": start + took, "error": error}
+
+    after = [alone(0, 5.0), alone(5, 0.2), alone(6, 3.0), alone(9, 0.2), alone(10, 0.3)]
+    assert recovered_at(after, bound_s=0.5) == 9.2
+    assert recovered_at([*after, alone(11, 0.1, "503")], bound_s=0.5) is None
