@@ -73,6 +73,8 @@ PARTS = (
     "vllm-part1",
     "vllm-part2",
     "grammar",
+    "soak",
+    "overload",
 )
 SERVE_WORKLOADS = ("seed3img", "seed3img-anchor", "multiturn", "text", "mixed", "structured")  # benchmarks.serve's
 WORKLOADS = ("parity", *SERVE_WORKLOADS, "vllm-bench")
@@ -709,6 +711,27 @@ def part_vllm(run: Run) -> None:
         server.wait()
 
 
+# The GPU soak (issue 30, acceptance 2) and overload (acceptance 3): seed3img-sized traffic, full-size images.
+SOAK_ARGS = ("--image-scale", "1", "--max-tokens", "120", "--prompt-tokens", "1000", "--concurrency", "32")
+
+
+def part_soak(run: Run, name: str, argv: list[str]) -> None:
+    """`benchmarks.soak` on the checkpoint (its own stack under supervisord); the JSON without its requests and
+    samples, and the plot, beside the summaries (the whole JSON in raw/)."""
+    model = checkpoint(run.args)
+    raw = run.raw / f"{name}.json"
+    argv = ["--model", str(model), "--stack-dir", str(run.raw / f"{name}-stack"), *SOAK_ARGS, *argv, "--out", str(raw)]
+    run.python(name, "benchmarks.soak", *argv, timeout=run.args.timeout)
+    if not raw.exists():
+        run.rows.append({"name": name, "missing": True})
+        return
+    data = load_json(raw)
+    kept = {k: v for k, v in data.items() if k not in ("requests", "samples")}  # type: ignore[union-attr]
+    (run.out / f"{name}.json").write_text(json.dumps(kept, indent=1, default=str) + "\n")
+    shutil.copy(raw.with_suffix(".png"), run.out / f"{name}.png")
+    run.rows.append({"name": name, "ok": kept["verdict"]["ok"], "reasons": "; ".join(kept["verdict"]["reasons"])})
+
+
 def part_grammar(run: Run) -> None:
     """`benchmarks.grammar_cost` with this Python (llguidance), then with vLLM's where its peer is carried and set
     up (its llguidance and xgrammar), on the checkpoint's tokenizer."""
@@ -790,6 +813,10 @@ def run_part(run: Run, part: str) -> None:
         "vllm-part1": lambda r: part_vllm_copy(r, 1),
         "vllm-part2": lambda r: part_vllm_copy(r, 2),
         "grammar": part_grammar,
+        "soak": lambda r: part_soak(r, "soak", ["--duration", str(r.args.soak_s), "--chaos-every", "45"]),
+        "overload": lambda r: part_soak(
+            r, "overload", ["--burst", "--burst-workload", "seed3img", "--server-toml", "max_queue_wait_s = 2.0"]
+        ),
     }
     try:
         runners[part](run)
@@ -860,6 +887,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine-args", default="", help="engine: more arguments for benchmarks.engine, one string")
     p.add_argument("--peer-dir", type=Path, default=Path(".vllm-peer"), help="vllm: the copy of vllm-peer/")
     p.add_argument("--timeout", type=int, default=300, help="seconds each tool of a part may take")
+    p.add_argument("--soak-s", type=int, default=480, help="the soak part's seconds of traffic")
     p.add_argument("--ship", type=Path, help="pack the result folder into SHIP/results.tgz after every part")
     return p.parse_args(argv)
 

@@ -58,6 +58,12 @@ class ServerConfig:
     max_request_bytes_in_flight: int = setting(
         1024 * 1024 * 1024, "The bodies of the requests in flight together (one alone may be larger); past it, a 503."
     )
+    max_queue_wait_s: float = setting(
+        0.0,
+        "Above 0: while a request admitted this many seconds ago still waits for its first answer (media, encoder or "
+        "decoder queues), new requests get a 503 with Retry-After at once, so that a burst queues no more work than "
+        "the stack serves in about that time. 0: off (only max_requests_in_flight bounds the queue).",
+    )
 
     def validate(self, where: str) -> None:
         if not 1 <= self.port <= 65535:
@@ -68,6 +74,8 @@ class ServerConfig:
             raise ValueError(f"{where}.max_requests_in_flight: expected >= 1, got {self.max_requests_in_flight}")
         if self.max_request_bytes_in_flight < 1:
             raise ValueError(f"{where}.max_request_bytes_in_flight: expected >= 1")
+        if self.max_queue_wait_s < 0:
+            raise ValueError(f"{where}.max_queue_wait_s: expected >= 0 (0: off), got {self.max_queue_wait_s}")
 
 
 @dataclass

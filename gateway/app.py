@@ -39,6 +39,21 @@ log = logging.getLogger(__name__)
 Events = asyncio.Queue[TokenDelta | RequestError]
 
 
+class AnswerQueue(asyncio.Queue[TokenDelta | RequestError]):
+    """A request's events, telling the gateway once when the first arrives: from then on the request no longer
+    waits in a queue (``[server] max_queue_wait_s``)."""
+
+    def __init__(self, on_first: Callable[[], object]) -> None:
+        super().__init__()
+        self.on_first: Callable[[], object] | None = on_first
+
+    def put_nowait(self, item: TokenDelta | RequestError) -> None:
+        if self.on_first is not None:
+            self.on_first()
+            self.on_first = None
+        super().put_nowait(item)
+
+
 class Gateway:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -60,6 +75,7 @@ class Gateway:
         self.in_flight = 0  # completion requests being handled, from their first byte to their last
         self.in_flight_bytes = 0  # their bodies' sizes (declared, or read)
         self.counted_bytes: dict[int, int] = {}  # what each request (by id) counts in in_flight_bytes
+        self.waiting_since: dict[int, float] = {}  # admitted requests (by id) with no answer yet: when admitted
 
     def app(self) -> web.Application:
         middlewares = [error_shapes(self.cfg.server.max_request_bytes)]
@@ -69,6 +85,7 @@ class Gateway:
             client_max_size=self.cfg.server.max_request_bytes, middlewares=[request_ids, *middlewares]
         )
         app.on_response_prepare.append(_answer_with_request_id)
+        app.on_response_prepare.append(_retry_after_on_503)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -158,10 +175,13 @@ class Gateway:
         A body sent in chunks, whose size is known only once read, is counted at the most it may be until then."""
         server = self.cfg.server
         size = server.max_request_bytes if request.content_length is None else request.content_length
+        waited = time.monotonic() - min(self.waiting_since.values(), default=time.monotonic())
         if self.in_flight >= server.max_requests_in_flight:
             busy = f"at its limit of {server.max_requests_in_flight} requests in flight"
         elif self.in_flight and self.in_flight_bytes + size > server.max_request_bytes_in_flight:
             busy = f"holding {self.in_flight_bytes} B of requests, and this one's {size} B would pass its limit"
+        elif server.max_queue_wait_s and waited > server.max_queue_wait_s:
+            busy = f"queueing: a request has waited {waited:.0f} s for its first answer (max_queue_wait_s)"
         else:
             busy = ""
         if busy:
@@ -170,11 +190,13 @@ class Gateway:
         self.in_flight += 1
         self.in_flight_bytes += size
         self.counted_bytes[id(request)] = size
+        self.waiting_since[id(request)] = time.monotonic()
         try:
             return await handler(request)
         finally:
             self.in_flight -= 1
             self.in_flight_bytes -= self.counted_bytes.pop(id(request))
+            self.waiting_since.pop(id(request), None)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -216,7 +238,7 @@ class Gateway:
     ) -> web.StreamResponse:
         self.counters["requests_total"] += 1
         completion_id = f"{flavor.id_prefix}-{request[REQUEST_ID]}"  # (the id the workers log it under)
-        events: Events = asyncio.Queue()
+        events: Events = AnswerQueue(lambda: self.waiting_since.pop(id(request), None))
         choices: list[ChoiceStream] = []
         try:
             # (503 where no replica is live)
@@ -639,6 +661,13 @@ _CLIENT_ID = re.compile(r"[\w.:/-]{1,128}")
 async def request_ids(request: web.Request, handler: Any) -> web.StreamResponse:
     request[REQUEST_ID] = uuid.uuid4().hex
     return await handler(request)
+
+
+async def _retry_after_on_503(request: web.Request, response: web.StreamResponse) -> None:
+    """Every 503 of the API says when to retry: a stage that failed a request (a worker restarting, a daemon not
+    answering) is as passing as a full server, and clients that honour Retry-After back off instead of hammering."""
+    if response.status == 503 and request.path.startswith("/v1/") and "Retry-After" not in response.headers:
+        response.headers["Retry-After"] = "1"
 
 
 async def _answer_with_request_id(request: web.Request, response: web.StreamResponse) -> None:

@@ -76,7 +76,9 @@ CASES = {
         ("response_format", "foo"),
     ),
     "regex_spelling_an_added_token": (
-        chat("hi", structured_outputs={"regex": "yes<\\|im_end\\|>"}), 400, ("<|im_end|>", "by id")
+        chat("hi", structured_outputs={"regex": "yes<\\|im_end\\|>"}),
+        400,
+        ("<|im_end|>", "by id"),
     ),
     # (Qwen2-VL's template renders no tools: auto, the default with tools, cannot be honoured)
     "tools": (chat("hi", tools=[{"type": "function", "function": {"name": "f"}}]), 400, ("renders tools",)),
