@@ -814,9 +814,8 @@ def run_part(run: Run, part: str) -> None:
         "vllm-part2": lambda r: part_vllm_copy(r, 2),
         "grammar": part_grammar,
         "soak": lambda r: part_soak(r, "soak", ["--duration", str(r.args.soak_s), "--chaos-every", "45"]),
-        "overload": lambda r: part_soak(
-            r, "overload", ["--burst", "--burst-workload", "seed3img", "--server-toml", "max_queue_wait_s = 2.0"]
-        ),
+        # (at the defaults, as every part: `--set server.max_queue_wait_s=S` for a run with the queue bound)
+        "overload": lambda r: part_soak(r, "overload", ["--burst", "--burst-workload", "seed3img"]),
     }
     try:
         runners[part](run)
