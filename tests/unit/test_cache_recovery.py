@@ -110,3 +110,13 @@ def test_a_commit_for_another_slot_is_ignored(daemon: Daemon, stale: str) -> Non
     answer = daemon.answer()
     assert isinstance(answer, CacheAcquireResult) and answer.status == 200, answer
     assert answer.refs[0].offset == entry.offset
+
+
+def test_a_replaced_fetchers_late_reservation_frees_nothing(daemon: Daemon) -> None:
+    """A reservation the dead fetcher sent, read after its successor's start, does not take the name back."""
+    daemon.daemon.handle(b"fetcher", FetcherStarted("fetcher.0", "fetcher-1"))
+    daemon.daemon.handle(b"fetcher", FetcherStarted("fetcher.0", "fetcher-2"))
+    reserve(daemon.daemon, "req-2", "fetcher-2")
+    reserve(daemon.daemon, "req-1", "fetcher-1")  # (late)
+    assert daemon.daemon.fetchers["fetcher.0"] == "fetcher-2"
+    assert H in daemon.daemon.store.entries and daemon.daemon.owners[H] == ("fetcher.0", "fetcher-2")

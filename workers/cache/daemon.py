@@ -67,6 +67,7 @@ class CacheDaemon:
         # each fetcher's latest incarnation. A fetcher seen restarted never fills what its predecessor reserved.
         self.owners: dict[str, tuple[str, str]] = {}
         self.fetchers: dict[str, str] = {}
+        self.retired: set[str] = set()  # fetcher incarnations a newer one replaced (one per restart)
         self.loop = EventLoop()
         self.loop.exit_if_stalled(cfg.liveness.stall_exit_s, "cache")
         self.loop.on_message(self.channel, self.handle)
@@ -147,9 +148,12 @@ class CacheDaemon:
     def fetcher_seen(self, name: str, incarnation: str) -> None:
         """``name`` runs as ``incarnation``: where that is new, the slots its predecessor reserved and did not
         fill are failed now, and the requests waiting on them told (their decoder has them fetched again)."""
-        if not name or not incarnation or self.fetchers.get(name, incarnation) == incarnation:
+        if not name or not incarnation or incarnation in self.retired:  # (a dead one's last words, read late)
+            return
+        if self.fetchers.get(name, incarnation) == incarnation:
             self.fetchers[name] = incarnation
             return
+        self.retired.add(self.fetchers[name])
         self.fetchers[name] = incarnation
         orphaned = [h for h, (who, inc) in self.owners.items() if who == name and inc != incarnation]
         for h in orphaned:
