@@ -227,6 +227,47 @@ def test_kill_9_mid_flight(stack: Stack, program: str) -> None:
         assert stack.metrics().get("vlm_cache_hits_total", 0.0) == hits + 1
 
 
+def test_a_fetcher_killed_before_its_encodes_ran_fails_nothing(stack: Stack) -> None:
+    """Image requests handed to the decoder while the only encoder is frozen (SIGSTOP), then ``kill -9`` of their
+    fetcher: the slots it reserved are never filled by it. Its restarted incarnation says so to the cache daemon
+    (`FetcherStarted`), which fails them at once; the decoder's requests come back to the gateway as
+    ``media_unavailable`` and are fetched and encoded again. Every request gets the greedy tokens it gets on the
+    undisturbed stack, well before ``[cache] pending_ttl_s`` would have freed those slots."""
+    client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=ANSWER_BOUND_S + 30)
+    model = client.models.list().data[0].id
+    seeds = [zlib.crc32(f"orphans/{i}".encode()) % 10_000 + 40_000 for i in range(6)]
+    reissued = stack.metrics().get("vlm_gateway_requests_reissued_total", 0.0)
+    encoder, fetcher = stack.pid("encoder-0"), stack.pid("fetcher-0")
+    os.kill(encoder, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(len(seeds)) as pool:
+            futures = [pool.submit(stream_one, client, model, s) for s in seeds]
+            deadline = time.monotonic() + 30
+            while stack.metrics().get("vlm_decoder_requests_waiting_for_media", 0.0) < len(seeds):
+                assert time.monotonic() < deadline, "the fetcher handed fewer requests to the decoder than were sent"
+                time.sleep(0.1)
+            os.kill(fetcher, signal.SIGKILL)
+            started = time.monotonic()
+            while stack.pid("fetcher-0") in (0, fetcher):
+                assert time.monotonic() < deadline + 30, "fetcher-0 was not restarted"
+                time.sleep(0.2)
+            time.sleep(2.0)  # (its `FetcherStarted` reaches the daemon while the encoder is still frozen)
+            os.kill(encoder, signal.SIGCONT)
+            through = [f.result(timeout=ANSWER_BOUND_S) for f in futures]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(encoder, signal.SIGCONT)
+    pending_ttl_s = load_config(stack.config_path).cache.pending_ttl_s
+    assert max(r.ended for r in through) - started < pending_ttl_s, through
+    reference, _ = stream_all(client, model, seeds)
+    for got, want in zip(through, reference, strict=True):
+        assert not got.error and not want.error, (got, want)
+        assert got.token_ids == want.token_ids and got.completion_tokens == len(got.token_ids), (got, want)
+    assert stack.metrics()["vlm_gateway_requests_reissued_total"] >= reissued + 1
+    settled = cache_gauges_settle(stack)
+    assert settled["vlm_cache_leased_requests"] == 0 and settled["vlm_cache_pending_entries"] == 0, settled
+
+
 def test_a_lone_decoder_lost_before_the_first_token_answers_after_its_restart(stack: Stack, hf: HfChat) -> None:
     """The only decoder frozen (SIGSTOP: its socket takes requests, it answers nothing): a text request and
     two image requests sent meanwhile are held by the gateway once it is called dead (``dead_after_s``), not
