@@ -108,9 +108,7 @@ class CacheDaemon:
                 log.warning("encode of %s failed: %s", h[:12], msg.error)
                 self.owners.pop(h, None)
                 self.store.fail(h)
-                self.failures[h] = msg.error  # (for the requests waiting on it: they are told why)
-                while len(self.failures) > _FAILURES_KEPT:
-                    del self.failures[next(iter(self.failures))]
+                self.remember_failure(h, msg.error)
                 self.answer_waiters()
                 self.serve_reservations()
             case FetcherStarted(fetcher=name, incarnation=incarnation):
@@ -161,11 +159,17 @@ class CacheDaemon:
             entry = self.store.entries.get(h)
             if entry is not None and not entry.ready:
                 self.store.fail(h)
-                self.failures[h] = f"the fetcher {name} that was encoding it restarted"
+                self.remember_failure(h, f"the fetcher {name} that was encoding it restarted")
         if orphaned:
             log.warning("%s restarted: %d slot(s) it had reserved and not filled are freed", name, len(orphaned))
             self.answer_waiters()
             self.serve_reservations()
+
+    def remember_failure(self, content_hash: str, why: str) -> None:
+        """Why ``content_hash`` has no embedding, for the requests waiting on it (the latest few kept)."""
+        self.failures[content_hash] = why
+        while len(self.failures) > _FAILURES_KEPT:
+            del self.failures[next(iter(self.failures))]
 
     def lookup(self, msg: CacheLookup) -> CacheLookupResult:
         entry = self.store.lookup(msg.content_hash)
