@@ -352,6 +352,7 @@ class Pipeline:
         previous = tracked.wire_id
         if self._recover(tracked, media=True) is None:
             return False
+        self._send(self.cache, CacheRelease(previous))  # (what it leased under its old id: not read, not needed)
         log.warning(
             "request %s: its media embeddings were lost (%s); fetched again as %s",
             previous,

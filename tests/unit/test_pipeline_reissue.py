@@ -21,6 +21,7 @@ import zmq.asyncio
 from common.config import Config, DecoderConfig, LivenessConfig
 from common.protocol import (
     Abort,
+    CacheRelease,
     FetchDone,
     GenerateRequest,
     MediaInput,
@@ -164,6 +165,7 @@ async def media_lost(tmp_path: Path) -> None:
     replica_0 = AsyncChannel(ctx, zmq.PULL, cfg.decoder_endpoint(0), bind=True)
     to_gateway = AsyncChannel(ctx, zmq.PUSH, cfg.endpoint("gateway"), bind=False)
     fetcher = AsyncChannel(ctx, zmq.DEALER, cfg.endpoint("fetch"), bind=False, identity=b"fetcher-a")
+    cache = AsyncChannel(ctx, zmq.ROUTER, cfg.endpoint("cache"), bind=True)
     pipeline.start()
     try:
         await to_gateway.send(WorkerStatus("decoder", "decoder", "first", 64))
@@ -184,6 +186,7 @@ async def media_lost(tmp_path: Path) -> None:
             await to_gateway.send(lost)
             if attempt < MEDIA_REISSUES:
                 assert await received(replica_0, 1) == [Abort(sent.request_id)]
+                assert await received(cache, 1) == [CacheRelease(sent.request_id)]  # (its leases under that id)
         assert wire_ids == ["img", *(f"img.reissue{k}" for k in range(1, MEDIA_REISSUES + 1))]
         failed = await asyncio.wait_for(events.get(), WAIT_S)
         assert isinstance(failed, RequestError) and (failed.request_id, failed.code) == ("img", MEDIA_LOST)
@@ -199,7 +202,7 @@ async def media_lost(tmp_path: Path) -> None:
         assert isinstance(failed, RequestError) and failed.request_id == "img2" and streamed.media_reissues == 0
     finally:
         await pipeline.close()
-        for channel in (replica_0, to_gateway, fetcher):
+        for channel in (replica_0, to_gateway, fetcher, cache):
             channel.close()
         ctx.term()
 

@@ -340,6 +340,7 @@ class DecoderWorker:
     def fail_waiting(self, why: str) -> None:
         for rid in list(self.waiting):
             del self.waiting[rid]
+            self.cache.send(CacheRelease(rid))  # (a daemon only slow to answer still holds its lease)
             self.fail(rid, 503, "media_unavailable", f"{why}; retry the request")
 
     def take_embeddings(self, seq: Sequence, refs: list[TensorRef]) -> None:
