@@ -371,6 +371,20 @@ class CacheReserve(Message):
     call_id: str
     request_id: str
     items: list[CacheLookup]
+    # the fetcher that encodes what is reserved for it (``FetcherStarted``): its name and incarnation
+    fetcher: str = ""
+    fetcher_incarnation: str = ""
+
+
+@message
+class FetcherStarted(Message):
+    """Fetcher -> cache, at its start and whenever it finds the daemon restarted: ``fetcher`` runs as
+    ``incarnation``. Slots its earlier incarnation reserved (`CacheReserve`) and never filled never will be:
+    the daemon fails them at once, so that the requests waiting on them are fetched and encoded again instead of
+    waiting out ``[cache] pending_ttl_s``."""
+
+    fetcher: str
+    incarnation: str
 
 
 @message
@@ -392,6 +406,15 @@ class CacheCommit(Message):
 
     content_hash: str
     error: str = ""
+    # the slot written (its pool's incarnation and offset): a commit for a slot the daemon no longer gives that
+    # hash (freed and reserved again, or a pool lost with a restarted daemon) is stale and ignored
+    pool_incarnation: str = ""
+    offset: int = -1
+
+
+def commit_for(content_hash: str, slot: TensorRef, error: str = "") -> CacheCommit:
+    """The commit (or failure, ``error``) of ``content_hash``'s embedding written into ``slot``."""
+    return CacheCommit(content_hash, error, slot.pool_incarnation, slot.offset)
 
 
 @message

@@ -45,6 +45,12 @@ log = logging.getLogger(__name__)
 # Times a request that no token has come for yet is sent again when its decoder replica is lost. Once only: a
 # request that crashes (or hangs) a decoder would otherwise take every replica down in turn.
 REISSUES = 1
+# Times a request whose media embeddings were lost before its decoder read them (a cache daemon restarted, the
+# fetcher that was encoding them died, an encoder gave up) is fetched and encoded again. A few: a stage's restart
+# may cost a request more than one try while it comes back; `request_timeout_s` bounds them all.
+MEDIA_REISSUES = 3
+# The decoder's error code for embeddings it could not get (`workers.decoder.worker`): not the request's fault.
+MEDIA_LOST = "media_unavailable"
 
 
 @dataclass
@@ -61,7 +67,9 @@ class Tracked:
     stage: str = "fetch"
     submitted: float = field(default_factory=time.monotonic)
     wire_id: str = field(init=False)
-    reissues: int = 0
+    reissues: int = 0  # re-issues after a lost decoder replica
+    media_reissues: int = 0  # re-issues after lost media embeddings (`MEDIA_REISSUES`)
+    wires: int = 0  # wire ids it has had after its first
     streaming: bool = False  # a token has come: a replica lost now fails it (the client has those tokens)
     held_until: float = 0.0  # (held) when it fails if no replica is live to take it by then
 
@@ -213,6 +221,9 @@ class Pipeline:
             return
         if isinstance(event, TokenDelta):
             tracked.streaming = True
+            if tracked.stage == "fetch":  # (handed over by a fetcher that died before its `FetchDone`): not again
+                self.fetchers.complete(tracked.wire_id)
+                tracked.stage = "decode"
         if event.request_id != tracked.request_id:  # (re-issued): the HTTP side knows it by its request id
             event = dataclasses.replace(event, request_id=tracked.request_id)
         tracked.events.put_nowait(event)
@@ -243,7 +254,7 @@ class Pipeline:
                 case TokenBatch(deltas=deltas):
                     for delta in deltas:
                         self._deliver(delta)
-                case RequestError():
+                case RequestError() if not self._media_lost(msg):
                     self._deliver(msg)
                 case DecoderStats(counters=counters, worker_id=name) if name in self.replicas.by_name:
                     self.replicas.by_name[name].stats = counters
@@ -311,18 +322,44 @@ class Pipeline:
                 outcomes["held"],
             )
 
-    def _recover(self, tracked: Tracked) -> str | None:
+    def _recover(self, tracked: Tracked, media: bool = False) -> str | None:
         """A lost request under a new wire id: "sent" to a replica live now, or "held" until one is
-        (``hold_lost_requests_s`` > 0); None where neither (it is left as it was)."""
+        (``hold_lost_requests_s`` > 0); None where neither (it is left as it was). ``media``: lost because its
+        media embeddings were (counted in ``media_reissues``), not with its replica."""
         target = self._live_replica_for(tracked)
         if target is None and self.cfg.liveness.hold_lost_requests_s <= 0:
             return None
         self._rewire(tracked)
+        if media:
+            tracked.media_reissues += 1
+        else:
+            tracked.reissues += 1
         if target is None:
             self._hold(tracked)
             return "held"
         self._send_again(tracked, target)
         return "sent"
+
+    def _media_lost(self, error: RequestError) -> bool:
+        """A decoder could not get a request's media embeddings (lost with a cache daemon or a fetcher, or their
+        encode failed): fetched and encoded again under a new wire id, as if it had just come (see
+        `MEDIA_REISSUES`); False where the error goes to the client (not that, a token came, or tried enough)."""
+        tracked = self._tracked(error.request_id)
+        if tracked is None or error.code != MEDIA_LOST or tracked.streaming or not tracked.request.media:
+            return False
+        if tracked.media_reissues >= MEDIA_REISSUES or tracked.stage in ("held", "failed"):
+            return False
+        previous = tracked.wire_id
+        if self._recover(tracked, media=True) is None:
+            return False
+        self._send(self.cache, CacheRelease(previous))  # (what it leased under its old id: not read, not needed)
+        log.warning(
+            "request %s: its media embeddings were lost (%s); fetched again as %s",
+            previous,
+            error.message,
+            tracked.wire_id,
+        )
+        return True
 
     def _live_replica_for(self, tracked: Tracked) -> Replica | None:
         """Where a lost request may go now: a live replica (not one still starting: it has waited once)."""
@@ -334,8 +371,8 @@ class Pipeline:
         a restarted process reads it) does not know: it runs nothing twice, and a late token from it is dropped."""
         self._withdraw(tracked)  # (its Abort reaches the lost replica's queue)
         self.rewired.pop(tracked.wire_id, None)
-        tracked.reissues += 1
-        tracked.wire_id = f"{tracked.request_id}.reissue{tracked.reissues}"
+        tracked.wires += 1
+        tracked.wire_id = f"{tracked.request_id}.reissue{tracked.wires}"
         self.rewired[tracked.wire_id] = tracked.request_id
 
     def _send_again(self, tracked: Tracked, replica: Replica) -> None:

@@ -8,6 +8,7 @@ import signal
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import openai
@@ -21,6 +22,7 @@ from tests.integration.test_chat_parity import NEW_TOKENS, ask, image_part
 from tests.media import data_url, make_image
 
 ANSWER_BOUND_S = 90.0
+KILL_TOKENS = 16
 
 
 def one_request(client: OpenAI, model: str, seed: int) -> tuple[str, float, float]:
@@ -131,30 +133,141 @@ def test_with_every_encoder_down_past_the_hold_image_requests_fail_at_once(
         next(running, None)
 
 
+@dataclass
+class Streamed:
+    """One streamed image request: the token ids received (in chunk order), its usage, and how it ended."""
+
+    seed: int
+    token_ids: list[int] = field(default_factory=list)
+    completion_tokens: int = -1
+    error: str = ""  # "" when it completed
+    ended: float = 0.0  # monotonic
+
+
+def stream_one(client: OpenAI, model: str, seed: int) -> Streamed:
+    """An image request, streamed with its token ids and usage (``KILL_TOKENS`` greedy tokens)."""
+    picture = data_url(make_image(320 + seed % 7 * 16, 240, seed=seed))
+    result = Streamed(seed)
+    try:
+        stream = client.chat.completions.create(
+            model=model,
+            max_tokens=KILL_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"min_tokens": KILL_TOKENS, "return_token_ids": True},
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": picture}},
+                        {"type": "text", "text": "Describe it."},
+                    ],
+                }
+            ],
+        )
+        for chunk in stream:
+            for choice in chunk.choices:
+                result.token_ids += getattr(choice, "token_ids", None) or []
+            if chunk.usage is not None:
+                result.completion_tokens = chunk.usage.completion_tokens
+    except openai.APIError as exc:  # (an explained error: before the first token a status, after it in-band)
+        result.error = f"{getattr(exc, 'status_code', 'in-band')}: {exc.message}"
+    result.ended = time.monotonic()
+    return result
+
+
+def stream_all(client: OpenAI, model: str, seeds: list[int], victim: int | None = None) -> tuple[list[Streamed], float]:
+    """``stream_one`` for every seed at once, and (``victim``) its ``kill -9`` 0.3 s in: the results and the
+    monotonic time of the kill."""
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        futures = [pool.submit(stream_one, client, model, s) for s in seeds]
+        killed_at = time.monotonic()
+        if victim is not None:
+            time.sleep(0.3)
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.monotonic()
+        return [f.result(timeout=ANSWER_BOUND_S + 60) for f in futures], killed_at
+
+
 @pytest.mark.parametrize("program", ["encoder-0", "fetcher-0", "cache", "decoder"])
 def test_kill_9_mid_flight(stack: Stack, program: str) -> None:
-    """Every request ends (answered or failed with an explained 5xx) within the bound; afterwards no lease
-    or reserved slot is left behind, and — unless the cache daemon itself died — an image encoded before
-    the kill is still a cache hit."""
+    """``kill -9`` of one process under streamed image load. The fetcher's, the cache daemon's or an encoder's
+    death fails no request: each gets the same greedy tokens as the same request on the undisturbed stack
+    afterwards, with no chunk twice and its usage equal to the tokens received. A decoder's death fails only
+    requests that had streamed tokens. Afterwards no lease or reserved slot is left behind, and — unless the
+    cache daemon itself died — an image encoded before the kill is still a cache hit."""
     client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=ANSWER_BOUND_S + 30)
     model = client.models.list().data[0].id
     warm_seed = zlib.crc32(f"warm/{program}".encode()) % 1000 + 20_000
     assert one_request(client, model, warm_seed)[0].startswith("ok:")
     seeds = [zlib.crc32(f"{program}/{i}".encode()) % 10_000 + 1000 for i in range(12)]
     victim = stack.pid(program)
-    outcomes, killed_at = requests_through_a_kill(client, model, victim, seeds)
-    assert all(elapsed < ANSWER_BOUND_S for _, elapsed, _ in outcomes), outcomes
-    assert any(end > killed_at for _, _, end in outcomes), "no request was in flight at the kill"
+    started = time.monotonic()
+    through, killed_at = stream_all(client, model, seeds, victim)
+    assert all(r.ended - started < ANSWER_BOUND_S for r in through), through
+    assert any(r.ended > killed_at for r in through), "no request was in flight at the kill"
     wait_restarted(stack, program, victim)
+    reference, _ = stream_all(client, model, seeds)  # (undisturbed: the same images, cache hits or encoded again)
+    assert not [r for r in reference if r.error], reference
+    for got, want in zip(through, reference, strict=True):
+        if got.error:
+            assert program == "decoder" and got.token_ids, (program, got)  # (only a decoder loses streamed work)
+            continue
+        assert got.token_ids == want.token_ids, (program, got, want)  # (a chunk twice would show here)
+        assert got.completion_tokens == len(got.token_ids) == KILL_TOKENS, got
     # The stack serves again: a new image end to end.
     outcome, _, _ = one_request(client, model, seed=zlib.crc32(program.encode()) % 1000)
     assert outcome.startswith("ok:"), outcome
     settled = cache_gauges_settle(stack)
-    assert settled["vlm_cache_leased_requests"] == 0 and settled["vlm_cache_pending_entries"] == 0, settled
+    cache = {k: v for k, v in settled.items() if k.startswith("vlm_cache")}
+    assert settled["vlm_cache_leased_requests"] == 0 and settled["vlm_cache_pending_entries"] == 0, cache
     if program != "cache":  # the daemon's pool is the cache: only its own death loses it
         hits = settled.get("vlm_cache_hits_total", 0.0)
         assert one_request(client, model, warm_seed)[0].startswith("ok:")
         assert stack.metrics().get("vlm_cache_hits_total", 0.0) == hits + 1
+
+
+def test_a_fetcher_killed_before_its_encodes_ran_fails_nothing(stack: Stack) -> None:
+    """Image requests handed to the decoder while the only encoder is frozen (SIGSTOP), then ``kill -9`` of their
+    fetcher: the slots it reserved are never filled by it. Its restarted incarnation says so to the cache daemon
+    (`FetcherStarted`), which fails them at once; the decoder's requests come back to the gateway as
+    ``media_unavailable`` and are fetched and encoded again. Every request gets the greedy tokens it gets on the
+    undisturbed stack, well before ``[cache] pending_ttl_s`` would have freed those slots."""
+    client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=ANSWER_BOUND_S + 30)
+    model = client.models.list().data[0].id
+    seeds = [zlib.crc32(f"orphans/{i}".encode()) % 10_000 + 40_000 for i in range(6)]
+    reissued = stack.metrics().get("vlm_gateway_requests_reissued_total", 0.0)
+    encoder, fetcher = stack.pid("encoder-0"), stack.pid("fetcher-0")
+    os.kill(encoder, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(len(seeds)) as pool:
+            futures = [pool.submit(stream_one, client, model, s) for s in seeds]
+            deadline = time.monotonic() + 30
+            while stack.metrics().get("vlm_decoder_requests_waiting_for_media", 0.0) < len(seeds):
+                assert time.monotonic() < deadline, "the fetcher handed fewer requests to the decoder than were sent"
+                time.sleep(0.1)
+            os.kill(fetcher, signal.SIGKILL)
+            started = time.monotonic()
+            while stack.pid("fetcher-0") in (0, fetcher):
+                assert time.monotonic() < deadline + 30, "fetcher-0 was not restarted"
+                time.sleep(0.2)
+            time.sleep(2.0)  # (its `FetcherStarted` reaches the daemon while the encoder is still frozen)
+            os.kill(encoder, signal.SIGCONT)
+            through = [f.result(timeout=ANSWER_BOUND_S) for f in futures]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(encoder, signal.SIGCONT)
+    pending_ttl_s = load_config(stack.config_path).cache.pending_ttl_s
+    assert max(r.ended for r in through) - started < pending_ttl_s, through
+    reference, _ = stream_all(client, model, seeds)
+    for got, want in zip(through, reference, strict=True):
+        assert not got.error and not want.error, (got, want)
+        assert got.token_ids == want.token_ids and got.completion_tokens == len(got.token_ids), (got, want)
+    assert stack.metrics()["vlm_gateway_requests_reissued_total"] >= reissued + 1
+    settled = cache_gauges_settle(stack)
+    cache = {k: v for k, v in settled.items() if k.startswith("vlm_cache")}
+    assert settled["vlm_cache_leased_requests"] == 0 and settled["vlm_cache_pending_entries"] == 0, cache
 
 
 def test_a_lone_decoder_lost_before_the_first_token_answers_after_its_restart(stack: Stack, hf: HfChat) -> None:

@@ -21,7 +21,10 @@ import zmq.asyncio
 from common.config import Config, DecoderConfig, LivenessConfig
 from common.protocol import (
     Abort,
+    CacheRelease,
+    FetchDone,
     GenerateRequest,
+    MediaInput,
     Message,
     PreparedRequest,
     RequestError,
@@ -32,7 +35,7 @@ from common.protocol import (
 )
 from common.transport import AsyncChannel
 from gateway.metrics import GatewayMetrics
-from gateway.pipeline import Pipeline, Tracked
+from gateway.pipeline import MEDIA_LOST, MEDIA_REISSUES, Pipeline, Tracked
 
 WAIT_S = 5.0
 
@@ -149,3 +152,60 @@ def test_a_lone_decoders_quiet_request_waits_for_its_restart(tmp_path: Path) -> 
 
 def test_a_held_request_fails_when_no_decoder_is_back_in_time(tmp_path: Path) -> None:
     asyncio.run(lone_decoder_lost(tmp_path, hold_s=0.5))
+
+
+async def media_lost(tmp_path: Path) -> None:
+    """A request with an image, handed to the decoder by the fetcher (the test is both): each time the decoder
+    says its embeddings were lost (``media_unavailable``), it goes to a fetcher again under a new wire id, the old
+    one aborted at the decoder, the client told nothing; after ``MEDIA_REISSUES`` the next such error reaches it.
+    Any other error, or one for a request that has streamed, reaches the client at once."""
+    cfg = Config(run_dir=str(tmp_path))
+    pipeline = Pipeline(cfg, GatewayMetrics().media_prepare)
+    ctx = zmq.asyncio.Context()
+    replica_0 = AsyncChannel(ctx, zmq.PULL, cfg.decoder_endpoint(0), bind=True)
+    to_gateway = AsyncChannel(ctx, zmq.PUSH, cfg.endpoint("gateway"), bind=False)
+    fetcher = AsyncChannel(ctx, zmq.DEALER, cfg.endpoint("fetch"), bind=False, identity=b"fetcher-a")
+    cache = AsyncChannel(ctx, zmq.ROUTER, cfg.endpoint("cache"), bind=True)
+    pipeline.start()
+    try:
+        await to_gateway.send(WorkerStatus("decoder", "decoder", "first", 64))
+        await fetcher.send(WorkerStatus("fetcher", "fetcher.0", "f1", 8, 1, 1))
+        await asyncio.wait_for(until(lambda: pipeline.replicas.live(pipeline.replicas.all[0])), WAIT_S)
+        await asyncio.wait_for(until(lambda: bool(pipeline.fetchers.peers)), WAIT_S)
+        events: asyncio.Queue[TokenDelta | RequestError] = asyncio.Queue()
+        media = [MediaInput("image", "data:image/png;base64,AAAA")]
+        tracked = await pipeline.submit(GenerateRequest("img", [1, 2], media, SamplingParams(max_tokens=4)), events)
+        wire_ids = []
+        for attempt in range(MEDIA_REISSUES + 1):
+            sent = (await received(fetcher, 1))[0]
+            assert isinstance(sent, GenerateRequest) and sent.prompt_ids == [1, 2] and sent.media == media
+            wire_ids.append(sent.request_id)
+            await fetcher.send(FetchDone(sent.request_id))
+            await asyncio.wait_for(until(lambda: tracked.stage == "decode"), WAIT_S)
+            lost = RequestError(sent.request_id, 503, MEDIA_LOST, "embedding of media ab12 is not available")
+            await to_gateway.send(lost)
+            if attempt < MEDIA_REISSUES:
+                assert await received(replica_0, 1) == [Abort(sent.request_id)]
+                assert await received(cache, 1) == [CacheRelease(sent.request_id)]  # (its leases under that id)
+        assert wire_ids == ["img", *(f"img.reissue{k}" for k in range(1, MEDIA_REISSUES + 1))]
+        failed = await asyncio.wait_for(events.get(), WAIT_S)
+        assert isinstance(failed, RequestError) and (failed.request_id, failed.code) == ("img", MEDIA_LOST)
+        assert events.empty() and tracked.media_reissues == MEDIA_REISSUES
+
+        streamed = await pipeline.submit(GenerateRequest("img2", [3], media, SamplingParams(max_tokens=4)), events)
+        await received(fetcher, 1)
+        await to_gateway.send(TokenBatch([TokenDelta("img2", [9])]))  # (before its FetchDone: handed over)
+        assert (await asyncio.wait_for(events.get(), WAIT_S)).request_id == "img2"
+        assert streamed.stage == "decode" and "img2" not in pipeline.fetchers.jobs
+        await to_gateway.send(RequestError("img2", 503, MEDIA_LOST, "lost after a token"))
+        failed = await asyncio.wait_for(events.get(), WAIT_S)
+        assert isinstance(failed, RequestError) and failed.request_id == "img2" and streamed.media_reissues == 0
+    finally:
+        await pipeline.close()
+        for channel in (replica_0, to_gateway, fetcher, cache):
+            channel.close()
+        ctx.term()
+
+
+def test_a_request_whose_media_embeddings_were_lost_is_fetched_again(tmp_path: Path) -> None:
+    asyncio.run(media_lost(tmp_path))

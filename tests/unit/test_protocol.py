@@ -28,6 +28,7 @@ from common.protocol import (
     EncodeJob,
     EncodeResult,
     FetchDone,
+    FetcherStarted,
     GenerateRequest,
     MediaInput,
     Message,
@@ -149,11 +150,14 @@ def one_of_each() -> list[Message]:
         EncodeResult(job_id="job-1", content_hash="cd" * 32, status=500, message="encoder exploded"),
         CacheLookup(call_id="c1", content_hash="ef" * 32, nbytes=1 << 20, dtype="bfloat16", shape=[64, 8192]),
         CacheLookupResult(call_id="c1", state="reserved", slot=SHM_REF, status=201, message="yours"),
-        CacheCommit(content_hash="ef" * 32, error="boom"),
+        CacheCommit(content_hash="ef" * 32, error="boom", pool_incarnation="cache-2", offset=512),
+        FetcherStarted(fetcher="fetcher.0", incarnation="fetcher-3"),
         CacheReserve(
             call_id="c4",
             request_id="req-6",
             items=[CacheLookup(call_id="0", content_hash="ef" * 32, nbytes=64, dtype="bfloat16", shape=[4, 8])],
+            fetcher="fetcher.0",
+            fetcher_incarnation="fetcher-3",
         ),
         CacheReserveResult(
             call_id="c4",

@@ -19,6 +19,7 @@ from common.protocol import (
     CacheReserve,
     CacheReserveResult,
     CudaIpcHandle,
+    FetcherStarted,
     Message,
     StatsRequest,
     StatsResult,
@@ -62,6 +63,11 @@ class CacheDaemon:
         # fetchers' reservations that found no room, answered as releases make it (or at their deadline)
         self.reservations: ReservationQueue[tuple[bytes, CacheReserve]] = ReservationQueue()
         self.failures: dict[str, str] = {}  # content hash -> why its encode failed, the latest few
+        # Slots reserved for a fetcher to encode, not yet filled: content hash -> (fetcher, its incarnation); and
+        # each fetcher's latest incarnation. A fetcher seen restarted never fills what its predecessor reserved.
+        self.owners: dict[str, tuple[str, str]] = {}
+        self.fetchers: dict[str, str] = {}
+        self.retired: set[str] = set()  # fetcher incarnations a newer one replaced (one per restart)
         self.loop = EventLoop()
         self.loop.exit_if_stalled(cfg.liveness.stall_exit_s, "cache")
         self.loop.on_message(self.channel, self.handle)
@@ -89,19 +95,26 @@ class CacheDaemon:
         match msg:
             case CacheLookup():
                 self.channel.send_to(peer, self.lookup(msg))
+            case CacheCommit() if self.stale(msg):
+                log.info(
+                    "a commit for %s names a slot it no longer has (its pool or offset): ignored", msg.content_hash[:12]
+                )
             case CacheCommit(content_hash=h, error=""):
+                self.owners.pop(h, None)
                 self.store.commit(h)
                 self.answer_waiters()
                 self.serve_reservations()  # (a committed entry nobody leases can be evicted)
             case CacheCommit(content_hash=h):
                 log.warning("encode of %s failed: %s", h[:12], msg.error)
+                self.owners.pop(h, None)
                 self.store.fail(h)
-                self.failures[h] = msg.error  # (for the requests waiting on it: they are told why)
-                while len(self.failures) > _FAILURES_KEPT:
-                    del self.failures[next(iter(self.failures))]
+                self.remember_failure(h, msg.error)
                 self.answer_waiters()
                 self.serve_reservations()
+            case FetcherStarted(fetcher=name, incarnation=incarnation):
+                self.fetcher_seen(name, incarnation)
             case CacheReserve(request_id=r):
+                self.fetcher_seen(msg.fetcher, msg.fetcher_incarnation)
                 waited_already = r in self.reservations.waiting  # (its fetcher sent it again)
                 self.reservations.add(r, (peer, msg), self.cfg.cache.reserve_wait_s)
                 self.serve_reservations()
@@ -120,6 +133,43 @@ class CacheDaemon:
                 self.channel.send_to(peer, StatsResult(c, "cache", self.incarnation, stats))
             case _:
                 log.warning("unexpected %s from %r", msg.TAG, peer)
+
+    def stale(self, commit: CacheCommit) -> bool:
+        """A commit for a slot this daemon does not give its hash now: written into a lost daemon's pool, or
+        into a slot freed (its fetcher restarted, or past ``pending_ttl_s``) and maybe reserved again since."""
+        entry = self.store.entries.get(commit.content_hash)
+        if entry is None or entry.ready:
+            return False
+        other_pool = bool(commit.pool_incarnation) and commit.pool_incarnation != self.incarnation
+        return other_pool or (commit.offset >= 0 and commit.offset != entry.offset)
+
+    def fetcher_seen(self, name: str, incarnation: str) -> None:
+        """``name`` runs as ``incarnation``: where that is new, the slots its predecessor reserved and did not
+        fill are failed now, and the requests waiting on them told (their decoder has them fetched again)."""
+        if not name or not incarnation or incarnation in self.retired:  # (a dead one's last words, read late)
+            return
+        if self.fetchers.get(name, incarnation) == incarnation:
+            self.fetchers[name] = incarnation
+            return
+        self.retired.add(self.fetchers[name])
+        self.fetchers[name] = incarnation
+        orphaned = [h for h, (who, inc) in self.owners.items() if who == name and inc != incarnation]
+        for h in orphaned:
+            del self.owners[h]
+            entry = self.store.entries.get(h)
+            if entry is not None and not entry.ready:
+                self.store.fail(h)
+                self.remember_failure(h, f"the fetcher {name} that was encoding it restarted")
+        if orphaned:
+            log.warning("%s restarted: %d slot(s) it had reserved and not filled are freed", name, len(orphaned))
+            self.answer_waiters()
+            self.serve_reservations()
+
+    def remember_failure(self, content_hash: str, why: str) -> None:
+        """Why ``content_hash`` has no embedding, for the requests waiting on it (the latest few kept)."""
+        self.failures[content_hash] = why
+        while len(self.failures) > _FAILURES_KEPT:
+            del self.failures[next(iter(self.failures))]
 
     def lookup(self, msg: CacheLookup) -> CacheLookupResult:
         entry = self.store.lookup(msg.content_hash)
@@ -165,6 +215,9 @@ class CacheDaemon:
         if self.spill is not None:  # before the answer: the slots may be bytes that were just spilled
             copy_spills(self.store.take_spills(), self.pool, self.spill)
         pairs = zip(msg.items, found, strict=True)
+        if msg.fetcher:
+            owner = (msg.fetcher, msg.fetcher_incarnation)
+            self.owners.update((entry.content_hash, owner) for state, entry in found if state == "reserved")
         results = [CacheLookupResult(item.call_id, state, self.ref(entry)) for item, (state, entry) in pairs]
         waiting.answer = CacheReserveResult(msg.call_id, msg.request_id, results)
         return True
@@ -206,6 +259,8 @@ class CacheDaemon:
     def expire(self) -> None:
         if self.store.expire(self.cfg.cache.pending_ttl_s):
             self.answer_waiters()
+        for h in [h for h in self.owners if (e := self.store.entries.get(h)) is None or e.ready]:
+            del self.owners[h]
         for waiting in self.reservations.expired():
             peer, msg = waiting.what
             self.store.counters["full"] += 1

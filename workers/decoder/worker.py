@@ -3,7 +3,8 @@
 Main loop: take messages (prepared requests, aborts, cache answers), run one engine step,
 send that step's tokens to the gateway as one ``TokenBatch``. Requests whose embeddings are
 not ready wait in ``waiting`` with a deadline; a cache daemon that restarts or goes silent
-fails them at once with a retryable 503 instead of leaving them hanging.
+fails them at once with a 503 ``media_unavailable`` instead of leaving them hanging, which the gateway
+answers by fetching and encoding the request again (`gateway.pipeline.MEDIA_REISSUES`).
 """
 
 from __future__ import annotations
@@ -339,6 +340,7 @@ class DecoderWorker:
     def fail_waiting(self, why: str) -> None:
         for rid in list(self.waiting):
             del self.waiting[rid]
+            self.cache.send(CacheRelease(rid))  # (a daemon only slow to answer still holds its lease)
             self.fail(rid, 503, "media_unavailable", f"{why}; retry the request")
 
     def take_embeddings(self, seq: Sequence, refs: list[TensorRef]) -> None:

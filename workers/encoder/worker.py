@@ -22,7 +22,7 @@ import zmq
 
 from common.config import Config
 from common.lifecycle import REPORT_EVERY_S, CounterWindow
-from common.protocol import CacheCommit, EncodeJob, EncodeResult, Message, Ping, StatsRequest, StatsResult, WorkerStatus
+from common.protocol import EncodeJob, EncodeResult, Message, Ping, StatsRequest, StatsResult, WorkerStatus, commit_for
 from common.tensor_ref import ShmAttachments, read_tensor
 from common.transport import Channel, EventLoop, worker_identity
 from workers.encoder.backends import VisionBackend, load_vision_backend
@@ -243,14 +243,14 @@ class EncoderWorker:
         self.counters["images_encoded"] += 1
         self.counters["patches_encoded"] += job_patches(job)
         if job.commit:
-            self.cache.send(CacheCommit(job.content_hash))
+            self.cache.send(commit_for(job.content_hash, job.slot))
         return EncodeResult(job.job_id, job.content_hash)
 
     def fail(self, job: EncodeJob, exc: Exception) -> EncodeResult:
         log.error("encode job %s failed: %r", job.job_id, exc)
         self.counters["failures"] += 1
         if job.commit:
-            self.cache.send(CacheCommit(job.content_hash, error=str(exc) or type(exc).__name__))
+            self.cache.send(commit_for(job.content_hash, job.slot, str(exc) or type(exc).__name__))
         return EncodeResult(job.job_id, job.content_hash, status=500, message=f"vision encoder failed: {exc}")
 
 

@@ -25,7 +25,6 @@ from common.dispatch import Dispatcher, Job
 from common.lifecycle import REPORT_EVERY_S, CounterWindow
 from common.protocol import (
     Abort,
-    CacheCommit,
     CacheLookup,
     CacheRelease,
     CacheReserve,
@@ -33,6 +32,7 @@ from common.protocol import (
     EncodeJob,
     EncodeResult,
     FetchDone,
+    FetcherStarted,
     GenerateRequest,
     MediaInput,
     Message,
@@ -44,6 +44,7 @@ from common.protocol import (
     StatsResult,
     TensorRef,
     WorkerStatus,
+    commit_for,
 )
 from common.tensor_ref import inline_ref, nbytes_of
 from common.topology import encoder_count, model_device_type, model_dtype_name
@@ -77,6 +78,7 @@ class ChunkedEncode:
     """One video encoded as several jobs of whole frames, each writing its rows into the same slot."""
 
     content_hash: str
+    slot: TensorRef  # the whole video's
     pending: set[str]  # job ids not yet done
     failed: bool = False
 
@@ -192,6 +194,8 @@ class FetcherWorker:
         }
         self.window = CounterWindow(self.counters)
         self.loop.every(REPORT_EVERY_S, self.report)
+        # (first to the cache: what a predecessor of ours reserved there and did not encode is failed now)
+        self.cache.send(FetcherStarted(self.name, self.incarnation))
         self.heartbeat()
         log.info("fetcher ready: %d encoder(s), embeddings %s", len(self.encoders), self.embed_dtype)
 
@@ -350,7 +354,7 @@ class FetcherWorker:
             shape = self.embedding_shape(item.num_tokens)
             nbytes = nbytes_of(self.embed_dtype, shape)
             lookups.append(CacheLookup(str(index), item.content_hash, nbytes, self.embed_dtype, shape))
-        self.cache.send(CacheReserve(call_id, state.request.request_id, lookups))
+        self.cache.send(CacheReserve(call_id, state.request.request_id, lookups, self.name, self.incarnation))
 
     def embedding_shape(self, tokens: int) -> list[int]:
         """An item's cache entry: [tokens, hidden], or with DeepStack (Qwen3-VL) every feature set of the item in
@@ -406,6 +410,7 @@ class FetcherWorker:
         restarted = bool(self.cache_incarnation) and incarnation != self.cache_incarnation
         self.cache_incarnation = incarnation
         if restarted:
+            self.cache.send(FetcherStarted(self.name, self.incarnation))
             self.cache_has_all_before = 0.0
             self.pings.clear()
             for call in list(self.calls.values()):
@@ -461,14 +466,14 @@ class FetcherWorker:
         if isinstance(result, str) or result.content_hash != item.content_hash:
             # The requests waiting for this entry get its error (the decoder's acquire fails, as for a lost encode).
             why = result if isinstance(result, str) else "the image decoded to other pixels than before"
-            self.cache.send(CacheCommit(item.content_hash, error=why))
+            self.cache.send(commit_for(item.content_hash, slot, why))
             return
         self.submit_encode(result, slot)
 
     def submit_encode(self, item: LoadedImage, slot: TensorRef) -> None:
         jobs = self.encode_jobs(item, slot)
         if len(jobs) > 1:
-            group = ChunkedEncode(item.content_hash, {job.job_id for job in jobs})
+            group = ChunkedEncode(item.content_hash, slot, {job.job_id for job in jobs})
             self.chunked.update((job.job_id, group) for job in jobs)
         for job in jobs:
             self.encode.submit(job.job_id, job, self.cfg.fetcher.encode_timeout_s)
@@ -522,9 +527,9 @@ class FetcherWorker:
         group.pending.discard(job_id)
         if not ok and not group.failed:
             group.failed = True
-            self.cache.send(CacheCommit(group.content_hash, error=f"a part of the video failed: {why}"))
+            self.cache.send(commit_for(group.content_hash, group.slot, f"a part of the video failed: {why}"))
         elif ok and not group.pending and not group.failed:
-            self.cache.send(CacheCommit(group.content_hash))
+            self.cache.send(commit_for(group.content_hash, group.slot))
         return True
 
     def send_encode(self, key: bytes, job: Message) -> bool:
@@ -546,7 +551,8 @@ class FetcherWorker:
         log.error("encode job %s failed: %s", job.job_id, why)
         # The decoder waits on the cache entry: failing it there answers every waiting request.
         if not self.part_done(job.job_id, False, f"vision encoder unavailable: {why}"):
-            self.cache.send(CacheCommit(job.payload.content_hash, error=f"vision encoder unavailable: {why}"))
+            why = f"vision encoder unavailable: {why}"
+            self.cache.send(commit_for(job.payload.content_hash, job.payload.slot, why))
 
     # ------------------------------------------------------------------ endings
     def finish_error(self, request_id: str, status: int, message: str, code: str = "") -> None:
