@@ -133,3 +133,12 @@ def test_the_driver_names_a_dependency_missing_on_the_box_before_starting_the_st
     with pytest.raises(RuntimeError, match="surely-not-installed-dist, missing here: carry their wheels"):
         gpu.start_stack(run, tmp_path)
     assert gpu.missing_distributions(gpu.Run(gpu.HERE, tmp_path / "o2", run.args)) == []  # this checkout's own
+
+
+def test_vision_rss_probe_runs_the_tower_and_reports_rss(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from benchmarks import vision_rss
+    from workers.models.synth import generate_checkpoint
+
+    checkpoint = generate_checkpoint(tmp_path / "tiny", "tiny", seed=0)
+    vision_rss.main(["--checkpoint", str(checkpoint), "--forwards", "200", "--trim"])
+    assert capsys.readouterr().out.startswith("200 forwards: ") and vision_rss.rss_mib() > 0
