@@ -196,9 +196,11 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def process_usage(pid: int) -> tuple[float, int] | None:
-    """(RSS in MiB, open fds) of ``pid`` and its descendants; None when it is gone."""
-    rss_kib, fds = 0, 0
+def process_usage(pid: int) -> tuple[float, float, int] | None:
+    """(RSS in MiB, its anonymous part in MiB, open fds) of ``pid`` and its descendants; None when it is gone. The
+    anonymous part is the process's own memory: RSS also counts the pages of the shared embedding pool that the
+    process has touched, which grow until it has touched the whole pool and are no leak."""
+    rss_kib, anon_kib, fds = 0, 0, 0
     for each in _descendants(pid):
         try:
             status = Path(f"/proc/{each}/status").read_text()
@@ -207,9 +209,14 @@ def process_usage(pid: int) -> tuple[float, int] | None:
             if each == pid:
                 return None
             continue
-        match = re.search(r"^VmRSS:\s+(\d+) kB", status, flags=re.MULTILINE)
-        rss_kib += int(match.group(1)) if match else 0
-    return rss_kib / 1024, fds
+        rss_kib += _status_kib(status, "VmRSS")
+        anon_kib += _status_kib(status, "RssAnon")
+    return rss_kib / 1024, anon_kib / 1024, fds
+
+
+def _status_kib(status: str, field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", status, flags=re.MULTILINE)
+    return int(match.group(1)) if match else 0
 
 
 def shm_bytes(prefix: str) -> tuple[int | None, int | None]:
@@ -257,7 +264,7 @@ def sample(stack: Stack, t: float) -> dict[str, Any]:
     for p in listed:
         usage = process_usage(p.pid) if p.pid else None
         if usage is not None:
-            processes[p.name] = {"pid": p.pid, "rss_mib": usage[0], "fds": usage[1]}
+            processes[p.name] = {"pid": p.pid, "rss_mib": usage[0], "anon_mib": usage[1], "fds": usage[2]}
     shm, shm_files = shm_bytes(stack.shm_prefix)
     return {
         "t": t,

@@ -44,6 +44,7 @@ class Tolerance:
 # By series kind (the part of its name before ":"): what growth over a whole run is still noise.
 TOLERANCES: dict[str, Tolerance] = {
     "rss_mib": Tolerance(64.0, 0.1),
+    "anon_mib": Tolerance(64.0, 0.1),  # (RSS less the shared pool's pages: what a leak would grow)
     "fds": Tolerance(16.0, 0.1),
     "shm_bytes": Tolerance(0.0, 0.05),
     "kv_blocks_used": Tolerance(16.0, 0.25),
@@ -69,6 +70,8 @@ def series(samples: list[dict[str, Any]]) -> dict[str, list[Point]]:
         t = s["t"]
         for name, p in s["processes"].items():
             add(f"rss_mib:{name}#{p['pid']}", t, p["rss_mib"])
+            if "anon_mib" in p:  # (samples of runs before it was sampled have none)
+                add(f"anon_mib:{name}#{p['pid']}", t, p["anon_mib"])
             add(f"fds:{name}#{p['pid']}", t, p["fds"])
         if s.get("shm_bytes") is not None:  # (None: the deployment's /dev/shm names are not known)
             add("shm_bytes", t, s["shm_bytes"])

@@ -141,3 +141,19 @@ def test_recovery_is_the_first_answer_from_which_on_every_one_is_fast() -> None:
     after = [alone(0, 5.0), alone(5, 0.2), alone(6, 3.0), alone(9, 0.2), alone(10, 0.3)]
     assert recovered_at(after, bound_s=0.5) == 9.2
     assert recovered_at([*after, alone(11, 0.1, "503")], bound_s=0.5) is None
+
+
+def test_anonymous_memory_is_judged_apart_from_rss() -> None:
+    """RSS rising as the process touches more of the shared pool, its own (anonymous) memory flat: the RSS series
+    alone grows; a growing anonymous part fails on its own."""
+    touched = np.linspace(300.0, 700.0, COUNT)  # (pool pages touched: counted in RSS)
+    flat_anon = samples(touched.tolist())
+    for s in flat_anon:
+        s["processes"]["decoder"]["anon_mib"] = 250.0
+    result = judge_resources(flat_anon, DURATION, warmup_s=60)
+    assert result["anon_mib:decoder#100"]["judged"] and result["anon_mib:decoder#100"]["ok"]
+    assert not result["rss_mib:decoder#100"]["ok"]
+    leaking = samples(np.full(COUNT, 900.0).tolist())
+    for s, anon in zip(leaking, np.linspace(250.0, 650.0, COUNT), strict=True):
+        s["processes"]["decoder"]["anon_mib"] = float(anon)
+    assert not judge_resources(leaking, DURATION, warmup_s=60)["anon_mib:decoder#100"]["ok"]
