@@ -24,6 +24,16 @@ from tests.integration.conftest import Stack
 from tests.media import make_image
 
 EXAMPLES = 200
+
+
+def fixed_examples(count: int) -> settings:
+    """The fuzz suites' settings: the same ``count`` cases every run (a fixed seed, no example database), however
+    slowly a stack under test answers."""
+    return settings(
+        max_examples=count, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
+
+
 ANSWER_BOUND_S = 30.0
 PROCESSES = ("gateway", "fetcher-0", "encoder-0", "cache", "decoder")
 
@@ -217,13 +227,7 @@ def test_hypothesis_requests_get_an_answer_or_a_clean_error(stack: Stack) -> Non
     pids = {p: stack.pid(p) for p in PROCESSES}
     made: list[tuple[str, str, bytes]] = []
 
-    @settings(
-        max_examples=EXAMPLES,
-        derandomize=True,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @fixed_examples(EXAMPLES)
     @given(cases())
     def collect(case: tuple[str, str, bytes]) -> None:
         made.append(case)

@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from openai import OpenAI
 
@@ -48,6 +48,7 @@ from common.protocol import (
     encode,
 )
 from tests.integration.conftest import Stack
+from tests.integration.test_fuzz_http import fixed_examples
 from tests.media import data_url, make_image
 
 EXAMPLES = 60  # per socket
@@ -291,13 +292,7 @@ def test_hostile_frames_are_dropped_and_the_worker_keeps_serving(
     shm = set(os.listdir("/dev/shm"))
     sent: list[list[bytes]] = []
 
-    @settings(
-        max_examples=EXAMPLES,
-        derandomize=True,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @fixed_examples(EXAMPLES)
     @given(frames_for(hub))
     def collect(frames: list[bytes]) -> None:
         sent.append(frames)
