@@ -69,12 +69,16 @@ class Tracked:
     wire_id: str = field(init=False)
     reissues: int = 0  # re-issues after a lost decoder replica
     media_reissues: int = 0  # re-issues after lost media embeddings (`MEDIA_REISSUES`)
-    wires: int = 0  # wire ids it has had after its first
     streaming: bool = False  # a token has come: a replica lost now fails it (the client has those tokens)
     held_until: float = 0.0  # (held) when it fails if no replica is live to take it by then
 
     def __post_init__(self) -> None:
         self.wire_id = self.request.request_id
+
+    @property
+    def wires(self) -> int:
+        """Wire ids it has had after its first: one per re-issue of either kind."""
+        return self.reissues + self.media_reissues
 
     @property
     def request_id(self) -> str:
@@ -329,11 +333,11 @@ class Pipeline:
         target = self._live_replica_for(tracked)
         if target is None and self.cfg.liveness.hold_lost_requests_s <= 0:
             return None
-        self._rewire(tracked)
         if media:
             tracked.media_reissues += 1
         else:
             tracked.reissues += 1
+        self._rewire(tracked)
         if target is None:
             self._hold(tracked)
             return "held"
@@ -371,7 +375,6 @@ class Pipeline:
         a restarted process reads it) does not know: it runs nothing twice, and a late token from it is dropped."""
         self._withdraw(tracked)  # (its Abort reaches the lost replica's queue)
         self.rewired.pop(tracked.wire_id, None)
-        tracked.wires += 1
         tracked.wire_id = f"{tracked.request_id}.reissue{tracked.wires}"
         self.rewired[tracked.wire_id] = tracked.request_id
 
