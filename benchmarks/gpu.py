@@ -490,9 +490,10 @@ def part_hf_parity(run: Run) -> None:
         run.rows.append({"name": "hf-parity", "note": "no server answers to compare: run serve/vllm with parity first"})
 
 
-def workload_argv(workload: str, clients: int, requests: int | None) -> list[tuple[str, list[str]]]:
+def workload_argv(workload: str, clients: int, requests: int | None, prefix: str = "") -> list[tuple[str, list[str]]]:
     """(name, `benchmarks.serve` arguments) of one workload at ``clients``. Each has a seed of its own: workloads
-    with one seed share images and prompts, and would hit the prefix cache a previous one filled."""
+    with one seed share images and prompts, and would hit the prefix cache a previous one filled. ``prefix``: the
+    names' (a run that another of the same workload names, as ``structured``'s control names its pair)."""
     anchor = ["--image-size", "768x1024", "--max-tokens-spread", "0"]  # ANCHORS' vLLM rows exactly
     one = clients == 1
     if workload == "seed3img":
@@ -565,7 +566,19 @@ def workload_argv(workload: str, clients: int, requests: int | None) -> list[tup
         structured.append(str(requests or 8 * clients))
         return [
             (f"structured-c{clients}", [*structured, "--seed", "7"]),
-            (f"structured-control-c{clients}", [*structured, "--seed", "8", "--constrained-share", "0"]),
+            (
+                f"structured-control-c{clients}",
+                # the same prompts' lengths at the same cadence, only without the grammar: see benchmarks.serve
+                [
+                    *structured,
+                    "--seed",
+                    "8",
+                    "--constrained-share",
+                    "0",
+                    "--paired-with",
+                    f"{prefix}structured-c{clients}.json",
+                ],
+            ),
         ]
     if workload != "mixed":
         raise ValueError(f"{workload} is not a benchmarks.serve workload ({', '.join(SERVE_WORKLOADS)})")
@@ -608,7 +621,7 @@ def run_workloads(run: Run, url: str, prefix: str = "") -> None:
             )
             continue
         for clients in run.args.clients:
-            for name, argv in workload_argv(workload, clients, run.args.requests):
+            for name, argv in workload_argv(workload, clients, run.args.requests, prefix):
                 name = prefix + name
                 with open(run.raw / f"{name}.dmon", "w") as trace:  # power, utilisation, clocks, memory
                     dmon = gpu_trace(trace)

@@ -16,13 +16,18 @@ control: the same prompts from every stream, none constrained. The summary is sp
 (constrained, unconstrained), and counts the constrained answers that parse as JSON (``valid_json``) and
 validate against their schema (``schema_valid``; None where ``jsonschema`` is not installed). A constrained
 answer ends sooner than an unconstrained one, so its stream sends prompts more often: those prefills are part
-of what both groups' TPOT sees, in the constrained run and not in the control.
+of what both groups' TPOT sees. ``--paired-with RUN.json`` (an earlier constrained run; relative to ``--out``'s
+folder) makes the control a like-for-like one: the streams that were constrained there send, request for
+request, the same question unconstrained with ``ignore_eos`` and as many output tokens as that run's constrained
+answer had (``stream_kind`` "paired"), so both runs carry the same prompts at the same cadence and differ only
+in the grammar. Unconstrained TPOT is then compared with unconstrained, constrained with paired.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import itertools
 import json
@@ -486,6 +491,7 @@ async def run_structured(run: Run, _prefetch: Prefetcher[Prepared]) -> None:
     """``--concurrency`` text streams back to back until ``--num-requests`` requests were started in all; the
     first ``--constrained-share`` of the streams send a JSON schema, and each of their answers is checked."""
     constrained = constrained_streams(run.opts, run.args.concurrency)
+    paired = paired_lengths(run.args.paired_with, run.args.out) if run.args.paired_with else None
     started = 0
 
     async def stream(number: int) -> None:
@@ -494,6 +500,8 @@ async def run_structured(run: Run, _prefetch: Prefetcher[Prepared]) -> None:
         while started < run.args.num_requests:
             started += 1
             spec = structured_request(run.opts, number, turn, number < constrained)
+            if paired is not None and number in paired.streams:
+                spec = paired.stand_in(spec, number, turn)
             body = await asyncio.to_thread(request_body, spec, run.model)
             tags = {**spec.tags, "stream": number, "request": turn}
             record, answer = await run.send(Prepared(body, spec.max_tokens, tags), None)
@@ -503,6 +511,39 @@ async def run_structured(run: Run, _prefetch: Prefetcher[Prepared]) -> None:
             turn += 1
 
     await asyncio.gather(*(stream(s) for s in range(run.args.concurrency)))
+
+
+@dataclass
+class PairedLengths:
+    """A constrained run's answer lengths by (stream, request), for a like-for-like control (``--paired-with``)."""
+
+    lengths: dict[tuple[int, int], int]
+    streams: set[int]
+    median: int
+
+    def stand_in(self, spec: RequestSpec, stream: int, request: int) -> RequestSpec:
+        """The unconstrained request standing in for that run's constrained one: as long as its answer was (the
+        median answer where that run's stream sent fewer requests)."""
+        tokens = self.lengths.get((stream, request), self.median)
+        return dataclasses.replace(spec, max_tokens=max(1, tokens), tags={**spec.tags, "stream_kind": "paired"})
+
+
+def paired_lengths(path: Path, out: Path) -> PairedLengths:
+    """The constrained answers' output tokens of the run at ``path`` (relative: beside ``out``)."""
+    source = path if path.is_absolute() else out.parent / path
+    try:
+        records = json.loads(source.read_text())["requests"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise SystemExit(f"--paired-with {source}: cannot read a structured run's requests ({exc})") from exc
+    lengths = {
+        (r["tags"]["stream"], r["tags"]["request"]): int(r["output_tokens"])
+        for r in records
+        if r["tags"].get("stream_kind") == "constrained" and r["error"] is None and r.get("output_tokens")
+    }
+    if not lengths:
+        raise SystemExit(f"--paired-with {source}: no completed constrained request to pair with")
+    streams = {stream for stream, _ in lengths}
+    return PairedLengths(lengths, streams, int(np.median(list(lengths.values()))))
 
 
 def answer_checks(records: list[Record]) -> dict[str, int | None]:
@@ -693,6 +734,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=512,
         help="structured: max_tokens of a constrained request (a cap: its grammar ends the answer first)",
     )
+    p.add_argument(
+        "--paired-with",
+        type=Path,
+        default=None,
+        help="structured control: an earlier constrained run's JSON (relative to --out's folder) whose constrained "
+        "answers' lengths its stand-in streams ask for, unconstrained (see the module's help)",
+    )
     p.add_argument("--video-format", choices=("avi", "frames"), default="avi", help="video url: MJPEG AVI or frames")
     p.add_argument("--video-frames", type=int, default=8)
     p.add_argument("--video-fps", type=int, default=2)
@@ -703,6 +751,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"{args.workload} needs --concurrency (the number of text streams)")
     if not 0 <= args.constrained_share <= 1:
         p.error("--constrained-share must be between 0 and 1")
+    if args.paired_with is not None and (args.workload != "structured" or args.constrained_share != 0):
+        p.error("--paired-with is for a structured control run: --workload structured --constrained-share 0")
     for name in ("concurrency", "rate", "num_requests", "vision_rate", "turns", "prompt_tokens", "json_max_tokens"):
         value = getattr(args, name)
         if value is not None and value <= 0:

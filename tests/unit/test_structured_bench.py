@@ -110,6 +110,9 @@ def test_gpu_driver_runs_structured_with_its_control() -> None:
     args, control_args = serve.parse_args(run_argv), serve.parse_args(control_argv)
     assert (args.workload, args.concurrency, args.constrained_share) == ("structured", 32, 0.25)
     assert control_args.constrained_share == 0 and control_args.num_requests == args.num_requests
+    assert control_args.paired_with == Path("structured-c32.json")  # (beside the control's --out)
+    (_, _), (_, vllm_control) = gpu.workload_argv("structured", 32, None, "vllm-")
+    assert serve.parse_args(vllm_control).paired_with == Path("vllm-structured-c32.json")
     assert "structured" in gpu.SERVE_WORKLOADS and "grammar" in gpu.PARTS
 
 
@@ -154,3 +157,29 @@ def test_gpu_driver_grammar_part_runs_ours_and_the_peers_python(tmp_path: Path) 
     assert f"PYTHONPATH={tmp_path}/peer-tmp/site:" in (result / "raw" / "vllm-grammar_cost.log").read_text()
     record = (result / "summary.md").read_text()
     assert "| grammar_cost |" in record and "| vllm-grammar_cost |" in record and "ready_p99_ms" in record
+
+
+def test_a_paired_control_asks_for_each_constrained_answers_length(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def record(stream: int, request: int, kind: str, tokens: int, error: str | None = None) -> dict[str, object]:
+        tags = {"stream_kind": kind, "stream": stream, "request": request}
+        return {"tags": tags, "output_tokens": tokens, "error": error}
+
+    requests = [record(0, 0, "constrained", 40), record(0, 1, "constrained", 90), record(1, 0, "constrained", 60)]
+    requests += [record(1, 1, "constrained", 7, error="503"), record(5, 0, "unconstrained", 256)]
+    (tmp_path / "structured-c32.json").write_text(json.dumps({"requests": requests}))
+    paired = serve.paired_lengths(Path("structured-c32.json"), tmp_path / "control.json")
+    assert paired.streams == {0, 1} and paired.median == 60  # (the failed request is no length to copy)
+    opts = workloads.WorkloadOptions(constrained_share=0.0)
+    spec = workloads.structured_request(opts, 0, 1, False)
+    stand_in = paired.stand_in(spec, 0, 1)
+    assert (stand_in.max_tokens, stand_in.tags["stream_kind"], stand_in.response_format) == (90, "paired", None)
+    assert stand_in.messages == spec.messages
+    assert paired.stand_in(spec, 1, 1).max_tokens == 60  # not in that run (or failed there): the median
+    with pytest.raises(SystemExit, match="no completed constrained request"):
+        (tmp_path / "empty.json").write_text(json.dumps({"requests": requests[-1:]}))
+        serve.paired_lengths(tmp_path / "empty.json", tmp_path / "control.json")
+    with pytest.raises(SystemExit):  # (a constrained run cannot be a paired control)
+        serve.parse_args(["--workload", "structured", "--concurrency", "4", "--paired-with", "x.json"])
+    assert "--paired-with is for a structured control run" in capsys.readouterr().err
