@@ -156,8 +156,12 @@ def test_constrained_answers_validate_and_leave_the_others_alone(parts: Parts, o
         request("hot", grammar=grammar, temperature=1.0, seed=5, top_logprobs=1),
         request("penalised", grammar=grammar, temperature=1.0, repetition_penalty=1.5, frequency_penalty=1.0),
     ]
-    out = run(make_engine(parts, overlap=overlap), *constrained, free)
+    engine = make_engine(parts, overlap=overlap)
+    out = run(engine, *constrained, free)
     assert out["free"] == alone
+    # a bitmask row filled for each token a constrained row sampled, and none for the free one's
+    assert engine.counters["grammar_rows"] == sum(len(out[r.request_id][0]) for r in constrained)
+    assert engine.counters["grammar_fill_s"] > 0 and engine.counters["token_wait_s"] > 0
     for req in constrained:
         tokens, finish = out[req.request_id]
         assert finish == "stop", (req.request_id, answer(parts, tokens))

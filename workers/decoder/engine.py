@@ -9,6 +9,7 @@ schedules and launches the next step, whose decodes take those tokens as input i
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,9 @@ COUNTERS = (
     "decode_graph_steps",  # of which steps replayed a decode graph
     "decode_launch_s",  # host time building and launching those steps' forwards
     "other_launch_s",  # and every other step's (prefill chunks, mixed or eager)
+    "token_wait_s",  # host time blocked on a step's sampled tokens (near none: the host, not the device, paces)
+    "grammar_rows",  # constrained rows sampled (each a grammar bitmask filled on the host)
+    "grammar_fill_s",  # host time filling those bitmasks
 )
 
 
@@ -135,7 +139,12 @@ class Engine:
     def _read_pending(self) -> list[TokenDelta]:
         """Read the pending step's tokens and emit them (sequences aborted meanwhile are skipped)."""
         pending, self.pending = self.pending, None
-        return self.scheduler.postprocess(pending.seqs, pending.sampled.result()) if pending else []
+        if pending is None:
+            return []
+        started = time.perf_counter()
+        sampled = pending.sampled.result()
+        self.counters["token_wait_s"] += time.perf_counter() - started
+        return self.scheduler.postprocess(pending.seqs, sampled)
 
     # ------------------------------------------------------------------ reports
     def stats(self) -> dict[str, float]:

@@ -80,7 +80,11 @@ class ModelRunner:
         rows' grammar masks are filled here on the host: with overlapped steps this runs after the previous
         step's tokens were read and fed to the matchers, while the device computes this step's forward."""
         rows = [item.seq.sampling_row(self.spec.eos_token_ids) for item in batch]
+        started = time.perf_counter()
         rows, mask = constrain(self.grammars, [item.seq.matcher for item in batch], rows)
+        if mask is not None:
+            self.counters["grammar_rows"] += len(mask.rows)
+            self.counters["grammar_fill_s"] += time.perf_counter() - started
         return sample_async(logits, rows, mask)
 
     def _mode(self, batch: list[Scheduled], decode_graph: bool = True) -> int:

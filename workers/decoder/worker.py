@@ -223,6 +223,7 @@ class DecoderWorker:
             log.info(
                 "decoder: %d steps over %.1fs, in steps %.0f%%, on requests %.0f%%, on cache answers %.0f%%; "
                 "%.1f ms per step, slowest %.0f ms; host launch %.2f ms per decode-graph step, %.2f per other; "
+                "waiting on tokens %.2f ms per step, grammar masks %.2f ms per step (%d rows); "
                 "%d prompt tokens, %d generated; %d running, %d queued, %d waiting for media",
                 grew["steps"],
                 seconds,
@@ -233,6 +234,9 @@ class DecoderWorker:
                 1e3 * slowest,
                 per_step_ms(engine, "decode_launch_s", engine.get("decode_graph_steps", 0)),
                 per_step_ms(engine, "other_launch_s", engine.get("steps", 0) - engine.get("decode_graph_steps", 0)),
+                per_step_ms(engine, "token_wait_s", engine.get("steps", 0)),
+                per_step_ms(engine, "grammar_fill_s", engine.get("steps", 0)),
+                engine.get("grammar_rows", 0),
                 engine.get("prompt_tokens", 0),
                 engine.get("generated_tokens", 0),
                 len(self.engine.scheduler.running),
