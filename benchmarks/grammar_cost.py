@@ -104,23 +104,38 @@ def llguidance_cost(tokenizer_json: Path, vocab: int, eos: list[int], args: argp
             first_s.setdefault(case.name, []).append(time.perf_counter() - compiled)
     fresh = {case.name: llguidance.LLMatcher(tokenizer, llguidance_grammar(case.schema), log_level=0) for case in CASES}
     answers = {case.name: tokenizer.tokenize_str(case.example_text()) for case in CASES}
-    executor = llguidance.LLExecutor()
 
-    def fill(matchers: list[Any], bitmask: torch.Tensor) -> None:
-        llguidance.torch.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+    def parallel(executor: Any) -> Callable[[list[Any], torch.Tensor], None]:
+        def fill(matchers: list[Any], bitmask: torch.Tensor) -> None:
+            llguidance.torch.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+
+        return fill
+
+    def serial(matchers: list[Any], bitmask: torch.Tensor) -> None:
+        for i, matcher in enumerate(matchers):
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
+
+    fill = parallel(llguidance.LLExecutor())  # (the server's way: the executor's own thread count)
 
     def consume(matcher: Any, token: int) -> None:
         if not matcher.consume_token(token) or matcher.is_error():
             raise RuntimeError(f"llguidance refused token {token} of a valid answer: {matcher.get_error()}")
 
-    walks = {
-        str(rows): walk(rows, args.steps, vocab, answers, lambda name: fresh[name].deep_copy(), fill, consume)
-        for rows in args.rows
-    }
+    def start(name: str) -> Any:
+        return fresh[name].deep_copy()
+
+    def walks(filler: Callable[[list[Any], torch.Tensor], None]) -> dict[str, Any]:
+        return {str(rows): walk(rows, args.steps, vocab, answers, start, filler, consume) for rows in args.rows}
+
+    # The same walks filled one row after another, and on executors of a set thread count: whether the
+    # parallel fill spreads the rows over the cores at all.
+    by_threads = {str(n): walks(parallel(llguidance.LLExecutor(num_threads=n))) for n in args.llguidance_threads}
     return {
         "version": _version("llguidance"),
         **compile_figures(compile_s, first_s),
-        "steps": walks,
+        "steps": walks(fill),
+        "steps_serial": walks(serial),
+        "steps_by_threads": by_threads,
     }
 
 
@@ -292,6 +307,15 @@ def table(results: dict[str, Any]) -> list[str]:
             fill = figures["steps"][str(count)]["fill_ms"]
             line += f"   {fill['p50']:9.3f} {fill['p99']:9.3f}"
         lines.append(line)
+    variants = {"serial": results["llguidance"].get("steps_serial")}
+    for threads, steps in results["llguidance"].get("steps_by_threads", {}).items():
+        variants[f"{threads} threads"] = steps
+    for name, steps in variants.items():
+        if steps:
+            fills = "".join(
+                f"   {steps[str(c)]['fill_ms']['p50']:9.3f} {steps[str(c)]['fill_ms']['p99']:9.3f}" for c in rows
+            )
+            lines.append(f"  llguidance fill, {name:<10}{' ' * 35}{fills}")
     return lines
 
 
@@ -301,6 +325,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repetitions", type=int, default=50, help="fresh compiles per schema")
     p.add_argument("--steps", type=int, default=200, help="mask steps per row count")
     p.add_argument("--rows", type=lambda s: [int(r) for r in s.split(",")], default=[8, 32], help="a comma list")
+    p.add_argument(
+        "--llguidance-threads",
+        type=lambda s: [int(n) for n in s.split(",") if n],
+        default=[1, 4, 8],
+        help="llguidance executors of these thread counts, beside its default one (a comma list; '' for none)",
+    )
     p.add_argument("--xgrammar-threads", type=int, default=8, help="xgrammar's compiler and batch threads")
     p.add_argument("--no-xgrammar", action="store_true", help="measure llguidance only")
     p.add_argument("--out", type=Path, default=Path("grammar_cost.json"))

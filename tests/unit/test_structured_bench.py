@@ -130,6 +130,8 @@ def test_grammar_cost_runs_on_the_tiny_checkpoint(tmp_path: Path, capsys: pytest
     assert set(figures["per_schema"]) == set(schemas.SCHEMAS)
     for rows in ("2", "8"):
         assert figures["steps"][rows]["fill_ms"]["n"] == figures["steps"][rows]["consume_ms"]["n"] == 12
+        assert figures["steps_serial"][rows]["fill_ms"]["n"] == 12  # (one row after another, beside)
+    assert sorted(figures["steps_by_threads"], key=int) == ["1", "4", "8"]  # (executors of set sizes)
     if importlib.util.find_spec("xgrammar") is None:
         assert "not installed" in result["xgrammar"]["skipped"]
         assert "xgrammar     skipped" in capsys.readouterr().out
