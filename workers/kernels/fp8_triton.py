@@ -17,8 +17,8 @@ import triton.language as tl
 from workers.kernels._launch import check_launchable, interpreted, next_power_of_2
 from workers.kernels._triton_common import Launch, to_dtype
 
-FP8_MAX = 448.0
-FP8_MIN_SCALE_AMAX = 1e-10  # a row of zeros gets a tiny scale, so its values quantize to 0 rather than NaN
+FP8_MAX = tl.constexpr(448.0)  # (constexpr: compiled kernels may read no other globals)
+FP8_MIN_SCALE_AMAX = tl.constexpr(1e-10)  # a row of zeros gets a tiny scale, so its values quantize to 0, not NaN
 
 
 @triton.jit
@@ -55,7 +55,8 @@ def _quantize_kernel(
     INTERPRETED: tl.constexpr,
 ):
     """One program per (row, group of ``group`` columns): amax, scale = amax / 448, q = x / scale. A group wider
-    than BLOCK (a whole row, per token) is read twice in BLOCK chunks: once for its amax, once to quantize."""
+    than BLOCK (a whole row, per token) is read twice in BLOCK chunks: once for its amax, once to quantize.
+    Divisions are IEEE-rounded (div_rn; compiled Triton's ``/`` is an approximate fp32 division), as torch's."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     start = g * group
@@ -66,19 +67,19 @@ def _quantize_kernel(
     if ONE_BLOCK:
         mask = start + offs < end
         x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_SCALE_AMAX) / FP8_MAX
-        q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_SCALE_AMAX), FP8_MAX)
+        q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
         tl.store(q_row + start + offs, _to_e4m3(q, INTERPRETED), mask=mask)
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for c in range(start, end, BLOCK):
             x = tl.load(x_row + c + offs, mask=c + offs < end, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, 0), FP8_MIN_SCALE_AMAX) / FP8_MAX
+        scale = tl.div_rn(tl.maximum(tl.max(amax, 0), FP8_MIN_SCALE_AMAX), FP8_MAX)
         for c in range(start, end, BLOCK):
             mask = c + offs < end
             x = tl.load(x_row + c + offs, mask=mask, other=0.0).to(tl.float32)
-            q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+            q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
             tl.store(q_row + c + offs, _to_e4m3(q, INTERPRETED), mask=mask)
     tl.store(s_ptr + row * stride_s + g, scale)
 
