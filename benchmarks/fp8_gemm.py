@@ -6,6 +6,9 @@ with enough copies to overflow the L2 cache, so every call reads its weight from
 timings include their activation quantization (the Triton kernel), except the ``*_gemm_only`` columns, which time the
 GEMM on activations quantized beforehand: the difference is what fusing quantization into the preceding kernel
 would win. ``speedup`` is bf16's time over the path's; ``path`` is what `fp8_matmul` chooses.
+
+``--aot 90`` needs no GPU: it compiles each FP8 kernel's launch at these shapes for sm_90 (`benchmarks.aot`) and
+prints its registers, spills and shared memory, exiting 1 where Triton or ptxas rejects one.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ import torch
 
 from benchmarks.kernels import L2_OVERFLOW_BYTES, graph_replay_us
 from workers.kernels import fp8
+from workers.kernels._triton_common import Launch
 from workers.kernels.fp8 import FP8
 
 # (name, rows M, in features K, out features N)
@@ -96,11 +100,53 @@ def run(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def launches() -> Iterator[tuple[str, Launch]]:
+    """Each FP8 kernel's launch at the cases' shapes, on meta tensors (nothing runs)."""
+    from workers.kernels import fp8_triton
+
+    meta = torch.device("meta")
+    for name, m, k, n in CASES:
+        x = torch.empty(m, k, dtype=torch.bfloat16, device=meta)
+        w = torch.empty(n, k, dtype=FP8, device=meta)
+        for layout, given in LAYOUTS.items():
+            block = given or (1, k)
+            scale = torch.empty(-(-n // block[0]), -(-k // block[1]), device=meta)
+            bias = torch.empty(n, dtype=torch.bfloat16, device=meta)
+            group = k if layout == "channel" else fp8.GROUP
+            if m <= fp8.DECODE_ROWS:
+                yield f"gemv {name} {layout}", fp8_triton.plan_weight_gemv(x, w, scale, block, bias)[1]
+                continue
+            x_q, x_s, quantize = fp8_triton.plan_quantize(x, group)
+            yield f"quantize {name} group {group}", quantize
+            yield (
+                f"scaled_mm {name} {layout}",
+                fp8_triton.plan_scaled_mm(x_q, x_s, group, w, scale, block, bias, x.dtype)[1],
+            )
+
+
+def compile_all(arch: int) -> int:
+    from benchmarks.aot import compile_launch
+
+    failed = 0
+    for name, launch in launches():
+        try:
+            used = compile_launch(launch, arch)
+        except Exception as error:  # (any rejection by Triton or ptxas: reported, and the rest still compiled)
+            failed += 1
+            print(f"{name:<44} FAILED {type(error).__name__}: {str(error)[-2000:]}", flush=True)
+            continue
+        print(f"{name:<44} {used.registers:>4} regs {used.spill_bytes:>5} B spilled {used.shared_bytes:>7} B shared")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(sorted(QUICK))}")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--aot", type=int, metavar="ARCH", help="compile the kernels for sm_ARCH (no GPU) and exit")
     args = parser.parse_args(argv)
+    if args.aot:
+        sys.exit(compile_all(args.aot))
     if not torch.cuda.is_available():
         print("benchmarks.fp8_gemm needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)

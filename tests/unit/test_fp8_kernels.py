@@ -208,7 +208,18 @@ def test_kernels_in_interpreter() -> None:
     if INTERPRETED:
         pytest.skip("the kernels run in this process")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x", "-k", "not in_interpreter"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            __file__,
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-x",
+            "-k",
+            "not in_interpreter and not compiles",
+        ],
         env={**os.environ, CHILD: "1", "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
@@ -218,3 +229,22 @@ def test_kernels_in_interpreter() -> None:
     tail = "\n".join(result.stdout.splitlines()[-15:])
     assert result.returncode == 0, tail + result.stderr[-3000:]
     assert " skipped" not in tail.splitlines()[-1], tail
+
+
+@pytest.mark.slow
+def test_every_fp8_kernel_compiles_for_h200() -> None:
+    """`python -m benchmarks.fp8_gemm --aot 90` in a process of its own (no GPU needed): what only the compiler and
+    ptxas reject, which the interpreter never sees, and no kernel spills registers at the benchmark's shapes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", CHILD)}
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.fp8_gemm", "--aot", "90"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "FAILED" not in result.stdout
+    spilled = [line for line in result.stdout.splitlines() if " 0 B spilled" not in line]
+    assert not spilled, spilled

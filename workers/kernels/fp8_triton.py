@@ -320,9 +320,8 @@ def plan_scaled_mm(
 
 
 def _scaled_mm_config(m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps): BLOCK_K is the scale group (128), so a tile never straddles two."""
-    if m >= 256:
-        return 128, 128, 128, 8
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps): BLOCK_K is the scale group (128), so a tile never straddles two. 128 x 128
+    tiles on 8 warps spill on sm_90 (the tile's product beside its accumulator), so every M takes 64 x 128."""
     return 64, 128, 128, 4
 
 
