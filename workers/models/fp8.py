@@ -7,8 +7,9 @@ per-channel ones (and the load-time quantized model) ``(1, in_features)`` and ``
 projection whose parts do not end on a block row keeps its scales per row, ``(1, block_k)``.
 
 On CPU `fp8_linear` dequantizes the weight exactly to that definition and multiplies in the activations' dtype: slow,
-but the formats, the loader and the stack are tested with it. The GPU path (``torch._scaled_mm`` for per-channel
-weights, a block-scaled Triton GEMM, fused activation quantization) replaces `fp8_linear`'s body alone.
+but the formats, the loader and the stack are tested with it. On CUDA it runs `workers.kernels.fp8.fp8_matmul`: a
+Triton GEMV on the FP8 weights for decode, ``torch._scaled_mm`` for per-channel weights, a block-scaled Triton GEMM
+for block-wise ones, activations quantized by Triton kernels.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from workers.kernels.fp8 import fp8_matmul
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -49,8 +52,11 @@ class Fp8Weight:
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T + bias`` for an FP8 weight: the one place an FP8 GEMM plugs in. Here the weight is dequantized to
+    """``x @ w.T + bias`` for an FP8 weight: the one place an FP8 GEMM plugs in. On CUDA the FP8 kernels of
+    `workers.kernels.fp8` (chosen by the number of rows and the scale layout); elsewhere the weight is dequantized to
     ``x``'s dtype (exact to the format) and multiplied as a plain linear map."""
+    if x.is_cuda and weight.data.is_cuda:
+        return fp8_matmul(x, weight.data, weight.scale, weight.block, bias)
     return F.linear(x, weight.dequantize(x.dtype), bias)
 
 

@@ -1,0 +1,160 @@
+"""FP8 GEMMs against bf16 ``@``: each path of `workers.kernels.fp8` on the shapes issue 29 measured (the ViT's,
+a 7B prefill's, 7B decode at batch 1 and 32), CUDA. ``python -m benchmarks.fp8_gemm [--quick] [--out FILE]``.
+
+Each case is timed as CUDA-graph replays (`benchmarks.kernels.graph_replay_us`) of one call per copy of the weight,
+with enough copies to overflow the L2 cache, so every call reads its weight from HBM as a model's layers do. The FP8
+timings include their activation quantization (the Triton kernel), except the ``*_gemm_only`` columns, which time the
+GEMM on activations quantized beforehand: the difference is what fusing quantization into the preceding kernel
+would win. ``speedup`` is bf16's time over the path's; ``path`` is what `fp8_matmul` chooses.
+
+``--aot 90`` needs no GPU: it compiles each FP8 kernel's launch at these shapes for sm_90 (`benchmarks.aot`) and
+prints its registers, spills and shared memory, exiting 1 where Triton or ptxas rejects one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.kernels import L2_OVERFLOW_BYTES, graph_replay_us
+from workers.kernels import fp8
+from workers.kernels._triton_common import Launch
+from workers.kernels.fp8 import FP8
+
+# (name, rows M, in features K, out features N)
+VIT = [("vit_qkv", 4096, 1280, 3840), ("vit_fc1", 4096, 1280, 5120), ("vit_fc2", 4096, 5120, 1280)]
+LM_7B = [("qkv", 3584, 4608), ("o", 3584, 3584), ("gate_up", 3584, 37888), ("down", 18944, 3584)]
+CASES = VIT + [(f"7b_{name}_m{m}", m, k, n) for m in (2048, 32, 1) for name, k, n in LM_7B]
+QUICK = {"vit_fc1", "7b_gate_up_m2048", "7b_gate_up_m1", "7b_down_m1", "7b_down_m32"}
+LAYOUTS = {"block": (128, 128), "channel": None}  # None: (1, K)
+
+
+def weights(n: int, k: int, block: tuple[int, int], copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    return [
+        ((torch.randn(n, k, device="cuda") * 64).to(FP8), torch.rand(grid, device="cuda") * 1e-3 + 1e-3)
+        for _ in range(copies)
+    ]
+
+
+def per_copy_us(copies: int, call: Callable[[int], object]) -> float:
+    def all_copies() -> None:
+        for i in range(copies):
+            call(i)
+
+    return graph_replay_us(all_copies) / copies
+
+
+def time_case(m: int, k: int, n: int, layout: str) -> dict[str, Any]:
+    block = LAYOUTS[layout] or (1, k)
+    copies = max(1, -(-L2_OVERFLOW_BYTES // (n * k)))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w8 = weights(n, k, block, copies)
+    bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(1, copies // 2))]
+    row: dict[str, Any] = {"path": fp8.choose_path(m, n, k, block, torch.cuda.get_device_capability())}
+    row["bf16_us"] = per_copy_us(len(bf16), lambda i: x @ bf16[i].T)
+    row["fp8_matmul_us"] = per_copy_us(copies, lambda i: fp8.fp8_matmul(x, *w8[i], block))
+    if m <= fp8.DECODE_ROWS:
+        row["gemv_us"] = per_copy_us(copies, lambda i: fp8.gemv_triton(x, *w8[i], block, None))
+    if layout == "channel" and k % 16 == 0 and n % 16 == 0:
+        row["scaled_mm_us"] = per_copy_us(copies, lambda i: fp8.scaled_mm_torch(x, *w8[i], block, None))
+        x_q, x_s = fp8.quantize_triton(x, k)
+        row["scaled_mm_gemm_only_us"] = per_copy_us(
+            copies, lambda i: torch._scaled_mm(x_q, w8[i][0].t(), x_s, w8[i][1].view(1, -1), out_dtype=torch.bfloat16)
+        )
+    row["block_us"] = per_copy_us(copies, lambda i: fp8.block_triton(x, *w8[i], block, None))
+    group = k if layout == "channel" else fp8.GROUP
+    row["quantize_us"] = per_copy_us(1, lambda i: fp8.quantize_triton(x, group))
+    fastest = min(v for key, v in row.items() if key.endswith("_us") and key not in ("bf16_us", "quantize_us"))
+    row["speedup"] = row["bf16_us"] / row["fp8_matmul_us"]
+    row["best_speedup"] = row["bf16_us"] / fastest
+    return row
+
+
+def run(quick: bool) -> list[dict[str, Any]]:
+    rows = []
+    print(f"{'case':<20} {'layout':<8} {'path':<9} {'bf16 us':>9} {'fp8 us':>9} {'speedup':>8}  other paths (us)")
+    for name, m, k, n in CASES:
+        if quick and name not in QUICK:
+            continue
+        for layout in LAYOUTS:
+            row = {"case": name, "m": m, "k": k, "n": n, "layout": layout, **time_case(m, k, n, layout)}
+            rows.append(row)
+            others = " ".join(
+                f"{key.removesuffix('_us')}={v:.1f}"
+                for key, v in row.items()
+                if key.endswith("_us") and key not in ("bf16_us", "fp8_matmul_us")
+            )
+            print(
+                f"{name:<20} {layout:<8} {row['path']:<9} {row['bf16_us']:>9.1f} {row['fp8_matmul_us']:>9.1f} "
+                f"{row['speedup']:>7.2f}x  {others}",
+                flush=True,
+            )
+            torch.cuda.empty_cache()
+    return rows
+
+
+def launches() -> Iterator[tuple[str, Launch]]:
+    """Each FP8 kernel's launch at the cases' shapes, on meta tensors (nothing runs)."""
+    from workers.kernels import fp8_triton
+
+    meta = torch.device("meta")
+    for name, m, k, n in CASES:
+        x = torch.empty(m, k, dtype=torch.bfloat16, device=meta)
+        w = torch.empty(n, k, dtype=FP8, device=meta)
+        for layout, given in LAYOUTS.items():
+            block = given or (1, k)
+            scale = torch.empty(-(-n // block[0]), -(-k // block[1]), device=meta)
+            bias = torch.empty(n, dtype=torch.bfloat16, device=meta)
+            group = k if layout == "channel" else fp8.GROUP
+            if m <= fp8.DECODE_ROWS:
+                yield f"gemv {name} {layout}", fp8_triton.plan_weight_gemv(x, w, scale, block, bias)[1]
+                continue
+            x_q, x_s, quantize = fp8_triton.plan_quantize(x, group)
+            yield f"quantize {name} group {group}", quantize
+            yield (
+                f"scaled_mm {name} {layout}",
+                fp8_triton.plan_scaled_mm(x_q, x_s, group, w, scale, block, bias, x.dtype)[1],
+            )
+
+
+def compile_all(arch: int) -> int:
+    from benchmarks.aot import compile_launch
+
+    failed = 0
+    for name, launch in launches():
+        try:
+            used = compile_launch(launch, arch)
+        except Exception as error:  # (any rejection by Triton or ptxas: reported, and the rest still compiled)
+            failed += 1
+            print(f"{name:<44} FAILED {type(error).__name__}: {str(error)[-2000:]}", flush=True)
+            continue
+        print(f"{name:<44} {used.registers:>4} regs {used.spill_bytes:>5} B spilled {used.shared_bytes:>7} B shared")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(sorted(QUICK))}")
+    parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--aot", type=int, metavar="ARCH", help="compile the kernels for sm_ARCH (no GPU) and exit")
+    args = parser.parse_args(argv)
+    if args.aot:
+        sys.exit(compile_all(args.aot))
+    if not torch.cuda.is_available():
+        print("benchmarks.fp8_gemm needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
+    rows = run(args.quick)
+    if args.out:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""The FP8 GEMM paths of `workers.kernels.fp8` compiled, on CUDA, at the real models' shapes, against the dequantizing
+reference in fp32 (tests/unit/test_fp8_kernels.py checks the same kernels in Triton's interpreter and argues the
+bounds; the GPU adds the tensor cores' accumulation). `fp8_linear` choosing each path, and a decode step through the
+FP8 GEMV captured in a CUDA graph.
+
+Hopper's FP8 tensor cores accumulate a K tile's products with fewer bits than fp32 (DeepSeek-V3's report measures
+about 14), which is why the scaled GEMM's accumulation term is 2**-12 of the absolute sum here rather than the
+interpreter's 2**-16; the GEMV multiplies bf16 on fp32 accumulators and keeps the interpreter's bound.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from workers.kernels import fp8
+from workers.kernels._launch import triton_available
+from workers.kernels.fp8 import FP8, dequantize_reference, fp8_matmul_reference, quantize_reference
+
+
+def _skip_reason() -> str | None:
+    # Order matters: importing triton on a machine without CUDA would stop tests/unit from importing it interpreted.
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    if not triton_available():
+        return "triton is not installed"
+    from workers.kernels._launch import interpreted
+
+    if os.environ.get("TRITON_INTERPRET") == "1" or interpreted():
+        return "TRITON_INTERPRET=1 makes every kernel run in the interpreter: run tests/gpu without it"
+    return None
+
+
+_SKIP_REASON = _skip_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")]
+
+CUDA = torch.device("cuda")
+SHAPES = {  # (N, K): the 7B language model's projections and the vision tower's
+    "7b_qkv": (4608, 3584),
+    "7b_o": (3584, 3584),
+    "7b_gate_up": (37888, 3584),
+    "7b_down": (3584, 18944),
+    "vit_qkv": (3840, 1280),
+    "vit_fc2": (1280, 5120),
+}
+LAYOUTS = {"block128": (128, 128), "channel": None, "row128": (1, 128)}
+
+
+def activations(rows: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    return torch.randn(rows, k, generator=g, device=CUDA).to(torch.bfloat16)
+
+
+def fp8_weight(n: int, k: int, block: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    w = (torch.randn(n, k, generator=g, device=CUDA) * 64).clamp(-448, 448).to(FP8)
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    return w, torch.rand(grid, generator=g, device=CUDA) * 2e-3 + 1e-3
+
+
+def within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> None:
+    excess = (actual.float() - expected.float()).abs() - bound
+    assert excess.max().item() <= 0, f"worst excess {excess.max().item():.3g} over the bound"
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gemv_matches_the_dequantizing_reference(rows: int, shape: str, layout: str) -> None:
+    n, k = SHAPES[shape]
+    block = LAYOUTS[layout] or (1, k)
+    x = activations(rows, k, seed=rows)
+    w, scale = fp8_weight(n, k, block, seed=n)
+    bias = torch.randn(n, device=CUDA).to(torch.bfloat16)
+    out = fp8.gemv_triton(x, w, scale, block, bias)
+    ref = fp8_matmul_reference(x.float(), w, scale, block, bias)
+    w_deq = dequantize_reference(w, scale, block)
+    within(out, ref, 2**-8 * ref.abs() + 2**-16 * (x.float().abs() @ w_deq.abs().T))
+
+
+@pytest.mark.parametrize("rows", [17, 2048])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("layout", "path"), [("block128", "block"), ("row128", "block"), ("channel", "scaled_mm")])
+def test_quantized_paths_match_the_reference_on_their_activations(
+    rows: int, shape: str, layout: str, path: str
+) -> None:
+    n, k = SHAPES[shape]
+    block = LAYOUTS[layout] or (1, k)
+    group = k if layout == "channel" else 128
+    x = activations(rows, k, seed=rows + n)
+    w, scale = fp8_weight(n, k, block, seed=k)
+    bias = torch.randn(n, device=CUDA).to(torch.bfloat16)
+    out = fp8._PATHS[path](x, w, scale, block, bias)
+
+    q, s = fp8.quantize_triton(x, group)
+    q_ref, s_ref = quantize_reference(x, group)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    x_deq = dequantize_reference(q_ref, s_ref, (1, group))
+    ref = fp8_matmul_reference(x_deq, w, scale, block, bias)
+    w_deq = dequantize_reference(w, scale, block)
+    # _scaled_mm's product is rounded to bf16 before the bias is added: a second rounding, of the product's size.
+    product = (ref - bias.float()).abs()
+    within(out, ref, 2**-8 * (ref.abs() + product) + 2**-12 * (x_deq.abs() @ w_deq.abs().T))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_linear_chooses_the_path_by_rows_and_layout(layout: str) -> None:
+    from workers.models.fp8 import Fp8Weight, fp8_linear
+
+    n, k = SHAPES["7b_qkv"]
+    block = LAYOUTS[layout] or (1, k)
+    w, scale = fp8_weight(n, k, block, seed=3)
+    weight = Fp8Weight(w, scale, block)
+    expected = {1: "gemv", 16: "gemv", 17: "scaled_mm" if layout == "channel" else "block", 512: None}
+    for rows, path in expected.items():
+        path = path or ("scaled_mm" if layout == "channel" else "block")
+        x = activations(rows, k, seed=rows)
+        assert fp8.choose_path(rows, n, k, block, torch.cuda.get_device_capability()) == path
+        # The kernels are deterministic: the chosen path's own output, bit for bit.
+        assert torch.equal(fp8_linear(x.view(1, rows, k), weight), fp8._PATHS[path](x, w, scale, block, None)[None])
+
+
+def test_a_decode_step_through_the_fp8_gemv_replays_in_a_cuda_graph() -> None:
+    """Two FP8 layers (gate_up, down of the 7B MLP) with the activation between them, captured once and replayed on
+    new inputs: the replay equals the eager run."""
+    from workers.models.fp8 import Fp8Weight, fp8_linear
+
+    hidden, inter = 3584, 18944
+    gate_up = Fp8Weight(*fp8_weight(2 * inter, hidden, (128, 128), seed=1), (128, 128))
+    down = Fp8Weight(*fp8_weight(hidden, inter, (128, 128), seed=2), (128, 128))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        g, u = fp8_linear(x, gate_up).chunk(2, dim=-1)
+        return fp8_linear(torch.nn.functional.silu(g) * u * 1e-3, down)
+
+    static_x = activations(4, hidden, seed=9)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(static_x)  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(static_x)
+    for seed in (10, 11):
+        static_x.copy_(activations(4, hidden, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, step(static_x))

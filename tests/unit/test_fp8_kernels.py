@@ -1,0 +1,250 @@
+"""The FP8 GEMM kernels of `workers.kernels.fp8` in Triton's interpreter on CPU, against the dequantizing reference
+(`fp8_matmul_reference`: the weight dequantized exactly to the format's definition, as `workers.models.fp8`'s
+`fp8_linear` does on CPU, the product in fp32).
+
+Triton picks the interpreter when it is imported; in a test run triton is usually imported compiled first (torch's
+dynamo imports it), so `test_kernels_in_interpreter` runs this module again in a fresh process with
+TRITON_INTERPRET=1, and the kernel tests skip in the parent.
+
+Tolerances, from the formats' precision:
+- quantization: equal (amax, one fp32 division, round to nearest even on the e4m3 grid, as torch); zeros compared
+  as values, since the interpreter's cast to FP8 drops the sign of -0 (no product sees it).
+- GEMV (bf16 activations as they are, exact FP8 weights): the reference is exact up to fp32 summation, so the only
+  differences are the order of fp32 sums and the one rounding to bf16: ``|y - ref| <= 2**-8 |ref| + 2**-16 S`` with
+  ``S = |x| @ |w|.T`` (half a bf16 ulp is at most 2**-8 relative; fp32 reordering over K <= 4096 terms stays far
+  below 2**-16 of the absolute sum).
+- scaled GEMM on the same quantized activations: the same bound. Against the bf16 activations: each activation
+  moves by at most half an e4m3 ulp, ``max(2**-4 |x|, 2**-10 scale)`` (3 mantissa bits; subnormals are multiples of
+  2**-9 scale), so ``|y - x @ w.T| <= E @ |w|.T + 2**-8 |ref|`` with ``E`` those bounds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.kernels import fp8
+from workers.kernels.fp8 import FP8, choose_path, dequantize_reference, fp8_matmul_reference, quantize_reference
+
+CHILD = "VLM_FP8_INTERPRETER_CHILD"
+
+
+def _in_interpreter() -> bool:
+    """Import triton under TRITON_INTERPRET=1 where this process still can (the child process)."""
+    if importlib.util.find_spec("triton") is None or os.environ.get(CHILD) != "1" or "triton" in sys.modules:
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    from workers.kernels import fp8_triton  # noqa: F401
+    from workers.kernels._launch import interpreted
+
+    if interpreted():
+        _fix_interpreter_scalar_index()
+    return interpreted()
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """`range(scalar tensor)` in the interpreter of triton < 3.7 under numpy >= 2.4 (triton-lang/triton#9171), as
+    tests/unit/test_kernels.py patches it."""
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "scalar_index_fixed", False):
+        return
+
+    def patched(tensor: object, scope: interpreter._LangPatchScope) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.scalar_index_fixed = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+INTERPRETED = _in_interpreter()
+kernel = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_in_interpreter's child process")
+
+ROWS = (1, 3, 17)
+SHAPES = [(128, 256), (256, 384), (200, 300)]  # (N, K); the last ragged in both
+LAYOUTS = {"block128": (128, 128), "channel": None, "row128": (1, 128)}  # None: (1, K)
+
+
+def activations(rows: int, k: int, seed: int) -> torch.Tensor:
+    """bf16 activations over six decades (so e4m3 subnormals and carries past a mantissa's last value occur), one row
+    of zeros where there are several rows."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * 10.0 ** torch.empty(rows, k).uniform_(-3, 3, generator=g)
+    if rows > 2:
+        x[1] = 0
+    return x.to(torch.bfloat16)
+
+
+def fp8_weight(n: int, k: int, block: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 64).clamp(-448, 448).to(FP8)
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    scale = torch.empty(grid).uniform_(1e-3, 3e-3, generator=g)  # scales differ by up to 3x: a wrong index shows
+    return w, scale
+
+
+def within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> None:
+    excess = (actual.float() - expected.float()).abs() - bound
+    assert excess.max().item() <= 0, f"worst excess {excess.max().item():.3g} over the bound"
+
+
+def order_bound(x: torch.Tensor, w_deq: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return 2**-8 * ref.float().abs() + 2**-16 * (x.float().abs() @ w_deq.abs().T)
+
+
+# --- quantization ---------------------------------------------------------------------------------------------------
+
+
+@kernel
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("k", [128, 300, 4100])
+@pytest.mark.parametrize("per_token", [True, False], ids=["token", "group128"])
+def test_quantize_matches_the_reference_bit_for_bit(rows: int, k: int, per_token: bool) -> None:
+    x = activations(rows, k, seed=rows * k)
+    group = k if per_token else 128
+    q, s = fp8.quantize_triton(x, group)
+    q_ref, s_ref = quantize_reference(x, group)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.float(), q_ref.float())  # as values: the interpreter's cast writes -0 as +0
+
+
+# --- GEMMs ----------------------------------------------------------------------------------------------------------
+
+
+@kernel
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gemv_matches_the_dequantizing_reference(rows: int, n: int, k: int, layout: str) -> None:
+    block = LAYOUTS[layout] or (1, k)
+    x = activations(rows, k, seed=rows + n)
+    w, scale = fp8_weight(n, k, block, seed=k)
+    bias = torch.randn(n).to(torch.bfloat16)
+    out = fp8.gemv_triton(x, w, scale, block, bias)
+    ref = fp8_matmul_reference(x.float(), w, scale, block, bias)  # fp32: only the kernel rounds to bf16
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    within(out, ref, order_bound(x, dequantize_reference(w, scale, block), ref))
+
+
+@kernel
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_scaled_gemm_matches_the_reference_on_its_quantized_activations(rows: int, n: int, k: int, layout: str) -> None:
+
+    block = LAYOUTS[layout] or (1, k)
+    group = k if layout == "channel" else 128
+    x = activations(rows, k, seed=rows * n)
+    w, scale = fp8_weight(n, k, block, seed=n)
+    bias = torch.randn(n).to(torch.bfloat16) if rows != 3 else None
+    out = fp8.block_triton(x, w, scale, block, bias)
+
+    x_q, x_s = quantize_reference(x, group)
+    x_deq = dequantize_reference(x_q, x_s, (1, group))
+    w_deq = dequantize_reference(w, scale, block)
+    ref = fp8_matmul_reference(x_deq, w, scale, block, bias)
+    within(out, ref, order_bound(x_deq, w_deq, ref))
+
+    # Against the bf16 activations themselves: the quantization's own error, bounded element by element.
+    exact = fp8_matmul_reference(x.float(), w, scale, block, bias)
+    step = torch.maximum(2**-4 * x.float().abs(), 2**-10 * x_s.repeat_interleave(group, 1)[:, :k])
+    within(out, exact, step @ w_deq.abs().T + 2**-8 * exact.abs())
+
+
+@kernel
+def test_a_scaled_gemm_tile_taller_than_the_rows_and_a_bias() -> None:
+    """Rows past M wrap onto real rows in the loads; they must not be stored (M = 17 in a 64-row tile is above)."""
+    x = activations(65, 256, seed=5)
+    w, scale = fp8_weight(130, 256, (128, 128), seed=6)
+    out = fp8.block_triton(x, w, scale, (128, 128), None)
+    assert out.shape == (65, 130)
+    x_q, x_s = quantize_reference(x, 128)
+    ref = fp8_matmul_reference(dequantize_reference(x_q, x_s, (1, 128)), w, scale, (128, 128), None)
+    within(out, ref, order_bound(x, dequantize_reference(w, scale, (128, 128)), ref))
+
+
+# --- dispatch (no kernel) -------------------------------------------------------------------------------------------
+
+
+def test_dispatch_chooses_by_rows_and_scale_layout() -> None:
+    hopper, ampere = (9, 0), (8, 0)
+    assert choose_path(1, 37888, 3584, (128, 128), hopper) == "gemv"
+    assert choose_path(16, 3584, 18944, (1, 18944), hopper) == "gemv"
+    assert choose_path(17, 3584, 18944, (1, 18944), hopper) == "scaled_mm"
+    assert choose_path(2048, 3584, 18944, (1, 18944), ampere) == "block"  # no FP8 tensor cores for cuBLASLt
+    assert choose_path(2048, 3590, 3584, (1, 3584), hopper) == "block"  # _scaled_mm wants multiples of 16
+    assert choose_path(2048, 4608, 3584, (128, 128), hopper) == "block"
+    assert choose_path(2048, 4608, 3584, (1, 128), hopper) == "block"
+    assert choose_path(2048, 4608, 3584, (64, 64), hopper) == "dequantize"
+
+
+def test_fp8_matmul_on_cpu_is_the_dequantizing_reference() -> None:
+    x = activations(3, 300, seed=1)
+    w, scale = fp8_weight(200, 300, (128, 128), seed=2)
+    ref = (x.float() @ dequantize_reference(w, scale, (128, 128)).T).to(torch.bfloat16)
+    assert torch.equal(fp8.fp8_matmul(x.view(1, 3, 300), w, scale, (128, 128)), ref.view(1, 3, 200))
+
+
+def test_fp8_matmul_refuses_a_scale_grid_that_does_not_fit() -> None:
+    w, scale = fp8_weight(200, 300, (128, 128), seed=2)
+    with pytest.raises(ValueError, match="w_scale must be contiguous fp32 \\[2, 3\\]"):
+        fp8.fp8_matmul(activations(1, 300, seed=1), w, scale[:, :2], (128, 128))
+
+
+# --- the interpreter run ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_kernels_in_interpreter() -> None:
+    """This module in a process of its own, where triton can still be imported under the interpreter."""
+    if INTERPRETED:
+        pytest.skip("the kernels run in this process")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            __file__,
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-x",
+            "-k",
+            "not in_interpreter and not compiles",
+        ],
+        env={**os.environ, CHILD: "1", "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,  # (a bound for a hang, not a speed check)
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    tail = "\n".join(result.stdout.splitlines()[-15:])
+    assert result.returncode == 0, tail + result.stderr[-3000:]
+    assert " skipped" not in tail.splitlines()[-1], tail
+
+
+@pytest.mark.slow
+def test_every_fp8_kernel_compiles_for_h200() -> None:
+    """`python -m benchmarks.fp8_gemm --aot 90` in a process of its own (no GPU needed): what only the compiler and
+    ptxas reject, which the interpreter never sees, and no kernel spills registers at the benchmark's shapes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", CHILD)}
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.fp8_gemm", "--aot", "90"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "FAILED" not in result.stdout
+    spilled = [line for line in result.stdout.splitlines() if " 0 B spilled" not in line]
+    assert not spilled, spilled

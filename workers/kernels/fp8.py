@@ -1,0 +1,181 @@
+"""FP8 GEMMs on the GPU: ``y = x @ w.T + bias`` for a weight w [N, K] stored as float8_e4m3fn values with fp32 scales
+``w_scale[n // block_n, k // block_k]`` (`workers.models.fp8.Fp8Weight`'s definition), x in bf16.
+
+Three paths, chosen by `choose_path` from the number of rows and the weight's scale layout:
+
+* ``gemv`` (decode, up to `DECODE_ROWS` rows): a Triton kernel reads the FP8 weights once and multiplies the bf16
+  activations as they are, the weight tiles widened and scaled in registers. Decode reads every weight each step,
+  so it gains by the halved bytes; quantizing activations first would add a kernel and gain nothing.
+* ``scaled_mm`` (per-channel weights, one scale per output row): activations quantized per token by a Triton kernel,
+  then ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM) with the row and column scales.
+* ``block`` (block-wise weights, 128-wide K blocks, and fused projections kept per row): activations quantized per
+  1 x 128 group, then the Triton block-scaled GEMM, which scales each K tile's fp32 product by the activation's and
+  the weight's scales for that tile.
+
+Every function here takes the weight as tensors (data, scale, block): this layer sits below `workers.models`.
+``name_reference`` functions are the same arithmetic in torch, which tests check the kernels against.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from workers.kernels._launch import use_triton
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+GROUP = 128  # activation scale group of the block path: the weight's K block
+DECODE_ROWS = 16  # up to this many rows the GEMV's weight streaming beats quantizing activations for a GEMM
+MIN_SCALE_AMAX = 1e-10  # as the kernel's: a row of zeros quantizes to zeros
+
+
+# --- references -----------------------------------------------------------------------------------------------------
+
+
+def quantize_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales [M, ceil(K / group)]) of x [M, K]: per group of ``group`` columns, ``scale = amax / 448`` and
+    ``q = x / scale`` rounded to e4m3 (as vLLM's and SGLang's dynamic FP8 quantization). ``group = K``: per token."""
+    rows, cols = x.shape
+    groups = -(-cols // group)
+    padded = torch.zeros(rows, groups * group, dtype=torch.float32, device=x.device)
+    padded[:, :cols] = x.float()
+    tiles = padded.view(rows, groups, group)
+    scale = tiles.abs().amax(-1).clamp_min(MIN_SCALE_AMAX) / FP8_MAX
+    q = (tiles / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(rows, -1)[:, :cols].contiguous(), scale
+
+
+def expand_scale(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """A scale grid spread to one scale per element of a [rows, cols] tensor."""
+    rows, cols = shape
+    return scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+
+
+def dequantize_reference(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``data[i, j] * scale[i // block_n, j // block_k]`` in fp32."""
+    return data.float() * expand_scale(scale, block, data.shape)
+
+
+def fp8_matmul_reference(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ w.T + bias`` in fp32 on the exactly dequantized weight, rounded once to x's dtype."""
+    out = x.float() @ dequantize_reference(w, w_scale, block).T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
+# --- dispatch -------------------------------------------------------------------------------------------------------
+
+
+def choose_path(rows: int, n: int, k: int, block: tuple[int, int], capability: tuple[int, int]) -> str:
+    """``gemv``, ``scaled_mm``, ``block`` or ``dequantize`` (a layout no kernel takes) for a [rows, k] x [n, k]
+    product with the weight's scale ``block`` on a GPU of compute ``capability``."""
+    per_channel = block[0] == 1 and block[1] >= k
+    if not (per_channel or block[1] % GROUP == 0):
+        return "dequantize"
+    if rows <= DECODE_ROWS:
+        return "gemv"
+    if per_channel and capability >= (8, 9) and n % 16 == 0 and k % 16 == 0:
+        return "scaled_mm"
+    return "block"
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return major, minor
+
+
+def fp8_matmul(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] bf16 or fp16, w [N, K] FP8, w_scale fp32 as ``block`` lays it out: [..., N] in x's dtype. The GPU
+    kernels on CUDA tensors, the dequantizing reference otherwise."""
+    w_scale = w_scale.float().contiguous()  # (no copy for the fp32 scales a loaded layer holds)
+    check_inputs(x, w, w_scale, block, bias)
+    if not use_triton(x, w, w_scale):
+        return fp8_matmul_reference(x.reshape(-1, x.shape[-1]), w, w_scale, block, bias).view(*x.shape[:-1], -1)
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    path = choose_path(x2.shape[0], w.shape[0], w.shape[1], block, _capability(x.device.index or 0))
+    out = _PATHS[path](x2, w, w_scale, block, bias)
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+def gemv_triton(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The decode path: x [M <= DECODE_ROWS, K] times the FP8 weight, no activation quantization."""
+    from workers.kernels import fp8_triton
+
+    if x.shape[0] > fp8_triton.DECODE_BLOCK_M:
+        raise ValueError(f"the FP8 GEMV takes up to {fp8_triton.DECODE_BLOCK_M} rows, got {x.shape[0]}")
+    return fp8_triton.weight_gemv(x, w, w_scale, _scale_block(block, w.shape[1]), bias)
+
+
+def block_triton(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Activations per 1 x 128 group (per token for a per-channel weight), then the Triton scaled GEMM."""
+    from workers.kernels import fp8_triton
+
+    k = x.shape[1]
+    group = k if block[1] >= k else GROUP
+    x_q, x_s = fp8_triton.quantize(x, group)
+    return fp8_triton.scaled_mm(x_q, x_s, group, w, w_scale, _scale_block(block, k), bias, x.dtype)
+
+
+def scaled_mm_torch(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Per-channel weights: activations per token (Triton), then cuBLASLt's FP8 GEMM through ``torch._scaled_mm``."""
+    from workers.kernels import fp8_triton
+
+    x_q, x_s = fp8_triton.quantize(x, x.shape[1])
+    out = torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
+    return out if bias is None else out + bias
+
+
+def dequantize_torch(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
+) -> torch.Tensor:
+    return fp8_matmul_reference(x, w, w_scale, block, bias)
+
+
+_PATHS = {"gemv": gemv_triton, "scaled_mm": scaled_mm_torch, "block": block_triton, "dequantize": dequantize_torch}
+
+
+def quantize_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_reference` as one Triton kernel: x [M, K] (unit column stride) to (q, scales)."""
+    from workers.kernels import fp8_triton
+
+    if x.ndim != 2 or x.stride(-1) != 1 or group < 1:
+        raise ValueError(f"x must be [M, K] with unit column stride and group >= 1, got {tuple(x.shape)}, {group}")
+    return fp8_triton.quantize(x, group)
+
+
+def _scale_block(block: tuple[int, int], k: int) -> tuple[int, int]:
+    """The block with a per-channel K extent clamped to K, so that ``k0 // block_k`` is 0 for every tile."""
+    return block[0], max(1, min(block[1], k))
+
+
+def check_inputs(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
+) -> None:
+    if w.ndim != 2 or w.dtype != FP8 or x.shape[-1] != w.shape[1] or w.stride(-1) != 1:
+        raise ValueError(
+            f"w must be float8_e4m3fn [N, K] with unit column stride for x [..., K], got {w.dtype} {tuple(w.shape)} "
+            f"strides {w.stride()} and {tuple(x.shape)}"
+        )
+    grid = (-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1]))
+    if tuple(w_scale.shape) != grid or w_scale.dtype != torch.float32 or w_scale.stride(-1) != 1:
+        raise ValueError(
+            f"w_scale must be contiguous fp32 {list(grid)} for w {tuple(w.shape)} in blocks {block}, got "
+            f"{w_scale.dtype} {tuple(w_scale.shape)}"
+        )
+    if bias is not None and bias.shape != (w.shape[0],):
+        raise ValueError(f"bias must be [{w.shape[0]}], got {tuple(bias.shape)}")

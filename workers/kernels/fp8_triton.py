@@ -1,0 +1,388 @@
+"""Triton kernels behind `workers.kernels.fp8` (imports triton): dynamic FP8 activation quantization (per token, per
+1 x group), the scaled FP8 GEMM (block-wise or per-channel weight scales, activation scales per group or per token)
+and the decode GEMM that reads FP8 weights and multiplies bf16 activations directly.
+
+Scale indexing, one rule for every layout: the weight's ``[n, k]`` element has scale
+``w_scale[n // scale_block_n, k // scale_block_k]`` and the activation's ``[m, k]`` one ``x_scale[m, k // group]``. A
+K tile never straddles a scale block (``BLOCK_K`` divides the block, or the block covers all of K), so each tile
+takes one scale per row and column and the scaling happens on the tile's fp32 product, after the dot.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.kernels._launch import check_launchable, interpreted, next_power_of_2
+from workers.kernels._triton_common import Launch, to_dtype
+
+FP8_MAX = tl.constexpr(448.0)  # (constexpr: compiled kernels may read no other globals)
+FP8_MIN_SCALE_AMAX = tl.constexpr(1e-10)  # a row of zeros gets a tiny scale, so its values quantize to 0, not NaN
+
+
+@triton.jit
+def _to_e4m3(x, INTERPRETED: tl.constexpr):
+    """fp32 ``x`` (within +-448) in float8_e4m3fn, rounded to nearest even as torch and sm_90's cvt.rn round.
+
+    Triton's interpreter (3.6) drops the carry when rounding a mantissa up past its last value (7.8 became 4, not
+    8); there the value is put on the e4m3 grid in fp32 first, where the conversion is exact: normal numbers keep
+    3 mantissa bits (rounded on the bits), subnormals (below 2**-6) are multiples of 2**-9 (their magnitude rounded
+    by adding and taking away 1.5 * 2**23 * 2**-9, which rounds the lost bits to even).
+    """
+    if INTERPRETED:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+        normal = bits.to(tl.float32, bitcast=True)
+        magic = 12582912.0 * 0.001953125  # 1.5 * 2**23 * 2**-9
+        sub = (tl.abs(x) + magic) - magic
+        x = tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -sub, sub), normal)  # the sign kept, -0 included
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    n_cols,
+    stride_x,
+    stride_q,
+    stride_s,
+    group,
+    BLOCK: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """One program per (row, group of ``group`` columns): amax, scale = amax / 448, q = x / scale. A group wider
+    than BLOCK (a whole row, per token) is read twice in BLOCK chunks: once for its amax, once to quantize.
+    Divisions are IEEE-rounded (div_rn; compiled Triton's ``/`` is an approximate fp32 division), as torch's."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    start = g * group
+    end = tl.minimum(start + group, n_cols)
+    offs = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * stride_x
+    q_row = q_ptr + row * stride_q
+    if ONE_BLOCK:
+        mask = start + offs < end
+        x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_SCALE_AMAX), FP8_MAX)
+        q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_row + start + offs, _to_e4m3(q, INTERPRETED), mask=mask)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c in range(start, end, BLOCK):
+            x = tl.load(x_row + c + offs, mask=c + offs < end, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.div_rn(tl.maximum(tl.max(amax, 0), FP8_MIN_SCALE_AMAX), FP8_MAX)
+        for c in range(start, end, BLOCK):
+            mask = c + offs < end
+            x = tl.load(x_row + c + offs, mask=mask, other=0.0).to(tl.float32)
+            q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+            tl.store(q_row + c + offs, _to_e4m3(q, INTERPRETED), mask=mask)
+    tl.store(s_ptr + row * stride_s + g, scale)
+
+
+@triton.jit
+def _scaled_mm_kernel(
+    a_ptr,
+    a_s_ptr,
+    b_ptr,
+    b_s_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_bn,
+    stride_bsn,
+    stride_cm,
+    a_group,
+    scale_block_n,
+    scale_block_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """c = (a * a_s) @ (b * b_s)^T: per K tile, the FP8 dot in fp32, times a_s[m, kb] * b_s[nb, kb], summed."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles share each column tile while it is in L2.
+    in_group = GROUP_M * tiles_n
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Out-of-range rows and columns wrap onto valid ones (no load masks on M and N); their results are not stored.
+    rows_in = (rows % M).to(tl.int64)
+    cols_in = (cols % N).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows_in[:, None] * stride_am + ks[None, :]
+    b_ptrs = b_ptr + cols_in[None, :] * stride_bn + ks[:, None]
+    a_s_ptrs = a_s_ptr + rows_in * stride_asm
+    b_s_ptrs = b_s_ptr + (cols_in // scale_block_n) * stride_bsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_in = ks < K - k0
+        a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_in[:, None], other=0.0)
+        a_s = tl.load(a_s_ptrs + k0 // a_group)
+        b_s = tl.load(b_s_ptrs + k0 // scale_block_k)
+        if INTERPRETED:  # noqa: SIM108 (fp8 values are exact in fp32; the interpreter's dot is numpy's)
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32))
+        else:
+            part = tl.dot(a, b)
+        acc += part * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols_in).to(tl.float32)[None, :]
+    out = to_dtype(acc, c_ptr.dtype.element_ty, INTERPRETED)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :], out, mask=mask)
+
+
+@triton.jit
+def _fp8_weight_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    w_s_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_wsn,
+    stride_om,
+    scale_block_n,
+    scale_block_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """out = x @ (w * w_s)^T for few rows of x (bf16 as they come): each program streams BLOCK_N weight rows once,
+    widening each FP8 tile to x's dtype in registers (exact: every e4m3 value is a bf16 value), and scales the
+    tile's fp32 product by the weight's scales for that K tile."""
+    pid_n = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_in = (cols % N).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    row_in = rows < M
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
+    w_ptrs = w_ptr + cols_in[None, :] * stride_wn + ks[:, None]
+    w_s_ptrs = w_s_ptr + (cols_in // scale_block_n) * stride_wsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_in = ks < K - k0
+        x = tl.load(x_ptrs, mask=row_in[:, None] & k_in[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
+        w_s = tl.load(w_s_ptrs + k0 // scale_block_k)
+        if INTERPRETED:  # noqa: SIM108 (a static branch; the ternary form is not what Triton kernels here use)
+            part = tl.dot(x.to(tl.float32), w.to(tl.float32))
+        else:
+            part = tl.dot(x, w.to(x.dtype))
+        acc += part * w_s[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols_in).to(tl.float32)[None, :]
+    out = to_dtype(acc, out_ptr.dtype.element_ty, INTERPRETED)
+    mask = row_in[:, None] & (cols[None, :] < N)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], out, mask=mask)
+
+
+# --- launches -----------------------------------------------------------------------------------------------------
+
+
+def quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [M, K] float8_e4m3fn, scales [M, ceil(K / group)] fp32) of x [M, K] with unit column stride."""
+    check_launchable(x.device)
+    q, s, step = plan_quantize(x, group, interpreted())
+    if x.numel():
+        step()
+    return q, s
+
+
+def plan_quantize(
+    x: torch.Tensor, group: int, interpreted_mode: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, Launch]:
+    rows, cols = x.shape
+    groups = -(-cols // group)
+    q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    block = min(next_power_of_2(group), QUANTIZE_BLOCK)
+    step = Launch(
+        _quantize_kernel,
+        grid=(rows, groups),
+        args={
+            "x_ptr": x,
+            "q_ptr": q,
+            "s_ptr": s,
+            "n_cols": cols,
+            "stride_x": x.stride(0),
+            "stride_q": q.stride(0),
+            "stride_s": s.stride(0),
+            "group": group,
+        },
+        constexprs={"BLOCK": block, "ONE_BLOCK": block >= group, "INTERPRETED": interpreted_mode},
+        num_warps=max(1, min(8, block // 256)),
+    )
+    return q, s, step
+
+
+QUANTIZE_BLOCK = 2048  # columns a program holds at once (8 per thread at 8 warps); a wider row is read in chunks
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    a_group: int,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    check_launchable(a.device)
+    out, step = plan_scaled_mm(a, a_scale, a_group, b, b_scale, block, bias, out_dtype, interpreted())
+    if out.numel():
+        step()
+    return out
+
+
+def plan_scaled_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    a_group: int,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    interpreted_mode: bool = False,
+) -> tuple[torch.Tensor, Launch]:
+    """(out [M, N], the launch that fills it) for a [M, K] fp8 with a_scale [M, ceil(K / a_group)], b [N, K] fp8 with
+    b_scale [ceil(N / block_n), ceil(K / block_k)]."""
+    (m, k), n = a.shape, b.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    block_m, block_n, block_k, warps = _scaled_mm_config(m)
+    step = Launch(
+        _scaled_mm_kernel,
+        grid=(triton.cdiv(m, block_m) * triton.cdiv(n, block_n),),
+        args={
+            "a_ptr": a,
+            "a_s_ptr": a_scale,
+            "b_ptr": b,
+            "b_s_ptr": b_scale,
+            "bias_ptr": bias if bias is not None else b_scale,  # read only with HAS_BIAS
+            "c_ptr": out,
+            "M": m,
+            "N": n,
+            "K": k,
+            "stride_am": a.stride(0),
+            "stride_asm": a_scale.stride(0),
+            "stride_bn": b.stride(0),
+            "stride_bsn": b_scale.stride(0),
+            "stride_cm": out.stride(0),
+            "a_group": a_group,
+            "scale_block_n": block[0],
+            "scale_block_k": block[1],
+        },
+        constexprs={
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "BLOCK_K": block_k,
+            "GROUP_M": 8,
+            "HAS_BIAS": bias is not None,
+            "INTERPRETED": interpreted_mode,
+        },
+        num_warps=warps,
+        num_stages=3,
+    )
+    return out, step
+
+
+def _scaled_mm_config(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps): BLOCK_K is the scale group (128), so a tile never straddles two. 128 x 128
+    tiles on 8 warps spill on sm_90 (the tile's product beside its accumulator), so every M takes 64 x 128."""
+    return 64, 128, 128, 4
+
+
+def weight_gemv(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
+) -> torch.Tensor:
+    check_launchable(x.device)
+    out, step = plan_weight_gemv(x, w, w_scale, block, bias, interpreted())
+    if out.numel():
+        step()
+    return out
+
+
+DECODE_BLOCK_M = 16  # the smallest tl.dot; the decode path takes up to this many rows
+
+
+def plan_weight_gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None,
+    interpreted_mode: bool = False,
+) -> tuple[torch.Tensor, Launch]:
+    """(out [M, N] in x's dtype, the launch) for x [M <= 16, K], w [N, K] fp8 with w_scale [ceil(N / block_n),
+    ceil(K / block_k)]."""
+    (m, k), n = x.shape, w.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_n = _gemv_block_n(n)
+    step = Launch(
+        _fp8_weight_gemv_kernel,
+        grid=(triton.cdiv(n, block_n),),
+        args={
+            "x_ptr": x,
+            "w_ptr": w,
+            "w_s_ptr": w_scale,
+            "bias_ptr": bias if bias is not None else w_scale,  # read only with HAS_BIAS
+            "out_ptr": out,
+            "M": m,
+            "N": n,
+            "K": k,
+            "stride_xm": x.stride(0),
+            "stride_wn": w.stride(0),
+            "stride_wsn": w_scale.stride(0),
+            "stride_om": out.stride(0),
+            "scale_block_n": block[0],
+            "scale_block_k": block[1],
+        },
+        constexprs={
+            "BLOCK_M": DECODE_BLOCK_M,
+            "BLOCK_N": block_n,
+            "BLOCK_K": 128,
+            "HAS_BIAS": bias is not None,
+            "INTERPRETED": interpreted_mode,
+        },
+        num_warps=4,
+        num_stages=4,
+    )
+    return out, step
+
+
+def _gemv_block_n(n: int) -> int:
+    # Enough programs to keep every SM streaming weights (a 7B down_proj has only 3584 rows), wider tiles beyond.
+    return 16 if n <= 8192 else 32
