@@ -51,6 +51,10 @@ from benchmarks.workloads import WorkloadOptions, seed3img_request, text_request
 Record = dict[str, Any]
 KINDS = ("text", "images", "video", "bad")
 BAD_INPUTS = ("not_json", "unknown_model", "broken_image", "negative_max_tokens", "no_messages")
+# A try that never reached a server (the gateway down: connection refused, or reset before any response byte) is
+# made again after a back-off, as OpenAI's clients do with connection errors, until the request's deadline.
+NOT_CONNECTED = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError)
+RETRY_FIRST_S, RETRY_CAP_S = 0.2, 2.0
 
 
 # ---------------------------------------------------------------------------------------- traffic
@@ -130,33 +134,61 @@ def new_record(req: Request, t0: float) -> Record:
         "end_s": None,
         "output_tokens": None,
         "chunks": 0,
+        "retries": 0,  # tries made again because the one before never reached a server
     }
 
 
+def connect_retry_delay(error: BaseException, responded: bool, retries: int) -> float | None:
+    """Seconds to wait before trying a request again whose last try failed with ``error`` after ``retries`` such
+    retries; None: not again. Only a try that never reached a server is made again (exponential back-off from
+    ``RETRY_FIRST_S`` up to ``RETRY_CAP_S``); a request that got a response, whole or in part, never is."""
+    if responded or not isinstance(error, NOT_CONNECTED):
+        return None
+    return min(RETRY_FIRST_S * 2.0**retries, RETRY_CAP_S)
+
+
 async def send(http: aiohttp.ClientSession, url: str, req: Request, t0: float, deadline_s: float) -> Record:
-    """One request; a failure of any kind becomes the record's error, a missed deadline ``timed_out``."""
+    """One request, tried again while it cannot reach a server (`connect_retry_delay`); a failure of any kind
+    becomes the record's error, a missed deadline ``timed_out``."""
     record = new_record(req, t0)
+    last_error = ""
     try:
         async with asyncio.timeout(deadline_s):
-            async with http.post(url, data=req.body, headers={"Content-Type": "application/json"}) as response:
-                record["status"] = response.status
-                record["retry_after"] = response.headers.get("Retry-After")
-                if response.status != 200:
-                    raw = await response.read()
-                    record["error"], record["error_code"] = _error_text(raw), _error_code(raw)
-                elif req.stream:
-                    await _read(response, record, req.hang_up)
-                else:
-                    _check_answer(record, await response.json(content_type=None), req.n)
+            while True:
+                try:
+                    await _try(http, url, req, record)
+                    break
+                except aiohttp.ClientError as exc:
+                    delay = connect_retry_delay(exc, record["status"] is not None, record["retries"])
+                    if delay is None:
+                        raise
+                    last_error = f"{type(exc).__name__}: {exc}"
+                    record["retries"] += 1
+                    await asyncio.sleep(delay)
     except TimeoutError:
         record["timed_out"] = True
         record["error"] = f"no answer within the deadline ({deadline_s:.0f} s)"
+        if record["status"] is None and last_error:
+            record["error"] += f"; never reached a server in {record['retries'] + 1} tries ({last_error})"
     except aiohttp.ClientError as exc:
         record["error"] = f"{type(exc).__name__}: {exc}"
     except Exception as exc:  # one odd reply must not end the run
         record["error"] = f"unexpected {type(exc).__name__}: {exc}"
     record["end_s"] = time.perf_counter() - t0
     return record
+
+
+async def _try(http: aiohttp.ClientSession, url: str, req: Request, record: Record) -> None:
+    async with http.post(url, data=req.body, headers={"Content-Type": "application/json"}) as response:
+        record["status"] = response.status
+        record["retry_after"] = response.headers.get("Retry-After")
+        if response.status != 200:
+            raw = await response.read()
+            record["error"], record["error_code"] = _error_text(raw), _error_code(raw)
+        elif req.stream:
+            await _read(response, record, req.hang_up)
+        else:
+            _check_answer(record, await response.json(content_type=None), req.n)
 
 
 async def _read(response: aiohttp.ClientResponse, record: Record, hang_up: bool) -> None:
@@ -247,8 +279,10 @@ class Chaos:
                     os.kill(pid, signal.SIGKILL)
                 else:
                     os.kill(pid, signal.SIGSTOP)
-                    await asyncio.sleep(float(self.rng.uniform(*self.hang_s)))
-                    os.kill(pid, signal.SIGCONT)
+                    try:
+                        await asyncio.sleep(float(self.rng.uniform(*self.hang_s)))
+                    finally:  # (also when the soak is stopped mid-hang: a stopped process would outlive its stack)
+                        os.kill(pid, signal.SIGCONT)
                     event["resumed_s"] = time.perf_counter() - self.t0
             event["back_s"] = await self._back(name, pid if action == "kill" else 0)
 
@@ -511,6 +545,8 @@ def summarise(records: list[Record]) -> dict[str, Any]:
         "by_kind": by_kind,
         "streamed": sum(r["stream"] for r in records),
         "hung_up": sum(r["hung_up"] for r in records),
+        "connect_retries": sum(r.get("retries", 0) for r in records),
+        "retried_requests": sum(r.get("retries", 0) > 0 for r in records),
     }
 
 
@@ -606,6 +642,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _stop_undisturbed(stack: Stack) -> None:
+    """``stack.stop()`` with SIGTERM and SIGINT held off: a second signal must not cut its stop short."""
+    before = {each: signal.signal(each, signal.SIG_IGN) for each in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stack.stop()
+    finally:
+        for each, handler in before.items():
+            signal.signal(each, handler)
+
+
 def open_stack(args: argparse.Namespace) -> Stack:
     if args.url:
         return Stack.from_config(args.url, Path(args.config)) if args.config else Stack(args.url)
@@ -630,13 +676,33 @@ async def run(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
     }
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM: raised like Ctrl-C's KeyboardInterrupt, so that it ends the event loop wherever it comes and the
+    stack this run started is stopped on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stopped(signum: int, _frame: object) -> None:
+    raise Stopped(signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    stack = open_stack(args)
+    signal.signal(signal.SIGTERM, _stopped)
+    stack: Stack | None = None
     try:
+        stack = open_stack(args)  # (stops what it started itself when it fails or is stopped)
         out = asyncio.run(run(args, stack))
+    except KeyboardInterrupt as stopped:
+        signum = getattr(stopped, "signum", signal.SIGINT)
+        print(f"soak: stopped by signal {signum}; stopping the stack", file=sys.stderr)
+        sys.exit(128 + signum)
     finally:
-        stack.stop()
+        if stack is not None:
+            _stop_undisturbed(stack)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1, default=str))
