@@ -137,14 +137,15 @@ class Stack:
         self.keep_logs()
 
     def keep_logs(self) -> None:
-        """The run directory's logs/ copied (files, never links) into ``keep_logs_in``/logs: the run directory is
-        under the repository, outside the result folder that is shipped."""
+        """The run directory's logs/ and supervisord.log copied (files, never links) into ``keep_logs_in``/logs: the
+        run directory is under the repository, outside the result folder that is shipped."""
         if self.keep_logs_in is None or self.conf is None or not (self.conf.parent / "logs").is_dir():
             return
+        run, kept = self.conf.parent, self.keep_logs_in / "logs"
         try:
-            shutil.copytree(
-                self.conf.parent / "logs", self.keep_logs_in / "logs", ignore_dangling_symlinks=True, dirs_exist_ok=True
-            )
+            shutil.copytree(run / "logs", kept, ignore_dangling_symlinks=True, dirs_exist_ok=True)
+            if (run / "supervisord.log").is_file():
+                shutil.copy(run / "supervisord.log", kept / "supervisord.log")
         except OSError as exc:  # (a log rotated away while copied: the rest is kept)
             print(f"soak: not every log was kept: {exc}", file=sys.stderr)
 
