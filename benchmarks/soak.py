@@ -22,6 +22,12 @@ time), then Poisson arrivals at ``--burst-factor`` x that rate for ``--burst-s``
 
 Writes ``--out`` (config, summary, verdict, chaos events, every request, every sample) and a plot beside it
 (``.png``): each resource over time, chaos events marked.
+
+How long a run takes: a soak about ``--duration`` plus the stack's start (a 7B checkpoint's stack takes over a
+minute to load), its last requests, the drain and the stop: about ``--duration`` + 2 minutes on the H200, so a device
+call for ``--duration 480`` needs about 10 to 11 minutes. ``--time-bound`` prints the longest a run of the options
+given may take before it must be stopped (every wait at its limit); `benchmarks.gpu` uses it as the part's timeout.
+SIGTERM or Ctrl-C stops a run and the stack it started (no JSON then).
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import numpy as np
 
 from benchmarks import soak_verdict
 from benchmarks.serve import _error_text, _read_stream, environment
-from benchmarks.soak_stack import Stack, sample, start_stack
+from benchmarks.soak_stack import START_WAIT_S, STOP_WAIT_S, Stack, sample, start_stack
 from benchmarks.workloads import WorkloadOptions, seed3img_request, text_request, video_request
 
 Record = dict[str, Any]
@@ -55,6 +61,9 @@ BAD_INPUTS = ("not_json", "unknown_model", "broken_image", "negative_max_tokens"
 # made again after a back-off, as OpenAI's clients do with connection errors, until the request's deadline.
 NOT_CONNECTED = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError)
 RETRY_FIRST_S, RETRY_CAP_S = 0.2, 2.0
+BEFORE_BURST = 5  # requests one at a time before the burst: the latency alone
+BACK_WAIT_S = 120.0  # how long a chaos event waits for its stage to run again
+WRITE_S = 60.0  # the last sample, the JSON and the plot
 
 
 # ---------------------------------------------------------------------------------------- traffic
@@ -286,7 +295,7 @@ class Chaos:
                     event["resumed_s"] = time.perf_counter() - self.t0
             event["back_s"] = await self._back(name, pid if action == "kill" else 0)
 
-    async def _back(self, name: str, killed_pid: int, timeout_s: float = 120.0) -> float | None:
+    async def _back(self, name: str, killed_pid: int, timeout_s: float = BACK_WAIT_S) -> float | None:
         """When the stage ran again (a killed one: as a new process) and the stack was healthy (None: not within
         ``timeout_s``)."""
 
@@ -444,7 +453,7 @@ async def overload(h: Harness) -> dict[str, Any]:
     counter = iter(range(10**9))
     background = asyncio.create_task(sampler(h.stack, h.t0, args.sample_every, h.samples))
     rate = args.sustainable_rate or await measure_rate(h, counter)
-    alone = await one_at_a_time(h, counter, float("inf"), "before", count=5)
+    alone = await one_at_a_time(h, counter, float("inf"), "before", count=BEFORE_BURST)
     baseline = float(np.median([r["end_s"] - r["start_s"] for r in alone if r["error"] is None] or [float("nan")]))
     burst_start = h.now()
     gaps = np.random.default_rng([args.seed, 5]).exponential(1.0 / (args.burst_factor * rate), size=10**6)
@@ -591,6 +600,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def time_bound_s(args: argparse.Namespace) -> float:
+    """The longest a run of these options may take, every wait at its limit: the stack's start, the traffic (its last
+    requests up to their deadline; a soak's last chaos event waiting for its stage; the burst's measuring, one at a
+    time requests, burst and tail), the drain, the stack's stop and the output."""
+    start = 0.0 if args.url else START_WAIT_S
+    deadline = args.request_timeout + args.deadline_grace
+    if args.burst:
+        measure = 0.0 if args.sustainable_rate else args.measure_s + deadline
+        traffic = measure + BEFORE_BURST * deadline + args.burst_s + args.tail_s + deadline
+    else:
+        traffic = args.duration + max(deadline, args.hang_s[1] + BACK_WAIT_S) + args.drain_s
+    return start + traffic + STOP_WAIT_S + WRITE_S
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running stack (else one is started on --model)")
@@ -633,8 +656,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--refuse-within-s", type=float, default=5.0)
     p.add_argument("--recover-factor", type=float, default=2.0)
     p.add_argument("--recover-within-s", type=float, default=10.0)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="the result JSON (the plot beside it)")
+    p.add_argument(
+        "--time-bound",
+        action="store_true",
+        help="print the longest a run of the other options given may take, in seconds (every wait at its limit), "
+        "and exit",
+    )
     args = p.parse_args(argv)
+    if not args.out and not args.time_bound:
+        p.error("--out is required")
     if args.config and not args.url:
         p.error("--config describes a running stack: give its --url too")
     if len(args.mix.split(",")) != len(KINDS):
@@ -691,6 +722,9 @@ def _stopped(signum: int, _frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.time_bound:
+        print(round(time_bound_s(args)))
+        return
     signal.signal(signal.SIGTERM, _stopped)
     stack: Stack | None = None
     try:
