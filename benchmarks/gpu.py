@@ -133,6 +133,15 @@ class Run:
             log(f"{name}: exit {code}")
         return code
 
+    def keep(self, name: str, path: Path) -> None:
+        """The summary of the JSON at ``path`` (in raw/) as NAME.json, and a row for summary.md."""
+        if not path.exists():
+            self.rows.append({"name": name, "missing": True})
+            return
+        data = load_json(path)
+        (self.out / f"{name}.json").write_text(json.dumps(summarise_json(data), indent=1) + "\n")
+        self.rows.append({"name": name, **table_row(data)})
+
 
 def stop_gently(process: subprocess.Popen[Any]) -> None:
     """SIGTERM, then SIGKILL if it has not ended ``STOP_GRACE_S`` later: a tool that started a stack (the soak) stops
@@ -143,15 +152,6 @@ def stop_gently(process: subprocess.Popen[Any]) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-
-    def keep(self, name: str, path: Path) -> None:
-        """The summary of the JSON at ``path`` (in raw/) as NAME.json, and a row for summary.md."""
-        if not path.exists():
-            self.rows.append({"name": name, "missing": True})
-            return
-        data = load_json(path)
-        (self.out / f"{name}.json").write_text(json.dumps(summarise_json(data), indent=1) + "\n")
-        self.rows.append({"name": name, **table_row(data)})
 
 
 def log(message: str) -> None:
