@@ -18,6 +18,13 @@ Parts (run in the order given, each against every ``--repo``):
 - ``grammar``: `benchmarks.grammar_cost` (schema compile time, per-step bitmask fill of 8 and 32 rows) with the
   checkpoint's tokenizer: llguidance with this Python, then, where the vLLM peer is carried (``--peer-dir``,
   set up by ``vllm`` or its ``setup``), with vLLM's Python too: its llguidance and xgrammar side by side.
+- ``soak``: `benchmarks.soak` for ``--soak-s`` seconds with chaos on a stack of its own (seed3img-sized traffic, 32
+  clients); it takes about ``--soak-s`` plus 2 minutes (the stack's start, drain, stop), so ``--soak-s 480`` needs a
+  device call of about 10 to 11 minutes (more than one 10-minute command: benchmarks/README.md says how).
+- ``overload``: `benchmarks.soak --burst` (seed3img at 10x the measured sustainable rate), about 4 minutes.
+
+A part's tool that outlasts its limit (``--timeout``; for ``soak`` and ``overload`` what their plan needs,
+``benchmarks.soak --time-bound``) gets SIGTERM, then SIGKILL 90 s later: the soak stops its stack on SIGTERM.
 
 Workloads (``--workloads``, for ``serve`` and ``vllm`` alike): `benchmarks.serve`'s ``seed3img``, ``seed3img-anchor``,
 ``multiturn``, ``text``, ``mixed`` (with its text-only control), ``structured`` (a quarter of the streams
@@ -82,6 +89,9 @@ GPU_TESTS = ["tests/gpu", "tests/unit/test_paged.py", "tests/unit/test_sampling.
 # bf16 against transformers' bf16 (`benchmarks.parity compare`): the one-GPU engine's own gap on the 7b-shaped
 # Qwen2-VL checkpoint, three bf16 ulps of its logits (results/2026-11-30-h200x2-tp-parity-d674b44).
 PARITY_TOLERANCE = 0.1875
+# A timed-out tool's time between SIGTERM and SIGKILL: past the soak's stop of its stack (supervisord's own wait
+# for its programs, benchmarks.soak_stack.STOP_WAIT_S).
+STOP_GRACE_S = 90
 
 
 @dataclass
@@ -104,21 +114,20 @@ class Run:
         return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ":".join([*site, str(code or self.repo)])}
 
     def python(self, name: str, module: str, *argv: str, timeout: int, cwd: Path | None = None) -> int:
-        """``python3 -m module argv`` in the repository (or ``cwd``), its output into raw/NAME.log."""
+        """``python3 -m module argv`` in the repository (or ``cwd``), its output into raw/NAME.log; past ``timeout``
+        stopped (`stop_gently`) and 124."""
         self.raw.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", module, *argv]
-        log(f"{name}: {shlex.join(command)}")
+        log(f"{name}: {shlex.join(command)} (at most {timeout} s)")
         with open(self.raw / f"{name}.log", "w") as out:
+            process = subprocess.Popen(
+                command, cwd=cwd or self.repo, env=self.env(cwd), stdout=out, stderr=subprocess.STDOUT
+            )
             try:
-                code = subprocess.run(
-                    command,
-                    cwd=cwd or self.repo,
-                    env=self.env(cwd),
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    timeout=timeout,
-                ).returncode
+                code = process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
+                log(f"{name}: past {timeout} s: SIGTERM, SIGKILL {STOP_GRACE_S} s later")
+                stop_gently(process)
                 code = 124
         if code:
             log(f"{name}: exit {code}")
@@ -132,6 +141,17 @@ class Run:
         data = load_json(path)
         (self.out / f"{name}.json").write_text(json.dumps(summarise_json(data), indent=1) + "\n")
         self.rows.append({"name": name, **table_row(data)})
+
+
+def stop_gently(process: subprocess.Popen[Any]) -> None:
+    """SIGTERM, then SIGKILL if it has not ended ``STOP_GRACE_S`` later: a tool that started a stack (the soak) stops
+    it on SIGTERM, which SIGKILL would leave running, holding the GPU and the ports of the next part's."""
+    process.terminate()
+    try:
+        process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def log(message: str) -> None:
@@ -729,12 +749,16 @@ SOAK_ARGS = ("--image-scale", "1", "--max-tokens", "120", "--prompt-tokens", "10
 
 
 def part_soak(run: Run, name: str, argv: list[str]) -> None:
-    """`benchmarks.soak` on the checkpoint (its own stack under supervisord); the JSON without its requests and
-    samples, and the plot, beside the summaries (the whole JSON in raw/)."""
+    """`benchmarks.soak` on the checkpoint (its own stack under supervisord, its logs into raw/NAME-stack/logs),
+    within the time its own plan needs (`soak_time_bound`) rather than ``--timeout``; the JSON without its requests
+    and samples, and the plot, beside the summaries (the whole JSON in raw/)."""
+    if missing := missing_distributions(run):  # fail in seconds, not after the health wait
+        raise RuntimeError(f"the stack needs {', '.join(missing)}, missing here: carry their wheels in .whl")
+    venv_wrapper(run.repo)  # (ops/vlm.conf's programs run .venv/bin/python)
     model = checkpoint(run.args)
     raw = run.raw / f"{name}.json"
     argv = ["--model", str(model), "--stack-dir", str(run.raw / f"{name}-stack"), *SOAK_ARGS, *argv, "--out", str(raw)]
-    run.python(name, "benchmarks.soak", *argv, timeout=run.args.timeout)
+    run.python(name, "benchmarks.soak", *argv, timeout=soak_time_bound(run, argv))
     if not raw.exists():
         run.rows.append({"name": name, "missing": True})
         return
@@ -743,6 +767,20 @@ def part_soak(run: Run, name: str, argv: list[str]) -> None:
     (run.out / f"{name}.json").write_text(json.dumps(kept, indent=1, default=str) + "\n")
     shutil.copy(raw.with_suffix(".png"), run.out / f"{name}.png")
     run.rows.append({"name": name, "ok": kept["verdict"]["ok"], "reasons": "; ".join(kept["verdict"]["reasons"])})
+
+
+def soak_time_bound(run: Run, argv: list[str]) -> int:
+    """The longest `benchmarks.soak` with ``argv`` may take (its ``--time-bound``: the stack's start, the traffic,
+    the drain, the stop, every wait at its limit)."""
+    bound = subprocess.run(
+        [sys.executable, "-m", "benchmarks.soak", *argv, "--time-bound"],
+        cwd=run.repo,
+        env=run.env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(bound.stdout.strip())
 
 
 def part_grammar(run: Run) -> None:
@@ -898,8 +936,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--client-args", default="", help="serve/vllm: more arguments for benchmarks.serve (--small)")
     p.add_argument("--engine-args", default="", help="engine: more arguments for benchmarks.engine, one string")
     p.add_argument("--peer-dir", type=Path, default=Path(".vllm-peer"), help="vllm: the copy of vllm-peer/")
-    p.add_argument("--timeout", type=int, default=300, help="seconds each tool of a part may take")
-    p.add_argument("--soak-s", type=int, default=480, help="the soak part's seconds of traffic")
+    p.add_argument(
+        "--timeout",
+        type=int,
+        default=300,
+        help="seconds each tool of a part may take (then SIGTERM, SIGKILL 90 s later); not soak and overload, whose "
+        "limit is what their plan needs (benchmarks.soak --time-bound)",
+    )
+    p.add_argument(
+        "--soak-s",
+        type=int,
+        default=480,
+        help="the soak part's seconds of traffic; the part takes about this plus 2 minutes (the 7B stack's start, "
+        "drain, stop), so 480 needs a device call of about 10 to 11 minutes",
+    )
     p.add_argument("--ship", type=Path, help="pack the result folder into SHIP/results.tgz after every part")
     return p.parse_args(argv)
 

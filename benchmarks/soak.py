@@ -22,6 +22,12 @@ time), then Poisson arrivals at ``--burst-factor`` x that rate for ``--burst-s``
 
 Writes ``--out`` (config, summary, verdict, chaos events, every request, every sample) and a plot beside it
 (``.png``): each resource over time, chaos events marked.
+
+How long a run takes: a soak about ``--duration`` plus the stack's start (a 7B checkpoint's stack takes over a
+minute to load), its last requests, the drain and the stop: about ``--duration`` + 2 minutes on the H200, so a device
+call for ``--duration 480`` needs about 10 to 11 minutes. ``--time-bound`` prints the longest a run of the options
+given may take before it must be stopped (every wait at its limit); `benchmarks.gpu` uses it as the part's timeout.
+SIGTERM or Ctrl-C stops a run and the stack it started (no JSON then).
 """
 
 from __future__ import annotations
@@ -45,12 +51,19 @@ import numpy as np
 
 from benchmarks import soak_verdict
 from benchmarks.serve import _error_text, _read_stream, environment
-from benchmarks.soak_stack import Stack, sample, start_stack
+from benchmarks.soak_stack import START_WAIT_S, STOP_WAIT_S, Stack, sample, start_stack
 from benchmarks.workloads import WorkloadOptions, seed3img_request, text_request, video_request
 
 Record = dict[str, Any]
 KINDS = ("text", "images", "video", "bad")
 BAD_INPUTS = ("not_json", "unknown_model", "broken_image", "negative_max_tokens", "no_messages")
+# A try that never reached a server (the gateway down: connection refused, or reset before any response byte) is
+# made again after a back-off, as OpenAI's clients do with connection errors, until the request's deadline.
+NOT_CONNECTED = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError)
+RETRY_FIRST_S, RETRY_CAP_S = 0.2, 2.0
+BEFORE_BURST = 5  # requests one at a time before the burst: the latency alone
+BACK_WAIT_S = 120.0  # how long a chaos event waits for its stage to run again
+WRITE_S = 60.0  # the last sample, the JSON and the plot
 
 
 # ---------------------------------------------------------------------------------------- traffic
@@ -130,33 +143,61 @@ def new_record(req: Request, t0: float) -> Record:
         "end_s": None,
         "output_tokens": None,
         "chunks": 0,
+        "retries": 0,  # tries made again because the one before never reached a server
     }
 
 
+def connect_retry_delay(error: BaseException, responded: bool, retries: int) -> float | None:
+    """Seconds to wait before trying a request again whose last try failed with ``error`` after ``retries`` such
+    retries; None: not again. Only a try that never reached a server is made again (exponential back-off from
+    ``RETRY_FIRST_S`` up to ``RETRY_CAP_S``); a request that got a response, whole or in part, never is."""
+    if responded or not isinstance(error, NOT_CONNECTED):
+        return None
+    return min(RETRY_FIRST_S * 2.0**retries, RETRY_CAP_S)
+
+
 async def send(http: aiohttp.ClientSession, url: str, req: Request, t0: float, deadline_s: float) -> Record:
-    """One request; a failure of any kind becomes the record's error, a missed deadline ``timed_out``."""
+    """One request, tried again while it cannot reach a server (`connect_retry_delay`); a failure of any kind
+    becomes the record's error, a missed deadline ``timed_out``."""
     record = new_record(req, t0)
+    last_error = ""
     try:
         async with asyncio.timeout(deadline_s):
-            async with http.post(url, data=req.body, headers={"Content-Type": "application/json"}) as response:
-                record["status"] = response.status
-                record["retry_after"] = response.headers.get("Retry-After")
-                if response.status != 200:
-                    raw = await response.read()
-                    record["error"], record["error_code"] = _error_text(raw), _error_code(raw)
-                elif req.stream:
-                    await _read(response, record, req.hang_up)
-                else:
-                    _check_answer(record, await response.json(content_type=None), req.n)
+            while True:
+                try:
+                    await _try(http, url, req, record)
+                    break
+                except aiohttp.ClientError as exc:
+                    delay = connect_retry_delay(exc, record["status"] is not None, record["retries"])
+                    if delay is None:
+                        raise
+                    last_error = f"{type(exc).__name__}: {exc}"
+                    record["retries"] += 1
+                    await asyncio.sleep(delay)
     except TimeoutError:
         record["timed_out"] = True
         record["error"] = f"no answer within the deadline ({deadline_s:.0f} s)"
+        if record["status"] is None and last_error:
+            record["error"] += f"; never reached a server in {record['retries'] + 1} tries ({last_error})"
     except aiohttp.ClientError as exc:
         record["error"] = f"{type(exc).__name__}: {exc}"
     except Exception as exc:  # one odd reply must not end the run
         record["error"] = f"unexpected {type(exc).__name__}: {exc}"
     record["end_s"] = time.perf_counter() - t0
     return record
+
+
+async def _try(http: aiohttp.ClientSession, url: str, req: Request, record: Record) -> None:
+    async with http.post(url, data=req.body, headers={"Content-Type": "application/json"}) as response:
+        record["status"] = response.status
+        record["retry_after"] = response.headers.get("Retry-After")
+        if response.status != 200:
+            raw = await response.read()
+            record["error"], record["error_code"] = _error_text(raw), _error_code(raw)
+        elif req.stream:
+            await _read(response, record, req.hang_up)
+        else:
+            _check_answer(record, await response.json(content_type=None), req.n)
 
 
 async def _read(response: aiohttp.ClientResponse, record: Record, hang_up: bool) -> None:
@@ -247,12 +288,14 @@ class Chaos:
                     os.kill(pid, signal.SIGKILL)
                 else:
                     os.kill(pid, signal.SIGSTOP)
-                    await asyncio.sleep(float(self.rng.uniform(*self.hang_s)))
-                    os.kill(pid, signal.SIGCONT)
+                    try:
+                        await asyncio.sleep(float(self.rng.uniform(*self.hang_s)))
+                    finally:  # (also when the soak is stopped mid-hang: a stopped process would outlive its stack)
+                        os.kill(pid, signal.SIGCONT)
                     event["resumed_s"] = time.perf_counter() - self.t0
             event["back_s"] = await self._back(name, pid if action == "kill" else 0)
 
-    async def _back(self, name: str, killed_pid: int, timeout_s: float = 120.0) -> float | None:
+    async def _back(self, name: str, killed_pid: int, timeout_s: float = BACK_WAIT_S) -> float | None:
         """When the stage ran again (a killed one: as a new process) and the stack was healthy (None: not within
         ``timeout_s``)."""
 
@@ -410,7 +453,7 @@ async def overload(h: Harness) -> dict[str, Any]:
     counter = iter(range(10**9))
     background = asyncio.create_task(sampler(h.stack, h.t0, args.sample_every, h.samples))
     rate = args.sustainable_rate or await measure_rate(h, counter)
-    alone = await one_at_a_time(h, counter, float("inf"), "before", count=5)
+    alone = await one_at_a_time(h, counter, float("inf"), "before", count=BEFORE_BURST)
     baseline = float(np.median([r["end_s"] - r["start_s"] for r in alone if r["error"] is None] or [float("nan")]))
     burst_start = h.now()
     gaps = np.random.default_rng([args.seed, 5]).exponential(1.0 / (args.burst_factor * rate), size=10**6)
@@ -511,6 +554,8 @@ def summarise(records: list[Record]) -> dict[str, Any]:
         "by_kind": by_kind,
         "streamed": sum(r["stream"] for r in records),
         "hung_up": sum(r["hung_up"] for r in records),
+        "connect_retries": sum(r.get("retries", 0) for r in records),
+        "retried_requests": sum(r.get("retries", 0) > 0 for r in records),
     }
 
 
@@ -555,6 +600,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def time_bound_s(args: argparse.Namespace) -> float:
+    """The longest a run of these options may take, every wait at its limit: the stack's start, the traffic (its last
+    requests up to their deadline; a soak's last chaos event waiting for its stage; the burst's measuring, one at a
+    time requests, burst and tail), the drain, the stack's stop and the output."""
+    start = 0.0 if args.url else START_WAIT_S
+    deadline = args.request_timeout + args.deadline_grace
+    if args.burst:
+        measure = 0.0 if args.sustainable_rate else args.measure_s + deadline
+        traffic = measure + BEFORE_BURST * deadline + args.burst_s + args.tail_s + deadline
+    else:
+        traffic = args.duration + max(deadline, args.hang_s[1] + BACK_WAIT_S) + args.drain_s
+    return start + traffic + STOP_WAIT_S + WRITE_S
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running stack (else one is started on --model)")
@@ -597,13 +656,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--refuse-within-s", type=float, default=5.0)
     p.add_argument("--recover-factor", type=float, default=2.0)
     p.add_argument("--recover-within-s", type=float, default=10.0)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="the result JSON (the plot beside it)")
+    p.add_argument(
+        "--time-bound",
+        action="store_true",
+        help="print the longest a run of the other options given may take, in seconds (every wait at its limit), "
+        "and exit",
+    )
     args = p.parse_args(argv)
+    if not args.out and not args.time_bound:
+        p.error("--out is required")
     if args.config and not args.url:
         p.error("--config describes a running stack: give its --url too")
     if len(args.mix.split(",")) != len(KINDS):
         p.error(f"--mix: {len(KINDS)} weights, for {', '.join(KINDS)}")
     return args
+
+
+def _stop_undisturbed(stack: Stack) -> None:
+    """``stack.stop()`` with SIGTERM and SIGINT held off: a second signal must not cut its stop short."""
+    before = {each: signal.signal(each, signal.SIG_IGN) for each in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stack.stop()
+    finally:
+        for each, handler in before.items():
+            signal.signal(each, handler)
 
 
 def open_stack(args: argparse.Namespace) -> Stack:
@@ -630,13 +707,36 @@ async def run(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
     }
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM: raised like Ctrl-C's KeyboardInterrupt, so that it ends the event loop wherever it comes and the
+    stack this run started is stopped on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stopped(signum: int, _frame: object) -> None:
+    raise Stopped(signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    stack = open_stack(args)
+    if args.time_bound:
+        print(round(time_bound_s(args)))
+        return
+    signal.signal(signal.SIGTERM, _stopped)
+    stack: Stack | None = None
     try:
+        stack = open_stack(args)  # (stops what it started itself when it fails or is stopped)
         out = asyncio.run(run(args, stack))
+    except KeyboardInterrupt as stopped:
+        signum = getattr(stopped, "signum", signal.SIGINT)
+        print(f"soak: stopped by signal {signum}; stopping the stack", file=sys.stderr)
+        sys.exit(128 + signum)
     finally:
-        stack.stop()
+        if stack is not None:
+            _stop_undisturbed(stack)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1, default=str))

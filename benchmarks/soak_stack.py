@@ -28,6 +28,8 @@ from common.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 SHM_DIR = Path("/dev/shm")
+START_WAIT_S = 300.0  # a started stack's wait to be healthy (a 7B checkpoint's stack takes over a minute)
+STOP_WAIT_S = 60.0  # supervisord's wait for its programs to stop, before SIGKILL to its group
 # The gateway's /metrics gauges a soak samples (summed over their labels: replicas).
 METRIC_GAUGES = {
     "kv_blocks_used": "vlm_decoder_kv_blocks_used",
@@ -64,6 +66,7 @@ class Stack:
     conf: Path | None = None  # the rendered supervisord.conf
     shm_prefix: str = ""  # /dev/shm files of this deployment start with it ("" : not known)
     supervisord: subprocess.Popen[bytes] | None = None  # when this harness started it
+    keep_logs_in: Path | None = None  # where stop() copies the run's logs/ (the soak's --stack-dir)
     _rpc: Any = field(default=None, repr=False)
 
     @classmethod
@@ -121,15 +124,30 @@ class Stack:
 
     def stop(self) -> None:
         """SIGTERM to the supervisord this harness started (it stops its programs), SIGKILL to its group if it
-        lingers."""
-        if self.supervisord is None:
+        lingers; then its logs copied into ``keep_logs_in``. Once: a second call does nothing."""
+        process, self.supervisord = self.supervisord, None
+        if process is None:
             return
-        self.supervisord.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)
         try:
-            self.supervisord.wait(timeout=60)
+            process.wait(timeout=STOP_WAIT_S)
         except subprocess.TimeoutExpired:
-            os.killpg(self.supervisord.pid, signal.SIGKILL)
-            self.supervisord.wait()
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        self.keep_logs()
+
+    def keep_logs(self) -> None:
+        """The run directory's logs/ and supervisord.log copied (files, never links) into ``keep_logs_in``/logs: the
+        run directory is under the repository, outside the result folder that is shipped."""
+        if self.keep_logs_in is None or self.conf is None or not (self.conf.parent / "logs").is_dir():
+            return
+        run, kept = self.conf.parent, self.keep_logs_in / "logs"
+        try:
+            shutil.copytree(run / "logs", kept, ignore_dangling_symlinks=True, dirs_exist_ok=True)
+            if (run / "supervisord.log").is_file():
+                shutil.copy(run / "supervisord.log", kept / "supervisord.log")
+        except OSError as exc:  # (a log rotated away while copied: the rest is kept)
+            print(f"soak: not every log was kept: {exc}", file=sys.stderr)
 
 
 def _server_url(conf: Path) -> str:
@@ -156,7 +174,8 @@ def start_stack(
     directory: Path, port: int, model: str, request_timeout_s: float, extra_toml: str = "", server_toml: str = ""
 ) -> Stack:
     """``vlm-serve serve`` (supervisord, as ``ops/serve`` runs it, without its install step) on ``model`` ("" : the
-    built-in tiny demo checkpoint), healthy or raise. Its output goes to ``directory/serve.log``."""
+    built-in tiny demo checkpoint), healthy or raise (stopped first). Its output goes to ``directory/serve.log``, its
+    logs/ into ``directory/logs`` when it stops."""
     directory.mkdir(parents=True, exist_ok=True)
     config = directory / "vlm.toml"
     config.write_text(stack_toml(port, request_timeout_s, extra_toml, server_toml))
@@ -174,10 +193,15 @@ def start_stack(
             start_new_session=True,
         )
     stack = Stack.from_config(f"http://127.0.0.1:{port}", config)
-    stack.supervisord = process
-    if not stack.wait_healthy(300):
+    stack.supervisord, stack.keep_logs_in = process, directory
+    try:
+        healthy = stack.wait_healthy(START_WAIT_S)
+    except BaseException:  # (SIGTERM or Ctrl-C while it starts: the stack goes too)
         stack.stop()
-        raise RuntimeError(f"the stack did not become healthy; logs in {stack.conf.parent / 'logs'}")  # type: ignore[union-attr]
+        raise
+    if not healthy:
+        stack.stop()
+        raise RuntimeError(f"the stack did not become healthy within {START_WAIT_S:.0f} s (logs in {directory})")
     return stack
 
 

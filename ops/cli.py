@@ -73,19 +73,25 @@ def serve(args: argparse.Namespace) -> None:
     except (OSError, ValueError) as exc:  # (stopped here, before supervisord restarts failing workers for ever)
         sys.exit(f"vlm-serve: {exc}")
     print(f"supervisord: {conf} (supervisorctl -c {conf} status); logs in {run / 'logs'}", file=sys.stderr)
-    supervisord = _supervisord()
-    os.execv(supervisord, [supervisord, "-c", str(conf)])
+    supervisord = supervisord_argv()
+    os.execv(supervisord[0], [*supervisord, "-c", str(conf)])
 
 
-def _supervisord() -> str:
-    """supervisord beside this interpreter (the virtualenv's), else the one on PATH."""
+def supervisord_argv() -> list[str]:
+    """How to run supervisord: its script beside this interpreter (the virtualenv's), else the one on PATH, else this
+    interpreter on the importable package (wheels installed with ``pip install --target`` put the script in a bin/
+    that is on no PATH)."""
     beside = Path(sys.executable).with_name("supervisord")
     if beside.is_file():
-        return str(beside)
+        return [str(beside)]
     found = shutil.which("supervisord")
-    if found is None:
+    if found is not None:
+        return [found]
+    try:
+        import supervisor  # noqa: F401  (only whether it is there)
+    except ImportError:
         sys.exit("vlm-serve: supervisord is not installed (pip install supervisor)")
-    return found
+    return [sys.executable, "-m", "supervisor.supervisord"]
 
 
 def config(args: argparse.Namespace) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -62,3 +65,63 @@ def test_serve_options_become_the_stacks_variables(monkeypatch: pytest.MonkeyPat
     assert cfg.model.path == str(tmp_path / "model") and cfg.server.host == "0.0.0.0"  # type: ignore[attr-defined]
     assert cfg.server.port == 8123 and cfg.source == str(config)  # type: ignore[attr-defined]
     assert seen["out"] == tmp_path / "run" / "supervisord.conf"
+
+
+def _no_script_anywhere(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An interpreter with no supervisord beside it and a PATH without one (the GPU box's ``pip install --target``)."""
+    python = tmp_path / "bin" / "python3"
+    python.parent.mkdir()
+    python.touch()
+    monkeypatch.setattr(cli.sys, "executable", str(python))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    return python
+
+
+def test_supervisord_is_run_from_its_package_when_no_script_is_found(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    python = _no_script_anywhere(monkeypatch, tmp_path)
+    assert cli.supervisord_argv() == [str(python), "-m", "supervisor.supervisord"]
+
+
+def test_supervisord_script_beside_the_interpreter_or_on_path_comes_first(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    python = _no_script_anywhere(monkeypatch, tmp_path)
+    on_path = tmp_path / "empty" / "supervisord"
+    on_path.parent.mkdir()
+    on_path.write_text("#!/bin/sh\n")
+    on_path.chmod(0o755)
+    assert cli.supervisord_argv() == [str(on_path)]
+    beside = python.with_name("supervisord")
+    beside.touch()
+    assert cli.supervisord_argv() == [str(beside)]
+
+
+def test_no_supervisord_at_all_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _no_script_anywhere(monkeypatch, tmp_path)
+    monkeypatch.setitem(sys.modules, "supervisor", None)  # (import supervisor fails)
+    with pytest.raises(SystemExit, match="supervisord is not installed"):
+        cli.supervisord_argv()
+
+
+def test_serve_execs_this_interpreter_on_the_supervisor_package(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """serve execs the module fallback with the rendered configuration, and that command line is supervisord's."""
+    for variable in cli.SERVE_ENV.values():
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)
+    config = tmp_path / "vlm.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\n')
+    real_python = sys.executable
+    python = _no_script_anywhere(monkeypatch, tmp_path)
+    execed: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: execed.append((path, argv)))
+    cli.main(["serve", "--config", str(config)])
+    conf = str(tmp_path / "run" / "supervisord.conf")
+    assert execed == [(str(python), [str(python), "-m", "supervisor.supervisord", "-c", conf])]
+    check = subprocess.run(
+        [real_python, *execed[0][1][1:3], "--help"], capture_output=True, text=True, timeout=60, env=os.environ
+    )
+    assert "supervisord -- run a set of applications as daemons" in check.stdout + check.stderr
