@@ -119,6 +119,7 @@ CATALOGUE: dict[str, tuple[str, str]] = {
     "vlm_decoder_kv_blocks_used": ("gauge", "KV cache blocks in use."),
     "vlm_decoder_kv_usage": ("gauge", "Share of the KV cache blocks in use (0 to 1)."),
     "vlm_decoder_requests_waiting_for_media": ("gauge", "Requests waiting for their embeddings."),
+    "vlm_decoder_requests_waiting_for_grammar": ("gauge", "Requests waiting for their grammar to compile."),
     "vlm_decoder_requests_queued": ("gauge", "Requests waiting for a decoding slot or KV blocks."),
     "vlm_decoder_requests_running": ("gauge", "Sequences decoding."),
 }

@@ -13,10 +13,11 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from common.protocol import PreparedRequest, SamplingParams
+from common.transport import EventLoop
 from gateway.structured import json_schema_grammar
 from workers.decoder.config import EngineConfig
 from workers.decoder.engine import Engine
-from workers.decoder.grammar import Grammars, allows_only
+from workers.decoder.grammar import GrammarCompiles, Grammars, allows_only
 from workers.decoder.sampling import Sampled, SamplingRow, TokenMask, sample_batch
 from workers.decoder.scheduler import PromptError
 from workers.models.language import LanguageModel
@@ -216,3 +217,27 @@ def test_a_token_the_grammar_refuses_ends_the_request_with_an_error(parts: Parts
 def test_a_grammar_that_does_not_compile_is_refused_at_prepare(parts: Parts) -> None:
     with pytest.raises(PromptError, match="grammar"):
         make_engine(parts).prepare(request("x", grammar='{"grammars": [{"json_schema": {"type": "foo"}}]}'))
+
+
+def test_grammars_compile_off_the_loop_once_each_and_hand_their_requests_back(checkpoint: Path) -> None:
+    spec = ModelSpec.from_dir(checkpoint)
+    grammars = Grammars.for_checkpoint(checkpoint, spec.vocab_size, spec.eos_token_ids)  # (nothing compiled yet)
+    assert grammars is not None
+    loop = EventLoop()
+    ready: list[tuple[str, str]] = []
+    compiles = GrammarCompiles(grammars, loop, lambda req, error: ready.append((req.request_id, error)))
+    person, bad = json_schema_grammar(PERSON), '{"grammars": [{"json_schema": {"type": "foo"}}]}'
+    first, twin, gone, broken = (
+        request(rid, grammar=g) for rid, g in [("a", person), ("b", person), ("c", person), ("x", bad)]
+    )
+    assert compiles.needs_compile(first) and not compiles.needs_compile(request("free"))
+    for req in (first, twin, gone, broken):
+        compiles.wait(req)  # (the loop's thread never compiles: nothing is ready before the loop runs)
+    assert len(compiles) == 4 and compiles.holds("b") and ready == []
+    compiles.abort("c")  # (aborted while its grammar compiled: never handed back)
+    while len(ready) < 3:
+        loop.run_once(5.0)
+    assert sorted(r for r, error in ready if not error) == ["a", "b"]
+    assert [r for r, error in ready if error] == ["x"] and "does not compile" in dict(ready)["x"]
+    assert grammars.is_compiled(person) and not grammars.is_compiled(bad) and len(compiles) == 0
+    assert not compiles.needs_compile(request("again", grammar=person))  # (compiled once, kept)

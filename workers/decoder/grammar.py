@@ -3,10 +3,10 @@
 The gateway turned the request's output format into a grammar (`SamplingParams.grammar`) and checked that it
 compiles. Here:
 
-- `Grammars.matcher` gives a sequence its own matcher when the request is prepared (`Scheduler.prepare`, on the
-  worker's thread between steps, never inside one). llguidance compiles lazily and cheaply, so a thread would
-  add a hand-off and nothing else; a compiled matcher is kept per grammar text and each sequence (each of
-  ``n`` choices) takes a deep copy, so a grammar is compiled once per process however often it is asked for.
+- `GrammarCompiles` compiles a grammar the process has not seen on a thread, off the worker's step loop,
+  holding its requests meanwhile; a compiled matcher is kept per grammar text (`Grammars.store`), and each
+  sequence (each of ``n`` choices) takes a deep copy of it when the request is prepared (`Grammars.matcher`,
+  from `Scheduler.prepare`), so a grammar is compiled once per process however often it is asked for.
 - The matcher lives on the `Sequence`: preemption and re-prefill keep the tokens it has consumed, so it
   resumes where it was.
 - `Grammars.bitmask` fills, on the host, the allowed-token bitmask rows of the sequences that sample this
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,6 +34,8 @@ import llguidance
 import llguidance.torch
 import torch
 
+from common.protocol import PreparedRequest
+from common.transport import EventLoop, Wakeup
 from workers.decoder.sampling import SamplingRow, TokenMask
 
 COMPILED_GRAMMARS = 256  # fresh matchers kept, by grammar text
@@ -66,18 +68,30 @@ class Grammars:
     def tokenizer(self) -> llguidance.LLTokenizer:
         return self._tokenizer.result()
 
+    def is_compiled(self, grammar: str) -> bool:
+        return grammar in self._compiled
+
+    def compile(self, grammar: str) -> llguidance.LLMatcher:
+        """``grammar`` compiled to a fresh matcher; raises `GrammarError`. Touches no cache, so any thread may
+        call it (llguidance releases the GIL while it compiles)."""
+        fresh = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if fresh.is_error():
+            raise GrammarError(f"the grammar does not compile: {fresh.get_error()}")
+        return fresh
+
+    def store(self, grammar: str, fresh: llguidance.LLMatcher) -> None:
+        """Keep a compiled grammar for the sequences that ask for it (the least recently asked for go first)."""
+        self._compiled[grammar] = fresh
+        while len(self._compiled) > COMPILED_GRAMMARS:
+            self._compiled.popitem(last=False)
+
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
-        """A new matcher of ``grammar`` at its start; raises `GrammarError` if the grammar does not compile."""
-        fresh = self._compiled.get(grammar)
-        if fresh is None:
-            fresh = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-            if fresh.is_error():
-                raise GrammarError(f"the grammar does not compile: {fresh.get_error()}")
-            self._compiled[grammar] = fresh
-            while len(self._compiled) > COMPILED_GRAMMARS:
-                self._compiled.popitem(last=False)
+        """A new matcher of ``grammar`` at its start (compiled here if it is not yet: the worker compiles first,
+        off its loop, with `GrammarCompiles`); raises `GrammarError` if the grammar does not compile."""
+        if grammar not in self._compiled:
+            self.store(grammar, self.compile(grammar))
         self._compiled.move_to_end(grammar)
-        return fresh.deep_copy()
+        return self._compiled[grammar].deep_copy()
 
     def bitmask(self, matchers: Sequence[llguidance.LLMatcher]) -> torch.Tensor:
         """int32 ``[len(matchers), ceil(vocab / 32)]`` on the host: bit ``t % 32`` of word ``t // 32`` of row i
@@ -91,6 +105,55 @@ class Grammars:
                 self._executor = llguidance.LLExecutor()
             llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], mask)
         return mask
+
+
+class GrammarCompiles:
+    """Grammars compiled off the worker's step loop. A request whose grammar is not compiled yet waits here while
+    a thread compiles it (a large schema takes tens of milliseconds: inline, every running stream would wait that
+    long for its next token); the loop gets the request back through ``ready(request, error)``, ``error`` ""
+    when the grammar compiled (it is then kept in `Grammars`). Requests asking for a grammar already being
+    compiled wait for that compile."""
+
+    def __init__(self, grammars: Grammars, loop: EventLoop, ready: Callable[[PreparedRequest, str], None]) -> None:
+        self.grammars, self.ready = grammars, ready
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._compiled = Wakeup(loop, self._on_compiled)
+        self._waiting: dict[str, list[PreparedRequest]] = {}  # grammar -> the requests waiting for it
+
+    def needs_compile(self, request: PreparedRequest) -> bool:
+        grammar = request.sampling.grammar
+        return bool(grammar) and not self.grammars.is_compiled(grammar)
+
+    def wait(self, request: PreparedRequest) -> None:
+        """Hold ``request`` until its grammar is compiled (starting the compile if none is under way)."""
+        grammar = request.sampling.grammar
+        if grammar not in self._waiting:
+            self._waiting[grammar] = []
+            future = self._pool.submit(self.grammars.compile, grammar)
+            future.add_done_callback(lambda done: self._compiled.post((grammar, done)))
+        self._waiting[grammar].append(request)
+
+    def holds(self, request_id: str) -> bool:
+        return any(r.request_id == request_id for waiting in self._waiting.values() for r in waiting)
+
+    def abort(self, request_id: str) -> None:
+        for waiting in self._waiting.values():
+            waiting[:] = [r for r in waiting if r.request_id != request_id]
+
+    def __len__(self) -> int:
+        return sum(len(waiting) for waiting in self._waiting.values())
+
+    def _on_compiled(self, item: object) -> None:
+        grammar, done = item  # type: ignore[misc]
+        error = ""
+        try:
+            self.grammars.store(grammar, done.result())
+        except GrammarError as exc:
+            error = str(exc)
+        except Exception as exc:  # (a failure inside the library: the requests still get their answer)
+            error = f"the grammar could not be compiled: {type(exc).__name__}: {exc}"
+        for request in self._waiting.pop(grammar, []):
+            self.ready(request, error)
 
 
 def allows_only(mask_row: torch.Tensor, tokens: Iterable[int]) -> bool:

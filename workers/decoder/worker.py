@@ -43,7 +43,7 @@ from common.transport import Channel, EventLoop, worker_identity
 from workers.decoder.batch import Sequence
 from workers.decoder.config import EngineConfig
 from workers.decoder.engine import Engine
-from workers.decoder.grammar import Grammars
+from workers.decoder.grammar import GrammarCompiles, Grammars
 from workers.decoder.scheduler import PromptError
 from workers.decoder.tp import StepBroadcast, leader_rendezvous, leave_group
 from workers.models.language import LanguageModel
@@ -139,6 +139,7 @@ class DecoderWorker:
         self.cache_seen = time.monotonic()
         self.loop = EventLoop()
         self.loop.exit_if_stalled(cfg.liveness.stall_exit_s, self.name)
+        self.compiles = GrammarCompiles(grammars, self.loop, self.on_grammar) if grammars is not None else None
         # wall time inside engine steps, their number, and time spent on requests and on the cache's answers
         self.timing = {"busy_s": 0.0, "steps": 0.0, "inbox_s": 0.0, "cache_s": 0.0}
         self.slowest_step_s = 0.0  # in this report's period
@@ -254,6 +255,8 @@ class DecoderWorker:
                 self.engine.abort(rid)
                 if self.waiting.pop(rid, None) is not None:
                     self.cache.send(CacheRelease(rid))
+                if self.compiles is not None:
+                    self.compiles.abort(rid)
             case _:
                 pass
 
@@ -266,9 +269,13 @@ class DecoderWorker:
 
     def known(self, request_id: str) -> bool:
         """A re-issued request (its fetcher died after handing it over) must not run twice."""
-        return self.engine.holds(request_id) or request_id in self.waiting
+        compiling = self.compiles is not None and self.compiles.holds(request_id)
+        return self.engine.holds(request_id) or request_id in self.waiting or compiling
 
     def admit(self, request: PreparedRequest) -> None:
+        if self.compiles is not None and self.compiles.needs_compile(request):
+            self.compiles.wait(request)  # (admitted again by on_grammar once its grammar is compiled)
+            return
         try:
             seq = self.engine.prepare(request)
         except PromptError as exc:
@@ -281,6 +288,13 @@ class DecoderWorker:
         deadline = time.monotonic() + self.cfg.decoder.media_wait_s
         self.waiting[request.request_id] = Waiting(seq, call_id, deadline, time.monotonic())
         self.cache.send(CacheAcquire(call_id, request.request_id, [m.content_hash for m in request.media]))
+
+    def on_grammar(self, request: PreparedRequest, error: str) -> None:
+        """A request's grammar finished compiling (``error`` "": it compiled) on `GrammarCompiles`' thread."""
+        if error:
+            self.fail(request.request_id, 400, "invalid_grammar", error)
+        else:
+            self.admit(request)
 
     def on_cache(self, _peer: bytes, msg: Message) -> None:
         match msg:
@@ -327,6 +341,7 @@ class DecoderWorker:
     def stats(self) -> dict[str, float]:
         gauges = {
             "requests_waiting_for_media": float(len(self.waiting)),
+            "requests_waiting_for_grammar": float(len(self.compiles) if self.compiles is not None else 0),
             "requests_queued": float(len(self.engine.scheduler.waiting)),
             "requests_running": float(len(self.engine.scheduler.running)),
         }
