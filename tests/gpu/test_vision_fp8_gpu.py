@@ -4,12 +4,14 @@ blocks, transformers' random initialisation) with its linear layers in FP8 (`wor
 
 The bound: tests/unit/test_vision_fp8.py explains the per-layer error of e4m3 weights (an RMS relative error of
 about 2^-4 / sqrt(3) ~ 0.036); on the GPU the activations are quantized per token too, which adds about as much
-again, and on random weights the blocks' errors grow with depth. Emulated on the CPU for the 32-block Qwen2-VL-7B
-shape (weights and activations rounded as the kernels do, fp32 arithmetic) the distance was about 0.10 (docs/
-quantization.md); `BOUND` doubles that. A wrong scale or a row mixed up is off by O(1), and the floor shows the
-layers were quantized. The encoder's batching (several images of different sizes in one forward, through
-`encode_images`, after `tune_attention` and `warm_up` as the encoder does at start-up) must give each image what it
-gets alone: per-token activation scales keep rows independent, so only the GEMMs' tiling may differ (`BATCH_BOUND`)."""
+again, and on random weights the blocks' errors grow with depth. Emulated on the CPU at full depth (weights and
+activations rounded as the kernels do, fp32 arithmetic, one 448x448 image), the distance was about 0.10 for the
+Qwen2-VL-7B shape and 0.17 for Qwen2.5-VL-7B's (RMSNorm, gated MLP: two rounded projections multiplied); docs/
+quantization.md. `BOUND` is twice the larger (Qwen3-VL's was not emulated; its blocks are Qwen2-VL's kind). A wrong
+scale or a row mixed up is off by O(1), and the floor shows the layers were quantized. The encoder's batching
+(several images of different sizes in one forward, through `encode_images`, after `tune_attention` and `warm_up` as
+the encoder does at start-up) must give each image what it gets alone: per-token activation scales keep rows
+independent, so only the GEMMs' tiling may differ (`BATCH_BOUND`)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from workers.models.vision_fp8 import fp8_linear_names, serve_linears
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")]
 CUDA = torch.device("cuda")
-BOUND = 0.2  # relative L2 distance of the FP8 tower's embeddings to the bf16 tower's (see above)
+BOUND = 0.35  # relative L2 distance of the FP8 tower's embeddings to the bf16 tower's (see above)
 FLOOR = 0.01  # below it the FP8 layers did not round anything
 # An image in a batch against the same image alone, both through the FP8 tower: a GEMM tiled differently may flip an
 # activation's FP8 rounding, which the random blocks carry on; a row of another image, or rows out of order, is O(1).
