@@ -1,6 +1,7 @@
 """Vision-path timings without HTTP: where an image's time goes between upload and embedding.
 
     python -m benchmarks.vision --model DIR --out vision.json [--skip-hf] [--batches 1,4,16] [--device cuda]
+        [--sizes 640x480,1280x720] [--quantization auto|none|fp8]
 
 Any family's checkpoint (the tower is the family's, loaded as the encoder loads it: `checkpoint_family`).
 
@@ -12,6 +13,10 @@ Any family's checkpoint (the tower is the family's, loaded as the encoder loads 
 - ``hf``: transformers' vision tower of the checkpoint's family on the same pixels, same batches;
 - ``roofline``: 2 * params * patches + attention FLOPs (a windowed block's over its window) at 790 TFLOP/s
   (ANCHORS' bf16 dense figure).
+- ``--quantization``: the tower's linear layers as ``[encoder] quantization`` serves them (`workers.models.vision_fp8`;
+  default "auto", the checkpoint's own). Other than "auto", each size also reports ``embedding_distance`` (the
+  relative L2 distance of one image's embeddings to the tower with ``quantization = "none"``, bf16 on a GPU, on the
+  same pixels) and ``reference_tower``: that tower's images/s on the same batches, for the ratio.
 Needs a CUDA GPU (it says so and exits 2 otherwise); ``--device cpu`` runs the same steps on the CPU in fp32, wall
 -clock timed: a smoke test of the script, its figures meaningless.
 """
@@ -33,11 +38,14 @@ from PIL import Image
 from torch import nn
 
 from benchmarks.engine import BF16_FLOPS, cuda_time_ms
+from common.quantization import QUANTIZATION_SETTINGS
 from workers.encoder.worker import encode_images
 from workers.fetcher.image import ImageProcessorSpec, decode_image, preprocess_image
 from workers.models.registry import checkpoint_family
+from workers.models.vision_fp8 import serve_linears
 
 SIZES = {"640x480": (640, 480), "1280x720": (1280, 720)}
+MORE_SIZES = {"768x1024": (768, 1024)}  # (the issue's FP8 target size; --sizes)
 BATCHES = [1, 4, 16]
 
 
@@ -74,9 +82,26 @@ def tower_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def load_tower(model_dir: Path, device: torch.device) -> Any:
-    """The checkpoint family's tower (bf16 on a GPU), as the encoder loads it (`load_vision_backend`)."""
-    return checkpoint_family(model_dir).vision_tower(model_dir, device=device, dtype=tower_dtype(device))
+def load_tower(model_dir: Path, device: torch.device, quantization: str = "auto") -> Any:
+    """The checkpoint family's tower (bf16 on a GPU), its linear layers as ``[encoder] quantization`` serves them, as
+    the encoder loads it (`load_vision_backend`)."""
+    dtype = tower_dtype(device)
+    tower = checkpoint_family(model_dir).vision_tower(model_dir, device=device, dtype=dtype)
+    return serve_linears(tower, quantization, dtype)
+
+
+def embedding_distance(tower: Any, reference: Any, pixels: torch.Tensor, grid: list[int]) -> float:
+    """Relative L2 distance of ``tower``'s embeddings of one image to ``reference``'s, on the same pixels."""
+    with torch.inference_mode():
+        got, truth = (encode_images(t, [pixels], [grid])[0].float() for t in (tower, reference))
+    return float((got - truth).norm() / truth.norm())
+
+
+def bench_batches(
+    tower: Any, pixels: torch.Tensor, grid: list[int], batches: list[int], device: torch.device
+) -> list[tuple[int, float]]:
+    """(batch, ms) of ``tower`` on each batch of copies of one image."""
+    return [(b, time_ms(lambda b=b: encode_images(tower, [pixels] * b, [grid] * b), device)) for b in batches]
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
@@ -112,45 +137,46 @@ def bench_hf_tower(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="images per forward, comma-separated")
-    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     device = torch.device(args.device)
     batches = [int(b) for b in args.batches.split(",")]
     if device.type == "cuda" and not torch.cuda.is_available():
         print("benchmarks.vision needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
     spec = ImageProcessorSpec.from_dir(args.model)
-    tower = load_tower(args.model, device)
+    tower = load_tower(args.model, device, args.quantization)
+    # the unquantized tower, for the embedding distance and the images/s ratio
+    reference = load_tower(args.model, device, "none") if args.quantization != "auto" else None
     tune_ms = tower.tune_attention()  # what the encoder does at start-up
-    tower.warm_up()
+    for loaded in (tower, reference):
+        if loaded is not None:
+            loaded.warm_up()
     print("ms per forward of three ~4,096-patch frames: " + ", ".join(f"{k} {v:.1f}" for k, v in tune_ms.items()))
     results: dict[str, Any] = {
         "model": str(args.model),
         "model_type": checkpoint_family(args.model).model_type,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "quantization": args.quantization,
         "tune_forward_ms": tune_ms,
         "sizes": {},
     }
-    for name, (width, height) in SIZES.items():
+    for name in args.sizes.split(","):
+        width, height = {**SIZES, **MORE_SIZES}[name]
         host_ms, patches, grid = bench_preprocess(spec, width, height)
         pixels = torch.from_numpy(patches)
         row: dict[str, Any] = {"grid": grid, "patches": pixels.shape[0], "preprocess_ms": host_ms, "tower": []}
         on_gpu = pixels.to(device, tower_dtype(device))  # both towers are timed without the host-to-device copy
         print(f"{name}: grid {grid}, {pixels.shape[0]} patches, host preprocessing {host_ms:.1f} ms", flush=True)
-        for batch in batches:
-            ms = time_ms(lambda b=batch, p=on_gpu, g=grid: encode_images(tower, [p] * b, [g] * b), device)
+        for batch, ms in bench_batches(tower, on_gpu, grid, batches, device):
             roof = tower_flops(tower, pixels.shape[0], grid) * batch / BF16_FLOPS * 1e3
             row["tower"].append({"batch": batch, "ms": ms, "images_per_s": 1e3 * batch / ms, "roofline_ms": roof})
             print(
                 f"  tower batch {batch:2d}: {ms:7.2f} ms, {1e3 * batch / ms:6.1f} images/s, "
-                f"{roof / ms:.0%} of the FLOP roofline ({roof:.2f} ms)",
+                f"{roof / ms:.0%} of the bf16 FLOP roofline ({roof:.2f} ms)",
                 flush=True,
             )
+        if reference is not None:
+            row.update(compare_reference(tower, reference, on_gpu, grid, batches, device))
         if not args.skip_hf:
             grid_t = torch.tensor([grid])
             hf_ms = bench_hf_tower(args.model, pixels, grid_t, batches, device)
@@ -160,6 +186,42 @@ def main(argv: list[str] | None = None) -> None:
         results["sizes"][name] = row
     args.out.write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")
+
+
+def compare_reference(
+    tower: Any, reference: Any, pixels: torch.Tensor, grid: list[int], batches: list[int], device: torch.device
+) -> dict[str, Any]:
+    """The quantized tower against the unquantized one: embedding distance on one image, and its images/s."""
+    distance = embedding_distance(tower, reference, pixels, grid)
+    timed = [
+        {"batch": b, "ms": ms, "images_per_s": 1e3 * b / ms}
+        for b, ms in bench_batches(reference, pixels, grid, batches, device)
+    ]
+    print(
+        f"  embedding distance to the unquantized tower {distance:.4f}; unquantized: "
+        + ", ".join(f"b{t['batch']} {t['images_per_s']:.1f} img/s" for t in timed),
+        flush=True,
+    )
+    return {"embedding_distance": distance, "reference_tower": timed}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="images per forward, comma-separated")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
+    sizes = [*SIZES, *MORE_SIZES]
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"image sizes, comma-separated, of {sizes}")
+    parser.add_argument(
+        "--quantization", default="auto", choices=QUANTIZATION_SETTINGS, help="as [encoder] quantization"
+    )
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.sizes.split(",") if name not in sizes]
+    if unknown:
+        parser.error(f"--sizes: unknown {unknown}; known: {sizes}")
+    return args
 
 
 if __name__ == "__main__":

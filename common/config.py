@@ -186,6 +186,14 @@ class EncoderConfig:
     engine_dir: str = setting(
         "", "Where exported ONNX files and TensorRT engines are cached; empty: <run dir>/engines."
     )
+    quantization: str = setting(
+        "auto",
+        '"auto": the vision tower as the checkpoint stores it (FP8 where its quantization_config quantized the '
+        'tower\'s linears, else in [model] dtype); "none": in [model] dtype (FP8-stored linears dequantized at '
+        'load); "fp8": every linear of the tower (attention qkv/proj, MLP, mergers) in FP8, quantized at load time '
+        "per output channel where the checkpoint did not; attention, norms and the patch embedding stay in dtype. "
+        'Off by default until its accuracy is shown (docs/quantization.md). fp8 needs backend = "torch".',
+    )
     sm_split: int = setting(
         0,
         "On a GPU that the encoders share with a decoder replica that takes text: that replica runs on the GPU's first "
@@ -209,6 +217,14 @@ class EncoderConfig:
         if self.backend not in VISION_BACKENDS:
             names = ", ".join(map(repr, VISION_BACKENDS[:-1])) + f" or {VISION_BACKENDS[-1]!r}"
             raise ValueError(f"{where}.backend: expected {names}, got {self.backend!r}")
+        if self.quantization not in QUANTIZATION_SETTINGS:
+            raise ValueError(f"{where}.quantization: expected 'auto', 'none' or 'fp8', got {self.quantization!r}")
+        if self.quantization == "fp8" and self.backend != "torch":
+            raise ValueError(
+                f"{where}.quantization = 'fp8' runs the tower's linears through FP8 GEMMs in torch; backend "
+                f'{self.backend!r} runs an fp32 ONNX export of the tower; set backend = "torch" or quantization = '
+                '"auto"'
+            )
 
 
 @dataclass

@@ -403,6 +403,12 @@ def test_model_quantization_takes_its_three_values(tmp_path: Path, value: str) -
     assert load_config(write(tmp_path, f'[model]\nquantization = "{value}"'), env={}).model.quantization == value
 
 
+@pytest.mark.parametrize("value", ["auto", "none", "fp8"])
+def test_encoder_quantization_takes_its_three_values(tmp_path: Path, value: str) -> None:
+    assert EncoderConfig().quantization == "auto"  # the tower as the checkpoint stores it: load-time FP8 is opt-in
+    assert load_config(write(tmp_path, f'[encoder]\nquantization = "{value}"'), env={}).encoder.quantization == value
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -423,6 +429,14 @@ def test_model_quantization_takes_its_three_values(tmp_path: Path, value: str) -
         ),
         ('[model]\ndevice = "tpu"', r"\.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
         ('[model]\nquantization = "awq"', r"\.quantization: expected 'auto', 'none' or 'fp8', got 'awq'"),
+        (
+            '[encoder]\nquantization = "int8"',
+            r"\[encoder\]\.quantization: expected 'auto', 'none' or 'fp8', got 'int8'",
+        ),
+        (
+            '[encoder]\nquantization = "fp8"\nbackend = "onnxruntime"',
+            r"\[encoder\]\.quantization = 'fp8' runs .* backend 'onnxruntime' .*set backend = \"torch\"",
+        ),
         ("[server]\nport = = 1", r"vlm\.toml is not valid TOML: .*line 2"),
     ],
 )

@@ -142,3 +142,19 @@ def test_vision_rss_probe_runs_the_tower_and_reports_rss(capsys: pytest.CaptureF
     checkpoint = generate_checkpoint(tmp_path / "tiny", "tiny", seed=0)
     vision_rss.main(["--checkpoint", str(checkpoint), "--forwards", "200", "--trim"])
     assert capsys.readouterr().out.startswith("200 forwards: ") and vision_rss.rss_mib() > 0
+
+
+def test_vision_benchmark_runs_the_tower_in_fp8_against_the_unquantized_one(checkpoints: Path) -> None:
+    """``--quantization fp8`` (the issue's FP8 images/s at 768x1024): the FP8 tower's images/s, the unquantized
+    tower's on the same batches, and the embedding distance between them (docs/quantization.md's bound)."""
+    args = gpu.parse_args(
+        ["vision", "--result-dir", str(checkpoints / "unused"), *driver_args(checkpoints, "qwen2_5_vl")]
+    )
+    out = checkpoints / "vision-fp8.json"
+    argv = ["--model", str(gpu.checkpoint(args)), "--out", str(out), "--device", "cpu", "--batches", "1"]
+    vision.main([*argv, "--skip-hf", "--quantization", "fp8", "--sizes", "768x1024"])
+    result = json.loads(out.read_text())
+    assert result["quantization"] == "fp8" and list(result["sizes"]) == ["768x1024"]
+    row = result["sizes"]["768x1024"]
+    assert row["tower"][0]["images_per_s"] > 0 and row["reference_tower"][0]["images_per_s"] > 0
+    assert 0.005 < row["embedding_distance"] < 0.08  # tests/unit/test_vision_fp8.py's EMBEDDING_BOUND

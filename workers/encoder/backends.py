@@ -1,6 +1,7 @@
 """Which engine runs the vision tower in an encoder: ``[encoder] backend``.
 
-- ``torch`` (default): `VisionTower` on the encoder's device, in the model dtype.
+- ``torch`` (default): `VisionTower` on the encoder's device, in the model dtype, its linear layers as
+  ``[encoder] quantization`` serves them (`workers.models.vision_fp8`).
 - ``onnxruntime``: the tower exported to ONNX once (`onnx_backend`), cached under ``engine_dir``, run by
   onnxruntime (CUDA execution provider where the installed build has it, else CPU).
 - ``tensorrt``: a TensorRT engine built from that ONNX export, cached on disk (`tensorrt_backend`).
@@ -15,17 +16,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from common.config import Config
 from workers.models.registry import checkpoint_family, read_spec
 from workers.models.spec import VisionSpec
+from workers.models.vision_fp8 import fp8_linear_names, serve_linears
+
+log = logging.getLogger(__name__)
 
 
 class VisionBackend(Protocol):
@@ -42,7 +47,7 @@ class VisionBackend(Protocol):
 
 def load_vision_backend(cfg: Config, device: torch.device, dtype: torch.dtype) -> VisionBackend:
     if cfg.encoder.backend == "torch":
-        tower = checkpoint_family(cfg.model_path()).vision_tower(cfg.model_path(), device=device, dtype=dtype)
+        tower = load_torch_tower(cfg, device, dtype)
         tower.tune_attention()
         tower.warm_up()
         return tower
@@ -56,6 +61,16 @@ def load_vision_backend(cfg: Config, device: torch.device, dtype: torch.dtype) -
     from workers.encoder.tensorrt_backend import TensorRTVisionEncoder
 
     return TensorRTVisionEncoder(onnx_path, engine_dir(cfg), spec, device, max_patches=cfg.encoder.max_batch_patches)
+
+
+def load_torch_tower(cfg: Config, device: torch.device, dtype: torch.dtype) -> Any:
+    """The family's tower as the checkpoint stores it, its linear layers then as ``[encoder] quantization`` serves
+    them (`workers.models.vision_fp8`)."""
+    tower = checkpoint_family(cfg.model_path()).vision_tower(cfg.model_path(), device=device, dtype=dtype)
+    serve_linears(tower, cfg.encoder.quantization, dtype)
+    fp8 = fp8_linear_names(tower)
+    log.info("vision tower: %d linear layers in FP8 ([encoder] quantization = %r)", len(fp8), cfg.encoder.quantization)
+    return tower
 
 
 def check_backend(cfg: Config, spec: VisionSpec) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 
 from workers.kernels.activation import silu_and_mul
 from workers.kernels.norm import fused_add_rms_norm, rms_norm
-from workers.models.fp8 import Fp8Linear
+from workers.models.fp8 import Fp8Linear, Fp8Weight, fp8_linear, fuse_weights
 from workers.models.frame_attention import FrameAttention, SegmentFrames, VarlenSegments, varlen_runs
 from workers.models.language import LanguageModel, RMSNorm
 from workers.models.mrope import rope_positions
@@ -83,19 +83,48 @@ class GatedMlp(nn.Module):
         # (gate | up) weight and bias, concatenated for the fast path (`fused`), and the parameters' own data
         # pointers when it was made: the parameters are views of it then.
         self._gate_up: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fp8_gate_up: tuple[Fp8Weight, torch.Tensor] | None = None  # the same for FP8 layers (`fp8_gate_up`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
-        """The same with gate and up as one GEMM and silu(gate) * up as one kernel (Triton on CUDA); FP8 layers (a
-        checkpoint that quantized the tower) run unfused, each through `workers.models.fp8.fp8_linear`."""
-        if isinstance(self.gate_proj, Fp8Linear):
+        """The same with gate and up as one GEMM and silu(gate) * up as one kernel (Triton on CUDA). FP8 layers (the
+        checkpoint's, or `[encoder] quantization = "fp8"`'s) fuse their FP8 weights and scales the same way
+        (`fuse_weights`: exact, per-row scales where a part does not end on a scale block) and run through
+        `workers.models.fp8.fp8_linear`; a pair of which only one is FP8 runs unfused."""
+        fp8 = isinstance(self.gate_proj, Fp8Linear), isinstance(self.up_proj, Fp8Linear)
+        if fp8[0] != fp8[1]:
             return self.forward(x)
-        weight, bias = self.gate_up()
-        gate_up = F.linear(x, weight, bias)
-        hidden = weight.shape[0] // 2
+        if fp8[0]:
+            fp8_weight, bias = self.fp8_gate_up()
+            gate_up = fp8_linear(x, fp8_weight, bias)
+        else:
+            weight, bias = self.gate_up()
+            gate_up = F.linear(x, weight, bias)
+        hidden = gate_up.shape[-1] // 2
         return self.down_proj(silu_and_mul(gate_up[..., :hidden], gate_up[..., hidden:]))
+
+    def fp8_gate_up(self) -> tuple[Fp8Weight, torch.Tensor]:
+        """`gate_up` for FP8 layers: the fused FP8 weight and the (gate | up) bias, made on first use with the two
+        layers' FP8 data pointed at views of it (the scales, a few floats a row, are copied); made again where a
+        layer's weight was replaced since."""
+        gate, up = self.gate_proj, self.up_proj
+        if self._fp8_gate_up is not None:
+            fused = self._fp8_gate_up[0].data
+            if (
+                gate.weight.data_ptr() == fused.data_ptr()
+                and up.weight.data_ptr() == fused[gate.out_features :].data_ptr()
+            ):
+                return self._fp8_gate_up
+        with torch.inference_mode(False), torch.no_grad():  # (as in `gate_up`)
+            fused_weight = fuse_weights([gate.fp8_weight(), up.fp8_weight()])
+            bias = torch.cat([gate.bias, up.bias])
+        rows = gate.out_features
+        gate.weight = nn.Parameter(fused_weight.data[:rows], requires_grad=False)
+        up.weight = nn.Parameter(fused_weight.data[rows:], requires_grad=False)
+        self._fp8_gate_up = (fused_weight, bias)
+        return self._fp8_gate_up
 
     def gate_up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate | up) weight and bias, concatenated on first use and the two projections' parameters pointed at
