@@ -37,6 +37,7 @@ import torch
 
 from common.config import DecoderConfig
 from common.protocol import PreparedRequest, SamplingParams
+from common.quantization import QUANTIZATION_SETTINGS
 from workers.decoder.config import EngineConfig
 from workers.decoder.engine import Engine
 from workers.decoder.graphs import StepGraphs, StepInputs
@@ -379,6 +380,12 @@ def main(argv: list[str] | None = None) -> None:
         "--block-size", type=int, default=DecoderConfig().block_size, help="KV block size of --time/profile-decode"
     )
     parser.add_argument("--device", default="cuda", help="cuda; cpu: a smoke run of engine_tpot alone (tests)")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATION_SETTINGS,
+        help="the language model's weights as [model] quantization serves them (fp8: quantized at load)",
+    )
     add_decode_kernel_options(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -386,13 +393,20 @@ def main(argv: list[str] | None = None) -> None:
         print("benchmarks.engine needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
     use_decode_kernel_options(args)
-    spec = read_spec(args.model)
+    spec = read_spec(args.model, args.quantization)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = checkpoint_family(args.model).language_model(args.model, device=device, dtype=dtype, spec=spec)
+    family = checkpoint_family(args.model, args.quantization)
+    model = family.language_model(args.model, device=device, dtype=dtype, spec=spec)
     # What the decoder process would run this model with on this device (fused layers, graphs, attention).
     server = EngineConfig.from_settings(DecoderConfig(), device, 1, 1)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     results: dict[str, Any] = {"model": str(args.model), "model_type": spec.model_type, "device": name}
+    quantization = spec.quantization
+    results["quantization"] = (
+        None
+        if quantization is None
+        else f"{quantization.method}" + ("" if quantization.in_checkpoint else " (quantized at load)")
+    )
     results["server_kernels"] = {"fuse": server.fuse, "graphs": server.graphs}
     if device.type != "cuda":
         results["engine_tpot"] = [bench_engine(model, spec, b, 24, 4, True, server) for b in (1, 2)]

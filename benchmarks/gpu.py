@@ -18,6 +18,9 @@ Parts (run in the order given, each against every ``--repo``):
 - ``grammar``: `benchmarks.grammar_cost` (schema compile time, per-step bitmask fill of 8 and 32 rows) with the
   checkpoint's tokenizer: llguidance with this Python, then, where the vLLM peer is carried (``--peer-dir``,
   set up by ``vllm`` or its ``setup``), with vLLM's Python too: its llguidance and xgrammar side by side.
+- ``fp8``: issue 29's kernels and engine: the FP8 GPU tests, `benchmarks.fp8_gemm`, the tower quantized at load
+  (`benchmarks.vision --quantization fp8`, 768x1024), and `benchmarks.engine` in bf16, quantized at load and on a
+  block-wise FP8 copy of the synthetic checkpoint (generated beside it; ``serve``/``vllm`` take it as ``--model``).
 - ``soak``: `benchmarks.soak` for ``--soak-s`` seconds with chaos on a stack of its own (seed3img-sized traffic, 32
   clients); it takes about ``--soak-s`` plus 2 minutes (the stack's start, drain, stop), so ``--soak-s 480`` needs a
   device call of about 10 to 11 minutes (more than one 10-minute command: benchmarks/README.md says how).
@@ -70,6 +73,7 @@ PORT = 8000
 PEER_PORT = 8100
 PARTS = (
     "tests",
+    "fp8",
     "kernels",
     "engine",
     "vision",
@@ -454,6 +458,53 @@ def part_vision(run: Run) -> None:
             name, module, "--model", str(model), "--out", str(run.raw / f"{name}.json"), timeout=run.args.timeout
         )
         run.keep(name, run.raw / f"{name}.json")
+
+
+FP8_TESTS = ["tests/gpu/test_fp8_gpu.py", "tests/gpu/test_vision_fp8_gpu.py"]
+
+
+def fp8_checkpoint(args: argparse.Namespace) -> Path | None:
+    """The block-wise FP8 copy of ``--family``/``--size``'s synthetic checkpoint (the same seed, so the same weights
+    before quantization), generated beside it the first time; None with ``--model`` (nothing to copy from)."""
+    if args.model:
+        return None
+    model = Path(args.checkpoint_dir) / f"{args.family}-{args.size}-seed0-fp8-block"
+    if not (model / "config.json").exists():
+        log(f"generating the {args.family} {args.size} FP8 block-wise synthetic checkpoint at {model}")
+        command = [sys.executable, "-m", "workers.models.synth", "--family", args.family, "--size", args.size]
+        command += ["--out", str(model), "--seed", "0", "--quantization", "fp8-block"]
+        subprocess.run(command, cwd=HERE, env={**os.environ, "PYTHONPATH": str(HERE)}, check=True)
+    return model
+
+
+def part_fp8(run: Run) -> None:
+    """Issue 29 on the GPU, the kernels first: the FP8 GPU tests (each kernel against the dequantized reference, the
+    FP8 tower's distance to bf16), the GEMMs against bf16 (`benchmarks.fp8_gemm`), the tower's images/s at 768x1024
+    quantized at load against bf16 (`benchmarks.vision --quantization fp8`), and the engine (batch-1 and 32 TPOT) in
+    bf16, quantized at load (`[model] quantization = "fp8"`) and on the block-wise FP8 checkpoint. The serving
+    figures then come from ``serve``/``hf-parity``/``vllm`` with ``--model`` that FP8 checkpoint (its path is
+    logged), ``--set model.quantization=...`` and ``--set encoder.quantization=fp8`` as the run needs."""
+    code = run.python("pytest-fp8", "pytest", "-q", "-p", "no:cacheprovider", *FP8_TESTS, timeout=run.args.timeout)
+    lines = (run.raw / "pytest-fp8.log").read_text().strip().splitlines()
+    verdict = [line for line in lines if " passed" in line or " failed" in line or " error" in line][-1:]
+    run.rows.append({"name": "pytest-fp8", "exit": code, "verdict": " ".join(verdict)})
+    run.python("fp8_gemm", "benchmarks.fp8_gemm", "--out", str(run.raw / "fp8_gemm.json"), timeout=run.args.timeout)
+    run.keep("fp8_gemm", run.raw / "fp8_gemm.json")
+    model, fp8_model = checkpoint(run.args), fp8_checkpoint(run.args)
+    vision = ["--model", str(model), "--quantization", "fp8", "--sizes", "768x1024", "--skip-hf"]
+    run.python(
+        "vision-fp8", "benchmarks.vision", *vision, "--out", str(run.raw / "vision-fp8.json"), timeout=run.args.timeout
+    )
+    run.keep("vision-fp8", run.raw / "vision-fp8.json")
+    engines = [("engine-bf16", model, "auto"), ("engine-fp8-at-load", model, "fp8")]
+    if fp8_model is not None:
+        log(f"the FP8 checkpoint for serve/hf-parity/vllm: --model {fp8_model}")
+        engines.append(("engine-fp8-block", fp8_model, "auto"))
+    for name, path, quantization in engines:
+        out = run.raw / f"{name}.json"
+        argv = ["--model", str(path), "--quantization", quantization, "--quick", "--skip-hf", "--out", str(out)]
+        run.python(name, "benchmarks.engine", *argv, timeout=run.args.timeout)
+        run.keep(name, out)
 
 
 def part_hf(run: Run) -> None:
@@ -864,6 +915,7 @@ def run_part(run: Run, part: str) -> None:
         "vllm-part1": lambda r: part_vllm_copy(r, 1),
         "vllm-part2": lambda r: part_vllm_copy(r, 2),
         "grammar": part_grammar,
+        "fp8": part_fp8,
         "soak": lambda r: part_soak(r, "soak", ["--duration", str(r.args.soak_s), "--chaos-every", "45"]),
         # (at the defaults, as every part: `--set server.max_queue_wait_s=S` for a run with the queue bound)
         "overload": lambda r: part_soak(r, "overload", ["--burst", "--burst-workload", "seed3img"]),

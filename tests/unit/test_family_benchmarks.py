@@ -158,3 +158,26 @@ def test_vision_benchmark_runs_the_tower_in_fp8_against_the_unquantized_one(chec
     row = result["sizes"]["768x1024"]
     assert row["tower"][0]["images_per_s"] > 0 and row["reference_tower"][0]["images_per_s"] > 0
     assert 0.005 < row["embedding_distance"] < 0.08  # tests/unit/test_vision_fp8.py's EMBEDDING_BOUND
+
+
+def test_the_fp8_part_makes_a_block_wise_copy_and_the_engine_serves_it_or_quantizes_at_load(checkpoints: Path) -> None:
+    """`benchmarks.gpu fp8`'s CPU-checkable pieces: the FP8 copy of the synthetic checkpoint (once), and
+    `benchmarks.engine --quantization` loading the language model as the decoder would (FP8 at load or as stored)."""
+    args = gpu.parse_args(["fp8", "--result-dir", str(checkpoints / "unused"), *driver_args(checkpoints, "qwen2_vl")])
+    fp8_model = gpu.fp8_checkpoint(args)
+    assert fp8_model == checkpoints / "qwen2_vl-tiny-seed0-fp8-block"
+    stored = json.loads((fp8_model / "config.json").read_text())["quantization_config"]
+    assert stored["weight_block_size"] == [128, 128]
+    for model, quantization, expected in [
+        (gpu.checkpoint(args), "fp8", "fp8-channel (quantized at load)"),
+        (fp8_model, "auto", "fp8-block"),
+        (gpu.checkpoint(args), "auto", None),
+    ]:
+        out = checkpoints / "engine-fp8.json"
+        engine.main(["--model", str(model), "--quantization", quantization, "--out", str(out), "--device", "cpu"])
+        result = json.loads(out.read_text())
+        assert result["quantization"] == expected and result["engine_tpot"][0]["mean_step_ms"] > 0
+    assert (
+        gpu.parse_args(["fp8", "--result-dir", "x", "--model", str(fp8_model)])
+        and gpu.fp8_checkpoint(gpu.parse_args(["fp8", "--result-dir", "x", "--model", str(fp8_model)])) is None
+    )  # (a given checkpoint is served as it is: no copy)
