@@ -20,13 +20,13 @@ from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from common.config import Config
-from common.protocol import GenerateRequest, RequestError, SamplingParams, TokenDelta
+from common.protocol import GenerateRequest, RequestError, SamplingParams
 from gateway.choice import ChoiceStream, ChoiceUpdate
 from gateway.defaults import sampling_defaults, with_defaults
 from gateway.errors import ApiError, internal_error
 from gateway.metrics import GatewayMetrics, Reported
 from gateway.offload import off_loop_if_large
-from gateway.pipeline import Pipeline
+from gateway.pipeline import Event, Pipeline, Restart
 from gateway.prompt import Prompt, PromptBuilder
 from gateway.reasoning import thinking_template
 from gateway.schema import GenerationOptions, parse_chat_request, parse_completion_request
@@ -36,10 +36,10 @@ from gateway.tools import ToolPlan, ToolStream, plan_tools
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 log = logging.getLogger(__name__)
 
-Events = asyncio.Queue[TokenDelta | RequestError]
+Events = asyncio.Queue[Event]
 
 
-class AnswerQueue(asyncio.Queue[TokenDelta | RequestError]):
+class AnswerQueue(asyncio.Queue[Event]):
     """A request's events, telling the gateway once when the first arrives: from then on the request no longer
     waits in a queue (``[server] max_queue_wait_s``)."""
 
@@ -47,7 +47,7 @@ class AnswerQueue(asyncio.Queue[TokenDelta | RequestError]):
         super().__init__()
         self.on_first: Callable[[], object] | None = on_first
 
-    def put_nowait(self, item: TokenDelta | RequestError) -> None:
+    def put_nowait(self, item: Event) -> None:
         if self.on_first is not None:
             self.on_first()
             self.on_first = None
@@ -136,6 +136,7 @@ class Gateway:
             **self.counters,
             "requests_in_flight": len(pipeline.requests),
             "requests_reissued": sum(r.reissued for r in pipeline.replicas.all),
+            "requests_restarted": pipeline.restarted,
             "requests_held": len(pipeline.held),
         }
         reported = [Reported("vlm_gateway", gateway)]
@@ -311,7 +312,7 @@ class Gateway:
                     seed = None if sampling.seed is None else sampling.seed + j
                     params = dataclasses.replace(sampling, seed=seed)
                     request = GenerateRequest(request_id, prompt.token_ids, prompt.media, params)
-                    await self.pipeline.submit(request, events, beside=first)
+                    await self.pipeline.submit(request, events, beside=first, streamed=chat.stream)
                     first = first or request_id
                     choices.append(self._choice(chat, index, request_id, stops, prompt_index))
         except BaseException:  # (a hang-up too, while a large request is encoded): none may run on for nobody
@@ -365,11 +366,16 @@ class Gateway:
         self.latency.e2e.observe(time.monotonic() - started)
 
     def _merge(
-        self, batch: list[TokenDelta | RequestError], by_id: dict[str, ChoiceStream], seen: dict[str, float]
+        self, batch: list[Event], by_id: dict[str, ChoiceStream], seen: dict[str, float]
     ) -> dict[str, ChoiceUpdate]:
         """One update per choice from the events taken together; a `RequestError` fails the request."""
         merged: dict[str, ChoiceUpdate] = {}
         for event in batch:
+            if isinstance(event, Restart):  # (a non-streamed choice begun again: what came so far goes)
+                if event.request_id in by_id:
+                    by_id[event.request_id].restart()
+                merged.pop(event.request_id, None)
+                continue
             if isinstance(event, RequestError):
                 # A request that ran out its whole time would only run out again: OpenAI's clients retry any
                 # 5xx unless told not to.

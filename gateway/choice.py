@@ -58,6 +58,24 @@ class ChoiceStream:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def restart(self) -> None:
+        """Back to before its first token: the request is being generated again from its start (its decoder
+        was lost while the client, not streaming, had seen nothing), so what came so far is dropped."""
+        reasoning = self.reasoning
+        if reasoning is not None:  # (a fresh splitter, as the prompt left it)
+            reasoning = ReasoningSplitter(reasoning.tokens, reasoning.started_thinking)
+        fresh = ChoiceStream(
+            self.index,
+            self.request_id,
+            self.tokenizer,
+            self.stop,
+            self.prompt_index,
+            self.include_stop,
+            self.skip_special_tokens,
+            reasoning,
+        )
+        self.__dict__.update(fresh.__dict__)
+
     def feed(self, delta: TokenDelta) -> ChoiceUpdate:
         final = delta.finish_reason is not None
         self.token_ids.extend(delta.token_ids)

@@ -36,6 +36,10 @@ CATALOGUE: dict[str, tuple[str, str]] = {
         "counter",
         "Requests sent again after their decoder replica was lost before their first token.",
     ),
+    "vlm_gateway_requests_restarted": (
+        "counter",
+        "Of the requests sent again, non-streamed ones whose tokens had begun to come (dropped, never sent).",
+    ),
     "vlm_gateway_requests_held": ("gauge", "Requests lost with their replica, waiting for a live one."),
     "vlm_gateway_replica_requests_in_flight": ("gauge", "Requests the gateway has at this decoder replica."),
     "vlm_gateway_replica_requests_routed": ("counter", "Requests the gateway sent to this decoder replica."),

@@ -53,6 +53,17 @@ MEDIA_REISSUES = 3
 MEDIA_LOST = "media_unavailable"
 
 
+@dataclass(frozen=True)
+class Restart:
+    """To the HTTP side: forget the tokens that came for ``request_id``, which is being generated again from its
+    start (its decoder was lost while its client had seen none of them: a non-streamed answer)."""
+
+    request_id: str
+
+
+Event = TokenDelta | RequestError | Restart
+
+
 @dataclass
 class Tracked:
     """A request in flight: the pipeline's events for it land in ``events``. The workers know it as
@@ -60,8 +71,9 @@ class Tracked:
     the first, which it must not run; and a token from it must not count)."""
 
     request: GenerateRequest
-    events: asyncio.Queue[TokenDelta | RequestError]  # may be shared by the n choices of one HTTP request
+    events: asyncio.Queue[Event]  # may be shared by the n choices of one HTTP request
     replica: Replica
+    streamed: bool = True  # the client gets tokens as they come (False: the whole answer at its end)
     # fetch -> decode; lost with its replica: "held" (waiting for a live one: `Pipeline.held`) or "failed" (its
     # 503 sent, until the HTTP side ends it)
     stage: str = "fetch"
@@ -69,11 +81,18 @@ class Tracked:
     wire_id: str = field(init=False)
     reissues: int = 0  # re-issues after a lost decoder replica
     media_reissues: int = 0  # re-issues after lost media embeddings (`MEDIA_REISSUES`)
-    streaming: bool = False  # a token has come: a replica lost now fails it (the client has those tokens)
+    restarts: int = 0  # of the re-issues, those after tokens had come (a non-streamed answer begun again)
+    streaming: bool = False  # a token has come (for a streamed request, the client has it)
     held_until: float = 0.0  # (held) when it fails if no replica is live to take it by then
 
     def __post_init__(self) -> None:
         self.wire_id = self.request.request_id
+
+    @property
+    def client_has_tokens(self) -> bool:
+        """A token reached (or is on its way to) the client: a lost replica then fails the request, which
+        cannot be taken back. Tokens of a non-streamed answer are the gateway's until it ends."""
+        return self.streaming and self.streamed
 
     @property
     def wires(self) -> int:
@@ -105,6 +124,7 @@ class Pipeline:
         self.requests: dict[str, Tracked] = {}
         self.rewired: dict[str, str] = {}  # a re-issued request's wire id -> its request id
         self.held: dict[str, Tracked] = {}  # request id -> a request lost with its replica, waiting for a live one
+        self.restarted = 0  # non-streamed requests generated again after their replica was lost mid-answer
         self.encoders_seen: dict[bytes, int] = {}  # fetcher -> the encoders it last said were live
         # For /metrics: a channel to each encoder hub, opened once a fetcher has said how many there are (the
         # count may hang on the GPUs there are, which the gateway does not look at)
@@ -140,12 +160,14 @@ class Pipeline:
     async def submit(
         self,
         request: GenerateRequest,
-        events: asyncio.Queue[TokenDelta | RequestError],
+        events: asyncio.Queue[Event],
         beside: str | None = None,
+        streamed: bool = True,
     ) -> Tracked:
         """Send a request on its way (``beside``: another request with the same prompt and media, whose
         fetcher and decoder replica this one should share, as the choices of one request do: a fetcher loads
-        an item once for all it serves, and a replica computes the shared prompt once)."""
+        an item once for all it serves, and a replica computes the shared prompt once). ``streamed``: whether
+        its client gets tokens as they come (a non-streamed one is generated again if its replica is lost)."""
         sibling = self.requests.get(beside) if beside is not None else None
         replica = sibling.replica if sibling is not None else self.choose_replica(request)
         why = self.replicas.unavailable(replica)  # (none of its kind is live): failed now, not after its media
@@ -156,7 +178,7 @@ class Pipeline:
         if request.media:  # encoded once and re-sent as is; off the event loop where inline media makes it large
             routed = dataclasses.replace(request, replica=replica.index)
             frame = await off_loop_if_large(sum(len(m.url) for m in request.media), encode, routed)
-        tracked = self.requests[request.request_id] = Tracked(request, events, replica)
+        tracked = self.requests[request.request_id] = Tracked(request, events, replica, streamed)
         try:
             job = self.fetchers.jobs.get(sibling.wire_id) if sibling is not None else None
             self._dispatch(tracked, replica, frame, prefer=job.peer if job is not None else None)
@@ -308,7 +330,8 @@ class Pipeline:
             # The decoder that leased the request's embeddings is gone and will never release them;
             # without this they would stay pinned (unevictable) until the lease TTL.
             self._send(self.cache, CacheRelease(tracked.wire_id))
-            outcome = self._recover(tracked) if not tracked.streaming and tracked.reissues < REISSUES else None
+            recoverable = not tracked.client_has_tokens and tracked.reissues < REISSUES
+            outcome = self._recover(tracked) if recoverable else None
             if outcome is not None:
                 outcomes[outcome] += 1
                 continue
@@ -349,7 +372,7 @@ class Pipeline:
         encode failed): fetched and encoded again under a new wire id, as if it had just come (see
         `MEDIA_REISSUES`); False where the error goes to the client (not that, a token came, or tried enough)."""
         tracked = self._tracked(error.request_id)
-        if tracked is None or error.code != MEDIA_LOST or tracked.streaming or not tracked.request.media:
+        if tracked is None or error.code != MEDIA_LOST or tracked.client_has_tokens or not tracked.request.media:
             return False
         if tracked.media_reissues >= MEDIA_REISSUES or tracked.stage in ("held", "failed"):
             return False
@@ -377,6 +400,11 @@ class Pipeline:
         self.rewired.pop(tracked.wire_id, None)
         tracked.wire_id = f"{tracked.request_id}.reissue{tracked.wires}"
         self.rewired[tracked.wire_id] = tracked.request_id
+        if tracked.streaming:  # (tokens its client has not seen: the HTTP side drops them, usage counts once)
+            tracked.streaming = False
+            tracked.restarts += 1
+            self.restarted += 1
+            tracked.events.put_nowait(Restart(tracked.request_id))
 
     def _send_again(self, tracked: Tracked, replica: Replica) -> None:
         tracked.replica.reissued += 1  # (the lost replica's count)

@@ -93,3 +93,17 @@ def test_updates_taken_together_equal_the_stream_one_by_one(tokenizer: PreTraine
     assert merged.text == tokenizer.decode(ids) and merged.token_ids == ids
     assert [e["logprob"] for e in merged.logprobs] == [-0.5 * i for i in range(len(ids))]
     assert merged.finish_reason == "stop" and updates[0].then(updates[1]).finish_reason is None
+
+
+def test_a_restarted_choice_is_as_if_new(tokenizer: PreTrainedTokenizerBase) -> None:
+    """A non-streamed choice generated again after its decoder was lost: what came before counts for nothing
+    (text, token ids, logprobs, usage, a stop string's held text), and the answer is the second run's alone."""
+    ids = tokenizer.encode("Hello world, this is a test.")
+    fresh = ChoiceStream(0, "r", tokenizer, ["test"])
+    want = "".join(feed_all(fresh, ids))
+    choice = ChoiceStream(0, "r", tokenizer, ["test"])
+    choice.feed(TokenDelta("r", ids[:4], None, prompt_tokens=7, completion_tokens=4))
+    choice.restart()
+    assert (choice.text, choice.token_ids, choice.completion_tokens, choice.finish_reason) == ("", [], 0, None)
+    assert "".join(feed_all(choice, ids)) == want and choice.text == fresh.text
+    assert choice.token_ids == fresh.token_ids and choice.finish_reason == fresh.finish_reason

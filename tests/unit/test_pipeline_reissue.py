@@ -35,7 +35,7 @@ from common.protocol import (
 )
 from common.transport import AsyncChannel
 from gateway.metrics import GatewayMetrics
-from gateway.pipeline import MEDIA_LOST, MEDIA_REISSUES, Pipeline, Tracked
+from gateway.pipeline import MEDIA_LOST, MEDIA_REISSUES, Pipeline, Restart, Tracked
 
 WAIT_S = 5.0
 
@@ -209,3 +209,34 @@ async def media_lost(tmp_path: Path) -> None:
 
 def test_a_request_whose_media_embeddings_were_lost_is_fetched_again(tmp_path: Path) -> None:
     asyncio.run(media_lost(tmp_path))
+
+
+async def unstreamed_with_tokens_restarts(tmp_path: Path) -> None:
+    """A non-streamed request whose first tokens had come when its replica restarted: its client has seen none of
+    them, so it goes again like a quiet one, and the HTTP side is told (`Restart`) to drop what it had; the
+    streamed one beside it, whose client has its token, fails."""
+    cfg = Config(run_dir=str(tmp_path), decoder=DecoderConfig(replicas=2, text_replicas=[0]))
+    async with two_requests_at_replica_0(cfg) as scene:
+        pipeline, replica_0, events = scene.pipeline, scene.replica_0, scene.events
+        sampling = SamplingParams(max_tokens=4)
+        whole = await pipeline.submit(GenerateRequest("whole", [8, 9], [], sampling), events, streamed=False)
+        assert [m.request_id for m in await received(replica_0, 1)] == ["whole"]  # type: ignore[union-attr]
+        await scene.to_gateway.send(TokenBatch([TokenDelta("whole", [3])]))
+        assert (await asyncio.wait_for(events.get(), WAIT_S)).request_id == "whole"
+        assert whole.streaming and not whole.client_has_tokens
+
+        await scene.to_gateway.send(WorkerStatus("decoder", "decoder", "second", 64))  # a new process
+        got = [await asyncio.wait_for(events.get(), WAIT_S) for _ in range(2)]
+        failed = [e for e in got if isinstance(e, RequestError)]
+        assert [(e.request_id, e.status) for e in failed] == [("streaming", 503)]
+        assert Restart("whole") in got and pipeline.restarted == 1 and whole.restarts == 1
+        sent = [m for m in await received(replica_0, 4) if isinstance(m, PreparedRequest)]
+        assert sorted(m.request_id for m in sent) == ["quiet.reissue1", "whole.reissue1"]
+        assert not whole.streaming  # (until the new incarnation's first token)
+        await scene.to_gateway.send(TokenBatch([TokenDelta("whole", [4]), TokenDelta("whole.reissue1", [5])]))
+        delta = await asyncio.wait_for(events.get(), WAIT_S)  # (the old id's late token dropped)
+        assert isinstance(delta, TokenDelta) and (delta.request_id, delta.token_ids) == ("whole", [5])
+
+
+def test_a_non_streamed_request_lost_mid_answer_goes_again_from_its_start(tmp_path: Path) -> None:
+    asyncio.run(unstreamed_with_tokens_restarts(tmp_path))
