@@ -93,7 +93,7 @@ class Stack:
                     return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)  # (the bound is the timeout; a short period starts each test sooner)
         raise TimeoutError(f"stack not healthy within {timeout_s}s; logs in {self.run_dir / 'logs'}")
 
 
@@ -222,7 +222,7 @@ def _healthy(base_url: str, processes: list[subprocess.Popen[bytes]], timeout_s:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise TimeoutError("hand-started stack not healthy")
 
 
