@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -70,15 +71,18 @@ def steps() -> list[StepPayload]:
     return [prefill, decode]
 
 
-def run_rank(rank: int, world: int, path: str, store: str, out: str, fuse: bool) -> None:
+def run_rank(rank: int, world: int, path: str, store: str, out: str, fuses: list[bool]) -> None:
+    """The steps' logits of this rank's shard in each of ``fuses`` (a fresh cache for each), at
+    ``{out}-{fuse}-{rank}.npy``."""
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     spec = read_spec(path)
     tp = TensorParallel(rank, world, spec.vocab_size)
     model = load_shard(Path(path), spec, tp, torch.device("cpu"), torch.float32)
-    kv = PagedKVCache.for_model(model, 4, 4)
-    forward = RankForward(model, kv, paged_attention_reference, tp, fuse_layers(model) if fuse else None)
-    logits = [forward(payload) for payload in steps()]
-    np.save(f"{out}-{rank}.npy", torch.cat(logits).numpy())
+    for fuse in fuses:
+        kv = PagedKVCache.for_model(model, 4, 4)
+        forward = RankForward(model, kv, paged_attention_reference, tp, fuse_layers(model) if fuse else None)
+        logits = [forward(payload) for payload in steps()]
+        np.save(f"{out}-{fuse}-{rank}.npy", torch.cat(logits).numpy())
     dist.barrier()  # every rank done with its collectives before any tears its connections down
     dist.destroy_process_group()
     exit_spawned_rank()
@@ -115,28 +119,51 @@ def tiny(tmp_path: Path, family: str, world: int = 2) -> Path:
     return generate_checkpoint(tmp_path / f"{family}-{SHAPES[world]}", SHAPES[world], seed=4, family=family)
 
 
+RANK_CASES = [
+    ("qwen2_vl", 2, False),
+    ("qwen2_vl", 2, True),
+    ("qwen2_vl", 4, True),
+    ("qwen2_5_vl", 2, False),
+    ("qwen2_5_vl", 2, True),
+    ("qwen3_vl", 2, False),  # its text model runs unfused (the fused layers have no q/k norm)
+]
+
+
+@pytest.fixture(scope="module")
+def rank_logits(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(family, world) -> (the unsharded logits, each fuse's logits of each rank). One spawn of the ranks per
+    (family, world) computes every fuse case of it (the processes' start-up, not the forward, is what costs)."""
+    runs: dict[tuple[str, int], tuple[torch.Tensor, dict[bool, list[torch.Tensor]]]] = {}
+
+    def get(family: str, world: int) -> tuple[torch.Tensor, dict[bool, list[torch.Tensor]]]:
+        if (family, world) not in runs:
+            tmp_path = tmp_path_factory.mktemp(f"ranks-{family}-{world}")
+            fuses = [fuse for f, w, fuse in RANK_CASES if (f, w) == (family, world)]
+            path = tiny(tmp_path, family, world)
+            args = (world, str(path), str(tmp_path / "store"), str(tmp_path / "logits"), fuses)
+            mp.start_processes(run_rank, args=args, nprocs=world, start_method="spawn")
+            logits = {
+                fuse: [torch.from_numpy(np.load(tmp_path / f"logits-{fuse}-{rank}.npy")) for rank in range(world)]
+                for fuse in fuses
+            }
+            runs[family, world] = unsharded(path), logits
+        return runs[family, world]
+
+    return get
+
+
 @pytest.mark.parametrize(
     ("family", "world", "fuse"),
-    [
-        ("qwen2_vl", 2, False),
-        ("qwen2_vl", 2, True),
-        ("qwen2_vl", 4, True),
-        ("qwen2_5_vl", 2, False),
-        ("qwen2_5_vl", 2, True),
-        ("qwen3_vl", 2, False),  # its text model runs unfused (the fused layers have no q/k norm)
-    ],
+    RANK_CASES,
     ids=["two-plain", "two-fused", "four-fused", "qwen2_5_vl-two-plain", "qwen2_5_vl-two-fused", "qwen3_vl-two-plain"],
 )
-def test_ranks_give_the_unsharded_logits(tmp_path: Path, family: str, world: int, fuse: bool) -> None:
+def test_ranks_give_the_unsharded_logits(rank_logits: Any, family: str, world: int, fuse: bool) -> None:
     """Plain layers, and the fused ones (concatenated projections of the rank's shard, the fused norm and
     activation paths) with the all-reduces between them; each rank's shard is its family's language model,
     loaded through the registry."""
-    path = tiny(tmp_path, family, world)
-    args = (world, str(path), str(tmp_path / "store"), str(tmp_path / "logits"), fuse)
-    mp.start_processes(run_rank, args=args, nprocs=world, start_method="spawn")
-    expected = unsharded(path)
-    for rank in range(world):
-        got = torch.from_numpy(np.load(tmp_path / f"logits-{rank}.npy"))
+    expected, logits = rank_logits(family, world)
+    assert len(logits[fuse]) == world
+    for got in logits[fuse]:
         assert got.shape == expected.shape  # the full vocabulary on every rank
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # fp32: only the sum order differs
 
