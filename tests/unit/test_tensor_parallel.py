@@ -374,50 +374,74 @@ def follower(model: LanguageModel, tp: TensorParallel, attention: PagedAttention
     return RankForward(model, kv, attention, tp, fused, graphs)
 
 
-def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlap: bool) -> None:
-    """Rank 0 runs the engine (static graphs: the padded, staged path CUDA graphs replay, uncaptured);
-    the other ranks run rank 0's steps through their own graphs, as `DecoderRank` does."""
+def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlaps: list[bool]) -> None:
+    """Rank 0 runs the engine (static graphs: the padded, staged path CUDA graphs replay, uncaptured) once per
+    entry of ``overlaps``, each run's tokens at ``{out}-{overlap}.json``; the other ranks run rank 0's steps through
+    their own graphs, as `DecoderRank` does. Each run starts afresh on every rank: engine or follower, cache, graphs
+    and broadcast."""
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     spec = read_spec(path)
     tp = TensorParallel(rank, world, spec.vocab_size)
     model = load_shard(Path(path), spec, tp, torch.device("cpu"), torch.float32)
-    steps = StepBroadcast(tp, spec.hidden_size, model.dtype, torch.device("cpu"))
-    if rank == 0:
-        options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS, "overlap": overlap}
-        engine = Engine(model, spec, EngineConfig(**ENGINE, **options), steps)  # type: ignore[arg-type]
-        tokens = generate(engine)
-        steps.send_stop()
-        assert (engine.counters["overlapped_steps"] > 0) == overlap
-        assert (engine.counters["overlapped_mixed_steps"] > 0) == overlap  # prefill chunks beside decodes
-        assert engine.counters["graph_steps"] > 0
-        Path(out).write_text(json.dumps(tokens))
-    else:
-        forward = follower(model, tp, paged_attention_reference, capture=False)
-        while (payload := steps.receive()) is not None:
-            forward(payload)
+    for overlap in overlaps:
+        steps = StepBroadcast(tp, spec.hidden_size, model.dtype, torch.device("cpu"))
+        if rank == 0:
+            options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS, "overlap": overlap}
+            engine = Engine(model, spec, EngineConfig(**ENGINE, **options), steps)  # type: ignore[arg-type]
+            tokens = generate(engine)
+            steps.send_stop()
+            assert (engine.counters["overlapped_steps"] > 0) == overlap
+            assert (engine.counters["overlapped_mixed_steps"] > 0) == overlap  # prefill chunks beside decodes
+            assert engine.counters["graph_steps"] > 0
+            Path(f"{out}-{overlap}.json").write_text(json.dumps(tokens))
+        else:
+            forward = follower(model, tp, paged_attention_reference, capture=False)
+            while (payload := steps.receive()) is not None:
+                forward(payload)
     leave_group(None)  # as the decoder ranks leave (no CUDA graphs here)
     exit_spawned_rank()
 
 
+ENGINE_CASES = [("qwen2_vl", 2, False), ("qwen2_vl", 2, True), ("qwen2_vl", 4, True), ("qwen2_5_vl", 2, True)]
+
+
+@pytest.fixture(scope="module")
+def engine_tokens(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(family, world) -> (one rank's tokens, each overlap's tokens over the ranks). One spawn of the ranks per
+    (family, world) runs every overlap case of it."""
+    runs: dict[tuple[str, int], tuple[Any, dict[bool, Any]]] = {}
+
+    def get(family: str, world: int) -> tuple[Any, dict[bool, Any]]:
+        if (family, world) not in runs:
+            tmp_path = tmp_path_factory.mktemp(f"engine-{family}-{world}")
+            overlaps = [overlap for f, w, overlap in ENGINE_CASES if (f, w) == (family, world)]
+            path = tiny(tmp_path, family, world)
+            out = tmp_path / "tokens"
+            args = (world, str(path), str(tmp_path / "store"), str(out), overlaps)
+            mp.start_processes(engine_rank, args=args, nprocs=world, start_method="spawn")
+            model, spec = checkpoint_family(path).language_model(path, dtype=torch.float32), read_spec(path)
+            options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS}
+            alone = generate(Engine(model, spec, EngineConfig(**ENGINE, **options)))  # type: ignore[arg-type]
+            over_ranks = {overlap: json.loads(Path(f"{out}-{overlap}.json").read_text()) for overlap in overlaps}
+            runs[family, world] = alone, over_ranks
+        return runs[family, world]
+
+    return get
+
+
 @pytest.mark.parametrize(
     ("family", "world", "overlap"),
-    [("qwen2_vl", 2, False), ("qwen2_vl", 2, True), ("qwen2_vl", 4, True), ("qwen2_5_vl", 2, True)],
+    ENGINE_CASES,
     ids=["two-synchronous", "two-overlapped", "four-overlapped", "qwen2_5_vl-two-overlapped"],
 )
 def test_an_engine_over_ranks_with_graph_steps_generates_what_one_rank_does(
-    tmp_path: Path, family: str, world: int, overlap: bool
+    engine_tokens: Any, family: str, world: int, overlap: bool
 ) -> None:
     """Decode and mixed graph steps (static mode), fused layers, broadcast to the other ranks — with
     overlap, steps whose decodes' input ids follow as a tensor (decode graphs, and mixed steps with prefill
     chunks beside them): the same greedy tokens as one rank."""
-    path = tiny(tmp_path, family, world)
-    out = tmp_path / "tokens.json"
-    args = (world, str(path), str(tmp_path / "store"), str(out), overlap)
-    mp.start_processes(engine_rank, args=args, nprocs=world, start_method="spawn")
-    model, spec = checkpoint_family(path).language_model(path, dtype=torch.float32), read_spec(path)
-    options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS}
-    alone = generate(Engine(model, spec, EngineConfig(**ENGINE, **options)))  # type: ignore[arg-type]
-    assert json.loads(out.read_text()) == alone
+    alone, over_ranks = engine_tokens(family, world)
+    assert over_ranks[overlap] == alone
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
