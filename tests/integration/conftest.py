@@ -93,7 +93,7 @@ class Stack:
                     return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)  # (the bound is the timeout; a short period starts each test sooner)
         raise TimeoutError(f"stack not healthy within {timeout_s}s; logs in {self.run_dir / 'logs'}")
 
 
@@ -107,9 +107,10 @@ def serve(
     tmp_path_factory: pytest.TempPathFactory, name: str, extra_toml: str = "", server_toml: str = ""
 ) -> Iterator[Stack]:
     """``./ops/serve`` on a free port with loopback media allowed, plus ``extra_toml`` (whole sections) and
-    ``server_toml`` (lines of [server]); stopped with SIGTERM afterwards. Its output goes to
+    ``server_toml`` (lines of [server]); stopped with SIGTERM afterwards (see `STOPPING`). Its output goes to
     ``run/serve-<name>.log``."""
-    port = free_port()
+    STOPPING.reap(name)
+    port = STOPPING.free_port()
     config = stack_config(tmp_path_factory.mktemp(name), port, extra_toml, server_toml)
     env = {**os.environ, "VLM_CONFIG": str(config)}
     (REPO / "run").mkdir(exist_ok=True)
@@ -121,10 +122,49 @@ def serve(
         yield stack
     finally:
         process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        STOPPING.add(name, port, process)
+
+
+@dataclass
+class _Stopping:
+    """Stacks sent SIGTERM and not yet gone. Supervisord stops its programs one after another, which takes
+    seconds of waiting, not of work: the next test starts meanwhile instead of waiting for it. A stopping stack's
+    port (its run directory is ``run/<port>``) and log name are not given to a new stack until it is gone; the
+    session's end waits for every one (``kill`` past `STOP_TIMEOUT_S`, as a synchronous stop did)."""
+
+    processes: dict[str, tuple[int, float, subprocess.Popen[bytes]]]
+
+    def add(self, name: str, port: int, process: subprocess.Popen[bytes]) -> None:
+        self.reap(name)  # (a name whose earlier stack is still stopping: this one waits for that first)
+        self.processes[name] = (port, time.monotonic(), process)
+
+    def reap(self, name: str | None = None) -> None:
+        """Forget the stacks that are gone; wait for ``name``'s (every one's if None)."""
+        for key, (_, signalled, process) in list(self.processes.items()):
+            if name is None or key == name:
+                try:
+                    process.wait(timeout=max(0.0, signalled + STOP_TIMEOUT_S - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            if process.poll() is not None:
+                del self.processes[key]
+
+    def free_port(self) -> int:
+        taken = {port for port, _, _ in self.processes.values()}
+        while (port := free_port()) in taken:
+            pass
+        return port
+
+
+STOP_TIMEOUT_S = 30.0
+STOPPING = _Stopping({})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _every_stack_stopped() -> Iterator[None]:
+    yield
+    STOPPING.reap()
 
 
 def stack_config(directory: Path, port: int, extra_toml: str = "", server_toml: str = "") -> Path:
@@ -222,7 +262,7 @@ def _healthy(base_url: str, processes: list[subprocess.Popen[bytes]], timeout_s:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise TimeoutError("hand-started stack not healthy")
 
 
@@ -246,7 +286,7 @@ def hand_started_stack(
     ``settings`` is extra TOML (sections other than [server]), ``server`` extra lines of [server]; sockets
     live under ``root``.
     """
-    port = free_port()
+    port = STOPPING.free_port()
     config = root / "vlm.toml"
     keys = json.dumps(api_keys or [])
     config.write_text(f'run_dir = "{root / "run"}"\n[server]\nport = {port}\napi_keys = {keys}\n{server}{settings}')
@@ -260,10 +300,6 @@ def hand_started_stack(
         _healthy(f"http://127.0.0.1:{port}", processes)  # /health needs no key
         yield f"http://127.0.0.1:{port}"
     finally:
-        for p in processes:
+        for args, p in zip(WORKER_COMMANDS, processes, strict=False):
             p.send_signal(signal.SIGTERM)
-        for p in processes:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            STOPPING.add(f"{root}: {' '.join(args)}", port, p)

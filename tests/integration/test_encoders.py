@@ -20,24 +20,25 @@ from tests.integration.test_faults import cache_gauges_settle
 from tests.media import data_url, make_image
 
 
-@pytest.fixture(scope="module")
+# Each stack serves one test: function-scoped, so that it stops before the next one starts, not at the module's end.
+@pytest.fixture
 def two_encoders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # Few credits: a request's three images need both encoders.
     yield from serve(tmp_path_factory, "two-encoders", "[encoder]\ncount = 2\ncredits = 2\n")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def small_batches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # 192 patches: the test video's 4 temporal patches of 12x8 go as 2 jobs of 2 (two encoders).
     yield from serve(tmp_path_factory, "small-batches", "[encoder]\ncount = 2\nmax_batch_patches = 192\n")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def onnx_encoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from serve(tmp_path_factory, "onnx-encoder", '[encoder]\nbackend = "onnxruntime"\n')
 
 
-@pytest.fixture  # (function-scoped: one stack at a time beside the module's others)
+@pytest.fixture
 def onnx_encoder_qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     from workers.models.synth import generate_checkpoint
 

@@ -74,7 +74,7 @@ def wait_restarted(stack: Stack, program: str, old_pid: int, timeout_s: float = 
                 return
         except ValueError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise TimeoutError(f"{program} was not restarted by supervisord within {timeout_s}s")
 
 

@@ -17,7 +17,7 @@ from common.config import load_config
 from tests.integration.conftest import Stack, checkpoint_with_generation, hand_started_stack
 
 MESSAGES = [{"role": "user", "content": "Write a few words about rivers and mountains."}]
-CONTEXT = 160  # short, for a request without a limit to reach its end in moments
+CONTEXT = 96  # short, for a request without a limit to reach its end in moments (the prompt and 48 tokens fit)
 SAMPLING = {"do_sample": True, "temperature": 0.01, "top_p": 0.001, "top_k": 1, "repetition_penalty": 3.0}
 
 

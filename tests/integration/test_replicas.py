@@ -231,7 +231,7 @@ def test_a_stalled_replicas_requests_are_sent_again(dp2: Stack) -> None:
     assert after == (before_finished[0] + 4, before_finished[1] + 1), (before_finished, after)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # (one test's: it stops after it, not beside dp2 until the module's end)
 def dp2tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from serve(tmp_path_factory, "dp2tp2", "[decoder]\nreplicas = 2\ntensor_parallel = 2\ntp_timeout_s = 30.0\n")
 

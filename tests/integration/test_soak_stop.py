@@ -32,7 +32,7 @@ def _wait_for_stack(stack_dir: Path, soak: subprocess.Popen[str], timeout_s: flo
             stack = Stack.from_config(f"http://127.0.0.1:{port}", config)
             if stack.healthy():
                 return stack
-        time.sleep(0.5)
+        time.sleep(0.1)
     soak.kill()
     raise AssertionError(f"the soak's stack did not become healthy: {soak.communicate()[1][-3000:]}")
 

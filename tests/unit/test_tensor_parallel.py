@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -70,15 +71,18 @@ def steps() -> list[StepPayload]:
     return [prefill, decode]
 
 
-def run_rank(rank: int, world: int, path: str, store: str, out: str, fuse: bool) -> None:
+def run_rank(rank: int, world: int, path: str, store: str, out: str, fuses: list[bool]) -> None:
+    """The steps' logits of this rank's shard in each of ``fuses`` (a fresh cache for each), at
+    ``{out}-{fuse}-{rank}.npy``."""
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     spec = read_spec(path)
     tp = TensorParallel(rank, world, spec.vocab_size)
     model = load_shard(Path(path), spec, tp, torch.device("cpu"), torch.float32)
-    kv = PagedKVCache.for_model(model, 4, 4)
-    forward = RankForward(model, kv, paged_attention_reference, tp, fuse_layers(model) if fuse else None)
-    logits = [forward(payload) for payload in steps()]
-    np.save(f"{out}-{rank}.npy", torch.cat(logits).numpy())
+    for fuse in fuses:
+        kv = PagedKVCache.for_model(model, 4, 4)
+        forward = RankForward(model, kv, paged_attention_reference, tp, fuse_layers(model) if fuse else None)
+        logits = [forward(payload) for payload in steps()]
+        np.save(f"{out}-{fuse}-{rank}.npy", torch.cat(logits).numpy())
     dist.barrier()  # every rank done with its collectives before any tears its connections down
     dist.destroy_process_group()
     exit_spawned_rank()
@@ -115,28 +119,51 @@ def tiny(tmp_path: Path, family: str, world: int = 2) -> Path:
     return generate_checkpoint(tmp_path / f"{family}-{SHAPES[world]}", SHAPES[world], seed=4, family=family)
 
 
+RANK_CASES = [
+    ("qwen2_vl", 2, False),
+    ("qwen2_vl", 2, True),
+    ("qwen2_vl", 4, True),
+    ("qwen2_5_vl", 2, False),
+    ("qwen2_5_vl", 2, True),
+    ("qwen3_vl", 2, False),  # its text model runs unfused (the fused layers have no q/k norm)
+]
+
+
+@pytest.fixture(scope="module")
+def rank_logits(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(family, world) -> (the unsharded logits, each fuse's logits of each rank). One spawn of the ranks per
+    (family, world) computes every fuse case of it (the processes' start-up, not the forward, is what costs)."""
+    runs: dict[tuple[str, int], tuple[torch.Tensor, dict[bool, list[torch.Tensor]]]] = {}
+
+    def get(family: str, world: int) -> tuple[torch.Tensor, dict[bool, list[torch.Tensor]]]:
+        if (family, world) not in runs:
+            tmp_path = tmp_path_factory.mktemp(f"ranks-{family}-{world}")
+            fuses = [fuse for f, w, fuse in RANK_CASES if (f, w) == (family, world)]
+            path = tiny(tmp_path, family, world)
+            args = (world, str(path), str(tmp_path / "store"), str(tmp_path / "logits"), fuses)
+            mp.start_processes(run_rank, args=args, nprocs=world, start_method="spawn")
+            logits = {
+                fuse: [torch.from_numpy(np.load(tmp_path / f"logits-{fuse}-{rank}.npy")) for rank in range(world)]
+                for fuse in fuses
+            }
+            runs[family, world] = unsharded(path), logits
+        return runs[family, world]
+
+    return get
+
+
 @pytest.mark.parametrize(
     ("family", "world", "fuse"),
-    [
-        ("qwen2_vl", 2, False),
-        ("qwen2_vl", 2, True),
-        ("qwen2_vl", 4, True),
-        ("qwen2_5_vl", 2, False),
-        ("qwen2_5_vl", 2, True),
-        ("qwen3_vl", 2, False),  # its text model runs unfused (the fused layers have no q/k norm)
-    ],
+    RANK_CASES,
     ids=["two-plain", "two-fused", "four-fused", "qwen2_5_vl-two-plain", "qwen2_5_vl-two-fused", "qwen3_vl-two-plain"],
 )
-def test_ranks_give_the_unsharded_logits(tmp_path: Path, family: str, world: int, fuse: bool) -> None:
+def test_ranks_give_the_unsharded_logits(rank_logits: Any, family: str, world: int, fuse: bool) -> None:
     """Plain layers, and the fused ones (concatenated projections of the rank's shard, the fused norm and
     activation paths) with the all-reduces between them; each rank's shard is its family's language model,
     loaded through the registry."""
-    path = tiny(tmp_path, family, world)
-    args = (world, str(path), str(tmp_path / "store"), str(tmp_path / "logits"), fuse)
-    mp.start_processes(run_rank, args=args, nprocs=world, start_method="spawn")
-    expected = unsharded(path)
-    for rank in range(world):
-        got = torch.from_numpy(np.load(tmp_path / f"logits-{rank}.npy"))
+    expected, logits = rank_logits(family, world)
+    assert len(logits[fuse]) == world
+    for got in logits[fuse]:
         assert got.shape == expected.shape  # the full vocabulary on every rank
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # fp32: only the sum order differs
 
@@ -347,50 +374,74 @@ def follower(model: LanguageModel, tp: TensorParallel, attention: PagedAttention
     return RankForward(model, kv, attention, tp, fused, graphs)
 
 
-def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlap: bool) -> None:
-    """Rank 0 runs the engine (static graphs: the padded, staged path CUDA graphs replay, uncaptured);
-    the other ranks run rank 0's steps through their own graphs, as `DecoderRank` does."""
+def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlaps: list[bool]) -> None:
+    """Rank 0 runs the engine (static graphs: the padded, staged path CUDA graphs replay, uncaptured) once per
+    entry of ``overlaps``, each run's tokens at ``{out}-{overlap}.json``; the other ranks run rank 0's steps through
+    their own graphs, as `DecoderRank` does. Each run starts afresh on every rank: engine or follower, cache, graphs
+    and broadcast."""
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     spec = read_spec(path)
     tp = TensorParallel(rank, world, spec.vocab_size)
     model = load_shard(Path(path), spec, tp, torch.device("cpu"), torch.float32)
-    steps = StepBroadcast(tp, spec.hidden_size, model.dtype, torch.device("cpu"))
-    if rank == 0:
-        options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS, "overlap": overlap}
-        engine = Engine(model, spec, EngineConfig(**ENGINE, **options), steps)  # type: ignore[arg-type]
-        tokens = generate(engine)
-        steps.send_stop()
-        assert (engine.counters["overlapped_steps"] > 0) == overlap
-        assert (engine.counters["overlapped_mixed_steps"] > 0) == overlap  # prefill chunks beside decodes
-        assert engine.counters["graph_steps"] > 0
-        Path(out).write_text(json.dumps(tokens))
-    else:
-        forward = follower(model, tp, paged_attention_reference, capture=False)
-        while (payload := steps.receive()) is not None:
-            forward(payload)
+    for overlap in overlaps:
+        steps = StepBroadcast(tp, spec.hidden_size, model.dtype, torch.device("cpu"))
+        if rank == 0:
+            options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS, "overlap": overlap}
+            engine = Engine(model, spec, EngineConfig(**ENGINE, **options), steps)  # type: ignore[arg-type]
+            tokens = generate(engine)
+            steps.send_stop()
+            assert (engine.counters["overlapped_steps"] > 0) == overlap
+            assert (engine.counters["overlapped_mixed_steps"] > 0) == overlap  # prefill chunks beside decodes
+            assert engine.counters["graph_steps"] > 0
+            Path(f"{out}-{overlap}.json").write_text(json.dumps(tokens))
+        else:
+            forward = follower(model, tp, paged_attention_reference, capture=False)
+            while (payload := steps.receive()) is not None:
+                forward(payload)
     leave_group(None)  # as the decoder ranks leave (no CUDA graphs here)
     exit_spawned_rank()
 
 
+ENGINE_CASES = [("qwen2_vl", 2, False), ("qwen2_vl", 2, True), ("qwen2_vl", 4, True), ("qwen2_5_vl", 2, True)]
+
+
+@pytest.fixture(scope="module")
+def engine_tokens(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(family, world) -> (one rank's tokens, each overlap's tokens over the ranks). One spawn of the ranks per
+    (family, world) runs every overlap case of it."""
+    runs: dict[tuple[str, int], tuple[Any, dict[bool, Any]]] = {}
+
+    def get(family: str, world: int) -> tuple[Any, dict[bool, Any]]:
+        if (family, world) not in runs:
+            tmp_path = tmp_path_factory.mktemp(f"engine-{family}-{world}")
+            overlaps = [overlap for f, w, overlap in ENGINE_CASES if (f, w) == (family, world)]
+            path = tiny(tmp_path, family, world)
+            out = tmp_path / "tokens"
+            args = (world, str(path), str(tmp_path / "store"), str(out), overlaps)
+            mp.start_processes(engine_rank, args=args, nprocs=world, start_method="spawn")
+            model, spec = checkpoint_family(path).language_model(path, dtype=torch.float32), read_spec(path)
+            options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS}
+            alone = generate(Engine(model, spec, EngineConfig(**ENGINE, **options)))  # type: ignore[arg-type]
+            over_ranks = {overlap: json.loads(Path(f"{out}-{overlap}.json").read_text()) for overlap in overlaps}
+            runs[family, world] = alone, over_ranks
+        return runs[family, world]
+
+    return get
+
+
 @pytest.mark.parametrize(
     ("family", "world", "overlap"),
-    [("qwen2_vl", 2, False), ("qwen2_vl", 2, True), ("qwen2_vl", 4, True), ("qwen2_5_vl", 2, True)],
+    ENGINE_CASES,
     ids=["two-synchronous", "two-overlapped", "four-overlapped", "qwen2_5_vl-two-overlapped"],
 )
 def test_an_engine_over_ranks_with_graph_steps_generates_what_one_rank_does(
-    tmp_path: Path, family: str, world: int, overlap: bool
+    engine_tokens: Any, family: str, world: int, overlap: bool
 ) -> None:
     """Decode and mixed graph steps (static mode), fused layers, broadcast to the other ranks — with
     overlap, steps whose decodes' input ids follow as a tensor (decode graphs, and mixed steps with prefill
     chunks beside them): the same greedy tokens as one rank."""
-    path = tiny(tmp_path, family, world)
-    out = tmp_path / "tokens.json"
-    args = (world, str(path), str(tmp_path / "store"), str(out), overlap)
-    mp.start_processes(engine_rank, args=args, nprocs=world, start_method="spawn")
-    model, spec = checkpoint_family(path).language_model(path, dtype=torch.float32), read_spec(path)
-    options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS}
-    alone = generate(Engine(model, spec, EngineConfig(**ENGINE, **options)))  # type: ignore[arg-type]
-    assert json.loads(out.read_text()) == alone
+    alone, over_ranks = engine_tokens(family, world)
+    assert over_ranks[overlap] == alone
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
