@@ -10,30 +10,14 @@ interpreter's 2**-16; the GEMV multiplies bf16 on fp32 accumulators and keeps th
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from tests.triton_setup import compiled_kernels_skip_reason
 from workers.kernels import fp8
-from workers.kernels._launch import triton_available
 from workers.kernels.fp8 import FP8, dequantize_reference, fp8_matmul_reference, quantize_reference
 
-
-def _skip_reason() -> str | None:
-    # Order matters: importing triton on a machine without CUDA would stop tests/unit from importing it interpreted.
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    if not triton_available():
-        return "triton is not installed"
-    from workers.kernels._launch import interpreted
-
-    if os.environ.get("TRITON_INTERPRET") == "1" or interpreted():
-        return "TRITON_INTERPRET=1 makes every kernel run in the interpreter: run tests/gpu without it"
-    return None
-
-
-_SKIP_REASON = _skip_reason()
+_SKIP_REASON = compiled_kernels_skip_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")]
 
 CUDA = torch.device("cuda")

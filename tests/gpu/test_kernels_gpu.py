@@ -11,7 +11,6 @@ GPU run, to be tightened to what it measures.
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,28 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.triton_setup import compiled_kernels_skip_reason
 from workers.kernels import activation, attention, cache, norm, rotary
-from workers.kernels._launch import triton_available
 from workers.models.language import LanguageModel, mrope_cos_sin, rope_inv_freq
 from workers.models.paged import BatchLayout, PagedKVCache, paged_attention_reference, paged_forward
 from workers.models.synth import generate_checkpoint
 
-
-def _skip_reason() -> str | None:
-    # Order matters: importing triton on a machine without CUDA would stop tests/unit/test_kernels.py (collected
-    # later in the same process) from importing it under the interpreter.
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    if not triton_available():
-        return "triton is not installed"
-    from workers.kernels._launch import interpreted
-
-    if os.environ.get("TRITON_INTERPRET") == "1" or interpreted():
-        return "TRITON_INTERPRET=1 makes every kernel run in the interpreter: run tests/gpu without it"
-    return None
-
-
-_SKIP_REASON = _skip_reason()
+_SKIP_REASON = compiled_kernels_skip_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")]
 
 CUDA = torch.device("cuda")

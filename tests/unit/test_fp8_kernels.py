@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.triton_setup import fix_interpreter_scalar_index
 from workers.kernels import fp8
 from workers.kernels.fp8 import FP8, choose_path, dequantize_reference, fp8_matmul_reference, quantize_reference
 
@@ -44,25 +45,8 @@ def _in_interpreter() -> bool:
     from workers.kernels._launch import interpreted
 
     if interpreted():
-        _fix_interpreter_scalar_index()
+        fix_interpreter_scalar_index()
     return interpreted()
-
-
-def _fix_interpreter_scalar_index() -> None:
-    """`range(scalar tensor)` in the interpreter of triton < 3.7 under numpy >= 2.4 (triton-lang/triton#9171), as
-    tests/unit/test_kernels.py patches it."""
-    from triton.runtime import interpreter
-
-    patch = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch is None or getattr(patch, "scalar_index_fixed", False):
-        return
-
-    def patched(tensor: object, scope: interpreter._LangPatchScope) -> None:
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    patched.scalar_index_fixed = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patched
 
 
 INTERPRETED = _in_interpreter()

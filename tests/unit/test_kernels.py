@@ -42,6 +42,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.triton_setup import fix_interpreter_scalar_index
 from workers.kernels import (
     activation,
     attention,
@@ -90,29 +91,8 @@ def _import_interpreted_triton() -> tuple[str | None, bool]:
 
     if not interpreted():
         return None, False
-    _fix_interpreter_scalar_index()
+    fix_interpreter_scalar_index()
     return None, True
-
-
-def _fix_interpreter_scalar_index() -> None:
-    """Let `range(scalar tensor)` work in the interpreter of triton < 3.7 under numpy >= 2.4.
-
-    The interpreter holds scalars as 1-element arrays and converts them with int(), which numpy 2.4 refuses
-    for arrays that are not 0-d (triton-lang/triton#9171, fixed upstream by squeezing first). The kernels'
-    loops have tensor bounds, so without this every kernel with a loop fails in the interpreter only.
-    """
-    from triton.runtime import interpreter
-
-    patch = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch is None or getattr(patch, "scalar_index_fixed", False):
-        return
-
-    def patched(tensor: object, scope: interpreter._LangPatchScope) -> None:
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    patched.scalar_index_fixed = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patched
 
 
 _SKIP_REASON, _IN_PROCESS = _import_interpreted_triton()
