@@ -273,16 +273,19 @@ def checkpoint(args: argparse.Namespace) -> Path:
     the first time a part needs it and reused by every later part and call while the machine stays warm."""
     if args.model:
         return Path(args.model)
-    model = Path(args.checkpoint_dir) / f"{args.family}-{args.size}-seed0"
+    return synthetic_checkpoint(args)
+
+
+def synthetic_checkpoint(args: argparse.Namespace, quantization: str | None = None) -> Path:
+    """``--family``/``--size``'s synthetic checkpoint (seed 0) in ``--checkpoint-dir``, its linear weights in the
+    hub FP8 format ``quantization`` names where given; generated the first time, reused while the machine stays."""
+    name = f"{args.family}-{args.size}-seed0" + (f"-{quantization}" if quantization else "")
+    model = Path(args.checkpoint_dir) / name
     if not (model / "config.json").exists():  # (the generator renames a finished directory into place)
         log(f"generating the {args.family} {args.size} synthetic checkpoint at {model}")
         command = [sys.executable, "-m", "workers.models.synth", "--family", args.family, "--size", args.size]
-        subprocess.run(
-            [*command, "--out", str(model), "--seed", "0"],
-            cwd=HERE,
-            env={**os.environ, "PYTHONPATH": str(HERE)},
-            check=True,
-        )
+        command += ["--out", str(model), "--seed", "0", *(["--quantization", quantization] if quantization else [])]
+        subprocess.run(command, cwd=HERE, env={**os.environ, "PYTHONPATH": str(HERE)}, check=True)
     return model
 
 
@@ -409,9 +412,14 @@ def part_tests(run: Run) -> None:
         *GPU_TESTS,
         timeout=run.args.timeout,
     )
-    lines = (run.raw / "pytest-gpu.log").read_text().strip().splitlines()
+    pytest_row(run, "pytest-gpu", code)
+
+
+def pytest_row(run: Run, name: str, code: int) -> None:
+    """The summary row of a pytest run logged as ``name``: its exit code and its last verdict line."""
+    lines = (run.raw / f"{name}.log").read_text().strip().splitlines()
     verdict = [line for line in lines if " passed" in line or " failed" in line or " error" in line][-1:]
-    run.rows.append({"name": "pytest-gpu", "exit": code, "verdict": " ".join(verdict)})
+    run.rows.append({"name": name, "exit": code, "verdict": " ".join(verdict)})
 
 
 def part_kernels(run: Run) -> None:
@@ -466,15 +474,7 @@ FP8_TESTS = ["tests/gpu/test_fp8_gpu.py", "tests/gpu/test_vision_fp8_gpu.py"]
 def fp8_checkpoint(args: argparse.Namespace) -> Path | None:
     """The block-wise FP8 copy of ``--family``/``--size``'s synthetic checkpoint (the same seed, so the same weights
     before quantization), generated beside it the first time; None with ``--model`` (nothing to copy from)."""
-    if args.model:
-        return None
-    model = Path(args.checkpoint_dir) / f"{args.family}-{args.size}-seed0-fp8-block"
-    if not (model / "config.json").exists():
-        log(f"generating the {args.family} {args.size} FP8 block-wise synthetic checkpoint at {model}")
-        command = [sys.executable, "-m", "workers.models.synth", "--family", args.family, "--size", args.size]
-        command += ["--out", str(model), "--seed", "0", "--quantization", "fp8-block"]
-        subprocess.run(command, cwd=HERE, env={**os.environ, "PYTHONPATH": str(HERE)}, check=True)
-    return model
+    return None if args.model else synthetic_checkpoint(args, "fp8-block")
 
 
 def part_fp8(run: Run) -> None:
@@ -485,9 +485,7 @@ def part_fp8(run: Run) -> None:
     figures then come from ``serve``/``hf-parity``/``vllm`` with ``--model`` that FP8 checkpoint (its path is
     logged), ``--set model.quantization=...`` and ``--set encoder.quantization=fp8`` as the run needs."""
     code = run.python("pytest-fp8", "pytest", "-q", "-p", "no:cacheprovider", *FP8_TESTS, timeout=run.args.timeout)
-    lines = (run.raw / "pytest-fp8.log").read_text().strip().splitlines()
-    verdict = [line for line in lines if " passed" in line or " failed" in line or " error" in line][-1:]
-    run.rows.append({"name": "pytest-fp8", "exit": code, "verdict": " ".join(verdict)})
+    pytest_row(run, "pytest-fp8", code)
     run.python("fp8_gemm", "benchmarks.fp8_gemm", "--out", str(run.raw / "fp8_gemm.json"), timeout=run.args.timeout)
     run.keep("fp8_gemm", run.raw / "fp8_gemm.json")
     model, fp8_model = checkpoint(run.args), fp8_checkpoint(run.args)
