@@ -7,6 +7,9 @@ timings include their activation quantization (the Triton kernel), except the ``
 GEMM on activations quantized beforehand: the difference is what fusing quantization into the preceding kernel
 would win. ``speedup`` is bf16's time over the path's; ``path`` is what `fp8_matmul` chooses.
 
+``--sweep-gemv`` times the decode GEMV's tilings (`fp8_triton.GemvConfig`: rows a program, programs an SM through
+split K) at the 7B decode shapes, beside the one `gemv_config` picks, so its defaults follow the box's numbers.
+
 ``--aot 90`` needs no GPU: it compiles each FP8 kernel's launch at these shapes for sm_90 (`benchmarks.aot`) and
 prints its registers, spills and shared memory, exiting 1 where Triton or ptxas rejects one.
 """
@@ -139,10 +142,49 @@ def compile_all(arch: int) -> int:
     return 1 if failed else 0
 
 
+SWEEP_BLOCK_N = (16, 32, 64, 128)
+SWEEP_PROGRAMS_PER_SM = (1, 2, 4, 8)
+
+
+def sweep_gemv() -> list[dict[str, Any]]:
+    from workers.kernels import fp8_triton
+
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (1, 16):
+        for name, k, n in LM_7B:
+            block = LAYOUTS["block"]
+            copies = max(1, -(-L2_OVERFLOW_BYTES // (n * k)))
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w8 = weights(n, k, block, copies)
+            chosen = fp8_triton.gemv_config(n, k, sms)
+            timings = {}
+            for block_n in SWEEP_BLOCK_N:
+                for per_sm in SWEEP_PROGRAMS_PER_SM:
+                    config = fp8_triton.gemv_config(n, k, sms, block_n=block_n, programs_per_sm=per_sm)
+                    launches = [
+                        fp8_triton.plan_weight_gemv(x, *w8[i], block, None, config=config)[1] for i in range(copies)
+                    ]
+                    timings[f"{block_n}x{config.split_k}"] = per_copy_us(copies, lambda i, run=launches: run[i]())
+            best = min(timings, key=timings.get)
+            picked = f"{chosen.block_n}x{chosen.split_k}"
+            rows.append(
+                {"case": f"7b_{name}_m{m}", "m": m, "k": k, "n": n, "us": timings, "best": best, "chosen": picked}
+            )
+            print(
+                f"7b_{name}_m{m:<3} chosen {picked} {timings.get(picked, float('nan')):.1f} us, "
+                f"best {best} {timings[best]:.1f} us; " + " ".join(f"{key}={v:.1f}" for key, v in timings.items()),
+                flush=True,
+            )
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(sorted(QUICK))}")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--sweep-gemv", action="store_true", help="time the decode GEMV's tilings and exit")
     parser.add_argument("--aot", type=int, metavar="ARCH", help="compile the kernels for sm_ARCH (no GPU) and exit")
     args = parser.parse_args(argv)
     if args.aot:
@@ -150,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         print("benchmarks.fp8_gemm needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
-    rows = run(args.quick)
+    rows = sweep_gemv() if args.sweep_gemv else run(args.quick)
     if args.out:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
         args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1))

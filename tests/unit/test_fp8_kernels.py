@@ -119,6 +119,28 @@ def test_gemv_matches_the_dequantizing_reference(rows: int, n: int, k: int, layo
 
 
 @kernel
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+def test_gemv_slices_of_k_add_up_to_the_whole_and_leave_the_counters_clear(split_k: int) -> None:
+    """The split-K GEMV: each slice's partial, the last arrival's sum, and every arrival counter back at zero (the
+    next launch, or a CUDA graph's next replay, counts from zero)."""
+    from workers.kernels import fp8_triton
+
+    n, k, block = 200, 3 * 128 + 44, (128, 128)
+    x = activations(5, k, seed=11)
+    w, scale = fp8_weight(n, k, block, seed=12)
+    bias = torch.randn(n).to(torch.bfloat16)
+    tiles_k = -(-k // 128)
+    per_split = -(-tiles_k // split_k) * 128
+    config = fp8_triton.GemvConfig(block_n=64, split_k=split_k, k_per_split=per_split)
+    out, launch = fp8_triton.plan_weight_gemv(x, w, scale, block, bias, interpreted_mode=True, config=config)
+    launch()
+    ref = fp8_matmul_reference(x.float(), w, scale, block, bias)
+    within(out, ref, order_bound(x, dequantize_reference(w, scale, block), ref))
+    assert launch.grid == (4, split_k)
+    assert not fp8_triton.arrival_counters(x.device).any()
+
+
+@kernel
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -168,6 +190,20 @@ def test_dispatch_chooses_by_rows_and_scale_layout() -> None:
     assert choose_path(2048, 4608, 3584, (128, 128), hopper) == "block"
     assert choose_path(2048, 4608, 3584, (1, 128), hopper) == "block"
     assert choose_path(2048, 4608, 3584, (64, 64), hopper) == "dequantize"
+
+
+def test_gemv_splits_k_only_where_the_column_tiles_leave_sms_idle() -> None:
+    pytest.importorskip("triton")
+    from workers.kernels.fp8_triton import GEMV_BLOCK_K, gemv_config
+
+    down = gemv_config(3584, 18944, sm_count=132)  # 56 column tiles: K cut until there are ~4 programs an SM
+    assert down.block_n == 64 and down.split_k > 1 and down.k_per_split % GEMV_BLOCK_K == 0
+    assert 56 * down.split_k >= 4 * 132 and down.k_per_split * down.split_k >= 18944
+    assert down.k_per_split * (down.split_k - 1) < 18944  # no empty slice
+    gate_up = gemv_config(37888, 3584, sm_count=132)  # 592 column tiles fill the SMs already
+    assert gate_up.split_k == 1 and gate_up.k_per_split >= 3584
+    small_k = gemv_config(3584, 128, sm_count=132)  # one K tile: nothing to split
+    assert small_k.split_k == 1
 
 
 def test_fp8_matmul_on_cpu_is_the_dequantizing_reference() -> None:

@@ -42,7 +42,10 @@ def quantize_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     padded = torch.zeros(rows, groups * group, dtype=torch.float32, device=x.device)
     padded[:, :cols] = x.float()
     tiles = padded.view(rows, groups, group)
-    scale = tiles.abs().amax(-1).clamp_min(MIN_SCALE_AMAX) / FP8_MAX
+    amax = tiles.abs().amax(-1).clamp_min(MIN_SCALE_AMAX)
+    # A tensor divisor: CUDA torch divides by a Python number as a product with its reciprocal, an ulp off the
+    # IEEE quotient that the kernels (and vLLM's) compute.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (tiles / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(rows, -1)[:, :cols].contiguous(), scale
 
