@@ -289,10 +289,7 @@ class Pipeline:
                     self.replicas.by_name[name].stats = counters
                 case WorkerStatus(role="decoder", worker_id=name, incarnation=inc) if name in self.replicas.by_name:
                     replica = self.replicas.by_name[name]
-                    restarted = bool(replica.incarnation) and inc != replica.incarnation
-                    replica.incarnation = inc
-                    self.replicas.heard(replica)
-                    if restarted:  # (live again first: its lost requests may go back to it)
+                    if self.replicas.heard(replica, inc):  # (live again first: its lost requests may go back to it)
                         self._replica_lost(replica, "restarted")
                     if self.held:
                         self._release_held()
@@ -321,7 +318,7 @@ class Pipeline:
             now = time.monotonic()
             excuse(self.fetchers.peers.values(), self.clock.tick(now), now)  # (their `Dispatcher` has no clock)
             self.fetchers.tick()
-            for replica in self.replicas.stale():
+            for replica in self.replicas.silenced():
                 self._replica_lost(replica, "is not responding")
             if self.held:
                 self._release_held()
@@ -333,7 +330,6 @@ class Pipeline:
         """The requests ``replica`` held are gone with it (or queued for a process that will not know them):
         each that no token has come for yet goes again where `choose_replica` says (see `REISSUES`), or waits
         for a replica to be live (`_hold`) where none is; the others fail with a 503 that says to retry."""
-        replica.lost += 1
         lost = [t for t in self.requests.values() if t.stage == "decode" and t.replica is replica]
         outcomes = {"sent": 0, "held": 0}
         for tracked in lost:

@@ -37,6 +37,7 @@ class Replica:
     fallbacks: int = 0  # of them, requests of a kind it does not take, while that kind's replicas were down
     reissued: int = 0  # requests it lost (died, restarted, stopped answering) before their first token, sent again
     lost: int = 0  # times it was taken for lost: silent for ``dead_after_s``, or back as a new process
+    silent: bool = False  # taken for lost for its silence, and not heard from since
 
 
 def prefix_affinity(prompt_ids: Sequence[int], media: Sequence[MediaInput]) -> int:
@@ -51,7 +52,8 @@ def prefix_affinity(prompt_ids: Sequence[int], media: Sequence[MediaInput]) -> i
 
 class Replicas:
     def __init__(self, cfg: Config, clock: LivenessClock | None = None) -> None:
-        """``clock``: the one the gateway's liveness tick advances (a new one: its own, as for a test)."""
+        """``clock``: the one the gateway's liveness tick advances (None: a new one that no tick advances past its
+        first period, for a caller that gives every time itself, as a test does)."""
         self.clock = clock if clock is not None else LivenessClock(cfg.liveness.heartbeat_s)
         count = cfg.decoder.replicas
         self.all = [Replica(r, decoder_name(r)) for r in range(count)]
@@ -66,9 +68,14 @@ class Replicas:
         self.start_grace_s = cfg.server.request_timeout_s
         self.started = self.clock.now()
 
-    def heard(self, replica: Replica) -> None:
-        """A heartbeat from ``replica`` was read."""
-        replica.seen = self.clock.now()
+    def heard(self, replica: Replica, incarnation: str) -> bool:
+        """A heartbeat from ``replica``'s process ``incarnation`` was read: True where that is a new process
+        (the one before is lost, counted once: not again where its silence was)."""
+        restarted = bool(replica.incarnation) and incarnation != replica.incarnation
+        if restarted and not replica.silent:
+            replica.lost += 1
+        replica.incarnation, replica.seen, replica.silent = incarnation, self.clock.now(), False
+        return restarted
 
     def live(self, replica: Replica, now: float | None = None) -> bool:
         """``now``: `LivenessClock` time (the clock's now if None), as every ``now`` here."""
@@ -88,6 +95,14 @@ class Replicas:
         """Replicas heard from once and silent since for longer than ``dead_after_s``."""
         now = self.clock.now() if now is None else now
         return [r for r in self.all if r.seen and not self.live(r, now)]
+
+    def silenced(self) -> list[Replica]:
+        """The `stale` replicas, each counted lost once for its silence (the first time it is found stale)."""
+        stale = self.stale()
+        for replica in stale:
+            if not replica.silent:
+                replica.silent, replica.lost = True, replica.lost + 1
+        return stale
 
     def serving(self) -> dict[str, bool]:
         """Whether text-only requests and requests with media each have a live replica to go to."""

@@ -340,7 +340,7 @@ def test_a_gateway_stalled_past_dead_after_s_keeps_its_live_decoder(stack: Stack
     assert finish == "length" and "".join(pieces) == undisturbed.choices[0].message.content, (pieces, undisturbed)
     after = stack.metrics()
     for moved in ("vlm_gateway_replicas_lost_total", "vlm_gateway_requests_reissued_total"):
-        assert after.get(moved, 0.0) == before.get(moved, 0.0), (moved, before, after)
+        assert after[moved] == before[moved], (moved, before, after)
     with open(log, "rb") as text:
         text.seek(logged)
         since = text.read().decode(errors="replace")

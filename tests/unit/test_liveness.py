@@ -113,6 +113,20 @@ def test_a_stamp_is_never_ahead_of_the_clock_later() -> None:
     assert clock.now(wall) <= wall
 
 
+def test_a_replica_is_counted_lost_once_per_loss() -> None:
+    """``vlm_gateway_replicas_lost``: a silence counts once however many ticks find it stale; a new process
+    heard after that silence is the same loss; a new process heard while the old one was live is a loss."""
+    clock = LivenessClock(PERIOD, start=START)
+    replicas = pool(clock)
+    decoder = replicas.all[0]
+    assert not replicas.heard(decoder, "first")  # (the first process: nothing lost)
+    ticks(clock, START, START + 10)
+    assert [replicas.silenced() for _ in range(3)] == [[decoder]] * 3 and decoder.lost == 1
+    assert replicas.heard(decoder, "second") and decoder.lost == 1  # (its restart: the loss counted already)
+    assert replicas.silenced() == [] and not replicas.heard(decoder, "second")
+    assert replicas.heard(decoder, "third") and decoder.lost == 2  # (restarted within dead_after_s)
+
+
 class Wall:
     """`common.dispatch`'s monotonic time, set by the test."""
 
