@@ -138,6 +138,7 @@ class Gateway:
             "requests_reissued": sum(r.reissued for r in pipeline.replicas.all),
             "requests_restarted": pipeline.restarted,
             "requests_held": len(pipeline.held),
+            "replicas_lost": sum(r.lost for r in pipeline.replicas.all),
         }
         reported = [Reported("vlm_gateway", gateway)]
         workers = await pipeline.worker_stats()

@@ -41,6 +41,10 @@ CATALOGUE: dict[str, tuple[str, str]] = {
         "Of the requests sent again, non-streamed ones whose tokens had begun to come (dropped, never sent).",
     ),
     "vlm_gateway_requests_held": ("gauge", "Requests lost with their replica, waiting for a live one."),
+    "vlm_gateway_replicas_lost": (
+        "counter",
+        "Times a decoder replica was taken for lost: silent for [liveness] dead_after_s, or back as a new process.",
+    ),
     "vlm_gateway_replica_requests_in_flight": ("gauge", "Requests the gateway has at this decoder replica."),
     "vlm_gateway_replica_requests_routed": ("counter", "Requests the gateway sent to this decoder replica."),
     "vlm_gateway_replica_fallback_requests": (

@@ -36,6 +36,7 @@ from common.protocol import (
 )
 from common.transport import AsyncChannel
 from gateway.errors import ApiError
+from gateway.liveness import LivenessClock, excuse
 from gateway.offload import off_loop_if_large
 from gateway.replicas import Replica, Replicas, prefix_affinity
 
@@ -113,7 +114,9 @@ class Pipeline:
         self.ctx = zmq.asyncio.Context()
         self.fetch = AsyncChannel(self.ctx, zmq.ROUTER, cfg.endpoint("fetch"), bind=True)
         self.inbox = AsyncChannel(self.ctx, zmq.PULL, cfg.endpoint("gateway"), bind=True)
-        self.replicas = Replicas(cfg)
+        # Liveness (decoder replicas', fetchers') is judged on this clock, not the wall's: see `_tick`.
+        self.clock = LivenessClock(cfg.liveness.heartbeat_s)
+        self.replicas = Replicas(cfg, self.clock)
         self.decoders = [
             AsyncChannel(self.ctx, zmq.PUSH, cfg.decoder_endpoint(r.index), bind=False) for r in self.replicas.all
         ]
@@ -286,10 +289,7 @@ class Pipeline:
                     self.replicas.by_name[name].stats = counters
                 case WorkerStatus(role="decoder", worker_id=name, incarnation=inc) if name in self.replicas.by_name:
                     replica = self.replicas.by_name[name]
-                    restarted = bool(replica.incarnation) and inc != replica.incarnation
-                    replica.incarnation = inc
-                    replica.seen = time.monotonic()
-                    if restarted:  # (live again first: its lost requests may go back to it)
+                    if self.replicas.heard(replica, inc):  # (live again first: its lost requests may go back to it)
                         self._replica_lost(replica, "restarted")
                     if self.held:
                         self._release_held()
@@ -309,10 +309,16 @@ class Pipeline:
             self.tasks.append(asyncio.create_task(self._read_stats(channel)))
 
     async def _tick(self) -> None:
+        """Every heartbeat period: peers silent for ``dead_after_s`` are taken for lost, held requests go on.
+        Silent by `LivenessClock`, which leaves out the time this loop was late by: after a stall of the
+        gateway's own (the heartbeats that came meanwhile still unread in the sockets), the peers are not
+        blamed for it, whether the readers or this tick run first."""
         while True:
             await asyncio.sleep(self.cfg.liveness.heartbeat_s)
+            now = time.monotonic()
+            excuse(self.fetchers.peers.values(), self.clock.tick(now), now)  # (their `Dispatcher` has no clock)
             self.fetchers.tick()
-            for replica in self.replicas.stale(time.monotonic()):
+            for replica in self.replicas.silenced():
                 self._replica_lost(replica, "is not responding")
             if self.held:
                 self._release_held()

@@ -6,18 +6,19 @@ loaded one, except that a request whose prompt begins like an earlier one's goes
 that replica is not much busier: a conversation's next turn then finds its prefix (images included) in
 that replica's prefix cache. Load is the number of requests routed to a replica and not yet finished.
 While every replica of a kind is down, another live replica takes its requests (``kind_fallback``).
+Liveness is judged by the gateway's `LivenessClock`, which does not count the time its own loop was stalled.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from common.config import Config, decoder_name
 from common.protocol import MediaInput
+from gateway.liveness import LivenessClock
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +30,14 @@ class Replica:
     index: int
     name: str
     incarnation: str = ""
-    seen: float = 0.0  # monotonic time of its last heartbeat; 0: never heard from
+    seen: float = 0.0  # `LivenessClock` time of its last heartbeat; 0: never heard from
     stats: dict[str, float] = field(default_factory=dict)  # its decoder's counters and gauges, as last reported
     load: int = 0  # requests routed here and not yet finished
     routed: int = 0  # requests routed here, ever
     fallbacks: int = 0  # of them, requests of a kind it does not take, while that kind's replicas were down
     reissued: int = 0  # requests it lost (died, restarted, stopped answering) before their first token, sent again
+    lost: int = 0  # times it was taken for lost: silent for ``dead_after_s``, or back as a new process
+    silent: bool = False  # taken for lost for its silence, and not heard from since
 
 
 def prefix_affinity(prompt_ids: Sequence[int], media: Sequence[MediaInput]) -> int:
@@ -48,7 +51,10 @@ def prefix_affinity(prompt_ids: Sequence[int], media: Sequence[MediaInput]) -> i
 
 
 class Replicas:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, clock: LivenessClock | None = None) -> None:
+        """``clock``: the one the gateway's liveness tick advances (None: a new one that no tick advances past its
+        first period, for a caller that gives every time itself, as a test does)."""
+        self.clock = clock if clock is not None else LivenessClock(cfg.liveness.heartbeat_s)
         count = cfg.decoder.replicas
         self.all = [Replica(r, decoder_name(r)) for r in range(count)]
         self.by_name = {replica.name: replica for replica in self.all}
@@ -60,28 +66,47 @@ class Replicas:
         # A replica never heard from this long after the gateway started is not starting: it is not running
         # (a static ops/vlm.conf starts replica 0 only) or fails at start-up. A request would only time out.
         self.start_grace_s = cfg.server.request_timeout_s
-        self.started = time.monotonic()
+        self.started = self.clock.now()
+
+    def heard(self, replica: Replica, incarnation: str) -> bool:
+        """A heartbeat from ``replica``'s process ``incarnation`` was read: True where that is a new process
+        (the one before is lost, counted once: not again where its silence was)."""
+        restarted = bool(replica.incarnation) and incarnation != replica.incarnation
+        if restarted and not replica.silent:
+            replica.lost += 1
+        replica.incarnation, replica.seen, replica.silent = incarnation, self.clock.now(), False
+        return restarted
 
     def live(self, replica: Replica, now: float | None = None) -> bool:
-        now = time.monotonic() if now is None else now
+        """``now``: `LivenessClock` time (the clock's now if None), as every ``now`` here."""
+        now = self.clock.now() if now is None else now
         return bool(replica.seen) and now - replica.seen <= self.dead_after_s
 
     def unavailable(self, replica: Replica, now: float | None = None) -> str | None:
         """Why a request sent to ``replica`` would only fail, or None while it is live or may be starting."""
-        now = time.monotonic() if now is None else now
+        now = self.clock.now() if now is None else now
         if replica.seen and not self.live(replica, now):
             return "is not responding (supervisord restarts it)"
         if not replica.seen and now - self.started > self.start_grace_s:
             return f"has not started in the {self.start_grace_s:.0f} s since the gateway did (is its process running?)"
         return None
 
-    def stale(self, now: float) -> list[Replica]:
+    def stale(self, now: float | None = None) -> list[Replica]:
         """Replicas heard from once and silent since for longer than ``dead_after_s``."""
+        now = self.clock.now() if now is None else now
         return [r for r in self.all if r.seen and not self.live(r, now)]
+
+    def silenced(self) -> list[Replica]:
+        """The `stale` replicas, each counted lost once for its silence (the first time it is found stale)."""
+        stale = self.stale()
+        for replica in stale:
+            if not replica.silent:
+                replica.silent, replica.lost = True, replica.lost + 1
+        return stale
 
     def serving(self) -> dict[str, bool]:
         """Whether text-only requests and requests with media each have a live replica to go to."""
-        now = time.monotonic()
+        now = self.clock.now()
         return {
             kind: any(self.live(r, now) for r in self._targets(indices, now)[0])
             for kind, indices in (("text", self.text), ("media", self.media))
@@ -92,7 +117,7 @@ class Replicas:
         ``affinity`` (`prefix_affinity` of its prompt) is asked only where there is a choice to make. With
         none live nor starting, one of the kind's all the same: the caller asks `unavailable` and refuses it."""
         kind, indices = ("media", self.media) if has_media else ("text", self.text)
-        candidates, fallback = self._targets(indices, time.monotonic())
+        candidates, fallback = self._targets(indices, self.clock.now())
         chosen = self._least_loaded_or_preferred(candidates, affinity)
         if fallback:
             chosen.fallbacks += 1

@@ -23,6 +23,8 @@ from tests.media import data_url, make_image
 
 ANSWER_BOUND_S = 90.0
 KILL_TOKENS = 16
+# Enough tokens that the stream is still going when the gateway is frozen after its first chunk.
+STALL_TOKENS = 512
 
 
 def one_request(client: OpenAI, model: str, seed: int) -> tuple[str, float, float]:
@@ -304,6 +306,46 @@ def test_a_lone_decoder_lost_before_the_first_token_answers_after_its_restart(st
     metrics = stack.metrics()
     assert metrics["vlm_gateway_requests_reissued_total"] == reissued + len(conversations), metrics
     assert metrics["vlm_gateway_requests_held"] == 0
+
+
+def test_a_gateway_stalled_past_dead_after_s_keeps_its_live_decoder(stack: Stack) -> None:
+    """The gateway's own process frozen (SIGSTOP) for longer than ``dead_after_s`` while a stream is mid-answer,
+    the decoder and fetcher alive and heartbeating all along: once it runs again, the stream goes on to its end
+    with the tokens an undisturbed run gives, and no decoder replica or fetcher is taken for dead (the time the
+    gateway could not read their heartbeats is not theirs: `gateway.liveness.LivenessClock`)."""
+    client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=ANSWER_BOUND_S)
+    model = client.models.list().data[0].id
+    liveness = load_config(stack.config_path).liveness
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
+    request = {"model": model, "messages": messages, "max_tokens": STALL_TOKENS, "temperature": 0}
+    before = stack.metrics()
+    log = stack.run_dir / "logs" / "gateway.log"
+    logged = log.stat().st_size
+    gateway = stack.pid("gateway")
+    pieces: list[str] = []
+    stream = client.chat.completions.create(**request, stream=True, extra_body={"min_tokens": STALL_TOKENS})
+    chunks = iter(stream)
+    pieces.append(next(chunks).choices[0].delta.content or "")  # (mid-answer: the stream has begun)
+    os.kill(gateway, signal.SIGSTOP)
+    try:
+        time.sleep(liveness.dead_after_s + 2)
+    finally:
+        os.kill(gateway, signal.SIGCONT)
+    finish = None
+    for chunk in chunks:  # (an error event would raise here: "the decoder is not responding")
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    undisturbed = client.chat.completions.create(**request, extra_body={"min_tokens": STALL_TOKENS})
+    assert finish == "length" and "".join(pieces) == undisturbed.choices[0].message.content, (pieces, undisturbed)
+    after = stack.metrics()
+    for moved in ("vlm_gateway_replicas_lost_total", "vlm_gateway_requests_reissued_total"):
+        assert after[moved] == before[moved], (moved, before, after)
+    with open(log, "rb") as text:
+        text.seek(logged)
+        since = text.read().decode(errors="replace")
+    assert "not responding" not in since and "silent for" not in since, since
+    assert stack.pid("gateway") == gateway  # (not restarted: the same process judged, after its stall)
 
 
 def test_every_process_watches_its_own_loop(stack: Stack) -> None:

@@ -197,6 +197,7 @@ def test_a_stalled_replicas_requests_are_sent_again(dp2: Stack) -> None:
     ]
     before_routed, before_finished = routed(dp2), finished(dp2)
     before_reissued = [dp2.metrics().get(REISSUED % r, 0.0) for r in (0, 1)]
+    before_lost = dp2.metrics()["vlm_gateway_replicas_lost_total"]
     # A text request too, whose opening prefers replica 1 (sent first: the loads are equal then).
     conversations.insert(0, [{"role": "user", "content": opening_for_each_replica(dp2)[1] + " Go on."}])
     victim = dp2.pid("decoder-1")
@@ -218,6 +219,7 @@ def test_a_stalled_replicas_requests_are_sent_again(dp2: Stack) -> None:
     at_1 = routed(dp2)[1] - before_routed[1]
     assert 1 <= at_1 <= 4 and routed(dp2)[0] == before_routed[0] + 4, (before_routed, routed(dp2))
     assert [metrics[REISSUED % r] - before_reissued[r] for r in (0, 1)] == [0, at_1], (before_reissued, metrics)
+    assert metrics["vlm_gateway_replicas_lost_total"] == before_lost + 1  # (once, however many ticks found it)
     for response, messages in zip(responses, conversations, strict=True):
         assert response.choices[0].token_ids == hf.generate(messages, NEW_TOKENS)[0]
     deadline = time.monotonic() + 30
