@@ -58,6 +58,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import tomllib
 import urllib.request
@@ -329,10 +330,8 @@ def stack_config(run: Run) -> Path:
     """benchmarks/gpu.toml (the repository's, else this one's) with every ``--set SECTION.KEY=VALUE`` applied."""
     base = run.repo / "benchmarks" / "gpu.toml"
     config = tomllib.loads((base if base.exists() else HERE / "benchmarks" / "gpu.toml").read_text())
-    for item in run.args.set:
-        key, _, value = item.partition("=")
-        section, _, name = key.partition(".")
-        config.setdefault(section, {})[name] = tomllib.loads(f"v = {value}")["v"]
+    for section, name, value in run.args.set:
+        config.setdefault(section, {})[name] = value
     lines = []
     for section, values in config.items():
         lines.append(f"[{section}]")
@@ -340,6 +339,21 @@ def stack_config(run: Run) -> Path:
     path = run.raw / "gpu.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def setting(item: str) -> tuple[str, str, object]:
+    """``--set SECTION.KEY=VALUE`` parsed when the command line is, so that a typo fails the call at once, not
+    after the parts before ``serve`` ran: VALUE in TOML, or a bare word as a string (``encoder.quantization=fp8``)."""
+    key, equals, value = item.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not (equals and dot and section and name):
+        raise argparse.ArgumentTypeError(f"{item!r}: write SECTION.KEY=VALUE, e.g. encoder.quantization=fp8")
+    try:
+        return section, name, tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        if value.strip().replace("_", "").replace("-", "").isalnum():
+            return section, name, value.strip()
+        raise argparse.ArgumentTypeError(f"{item!r}: VALUE is neither TOML nor a bare word") from None
 
 
 def start_stack(run: Run, model: Path) -> subprocess.Popen[bytes]:
@@ -775,9 +789,52 @@ def peer_script(run: Run) -> str:
     return str((HERE / run.args.peer_dir / "device.sh").resolve())
 
 
+PEER_SITE = Path(tempfile.gettempdir()) / "vllm-peer" / "site"  # where vllm-peer's device.sh unpacks vLLM
+PEER_EXTRA_WHEELS = HERE / ".peer4"  # small wheels carried beside vLLM (its setup installs them on a fresh box)
+
+# vLLM 0.22 resolves any quantization config (an FP8 checkpoint's) through a registry that imports every method's
+# module, and its `humming` module imports the optional `humming` package (not on PyPI) whenever CUDA is present:
+# without it vLLM cannot load a quantized checkpoint at all. Its own `fp8` method never calls humming, so an inert
+# stand-in that only satisfies those imports lets vLLM serve FP8 as it would with humming installed.
+HUMMING_MODULES = ("dtypes", "config", "layer", "schema", "utils/__init__", "utils/weight")
+HUMMING_STUB = '''"""An inert stand-in for the optional `humming` package, written by benchmarks.gpu (vllm part)."""
+
+
+class _Unavailable:
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("humming is not installed: an inert stub stands in so that vLLM can import")
+
+
+def __getattr__(name):
+    return type(name, (_Unavailable,), {})
+'''
+
+
+def peer_quantization_imports(site: Path) -> None:
+    """What vLLM needs to read a quantization config, where the peer's site lacks it: the carried extra wheels
+    (loguru, which compressed-tensors imports) and the humming stand-in (logged when written)."""
+    for wheel in sorted(PEER_EXTRA_WHEELS.glob("*.whl")):
+        distribution = wheel.name.split("-")[0].lower()
+        if not any(site.glob(f"{distribution}-*.dist-info")):
+            command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+            subprocess.run([*command, "--target", str(site), str(wheel)], check=True)
+    if not (site / "humming").exists():
+        log(f"vLLM: writing an inert `humming` stand-in into {site} (vLLM 0.22 imports it for any quantized model)")
+        write_humming_stub(site)
+
+
+def write_humming_stub(site: Path) -> None:
+    package = site / "humming"
+    (package / "utils").mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text('"""An inert stand-in for the optional `humming` package."""\n')
+    for module in HUMMING_MODULES:
+        (package / f"{module}.py").write_text(HUMMING_STUB)
+
+
 def part_vllm(run: Run) -> None:
     """vLLM on the same checkpoint, the same workloads and client; one server at a time."""
     subprocess.run(["bash", peer_script(run), "setup"], cwd=HERE, check=True)
+    peer_quantization_imports(PEER_SITE)
     model = checkpoint(run.args)
     start = f"source {shlex.quote(peer_script(run))} && vllm_start {shlex.quote(str(model))} {PEER_PORT} && wait"
     with open(run.raw / "vllm.log", "w") as out:
@@ -979,8 +1036,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--set",
         action="append",
         default=[],
+        type=setting,
         metavar="SECTION.KEY=VALUE",
-        help="serve: a setting over benchmarks/gpu.toml, in TOML (--set encoder.mps=true)",
+        help="serve: a setting over benchmarks/gpu.toml, in TOML or a bare word (--set encoder.quantization=fp8)",
     )
     p.add_argument("--url", help="serve: a server already running; no stack is started")
     p.add_argument("--client-args", default="", help="serve/vllm: more arguments for benchmarks.serve (--small)")
