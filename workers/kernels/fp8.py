@@ -166,7 +166,7 @@ def scaled_mm_blockwise(
 ) -> torch.Tensor:
     """128 x 128-block weights through cuBLASLt's block-scaled GEMM, as the device's probe found torch calls it; the
     Triton ``block`` path where the probe found none (or has not run: it waits for a call outside graph capture)."""
-    call = _BLOCKWISE.get(_device_index(x.device))
+    call = _BLOCKWISE.get(_device_index(x.device)) if x.is_cuda else None
     if call is None:
         return block_triton(x, w, w_scale, block, bias)
     return blockwise_mm(x, w, w_scale, bias, call)
