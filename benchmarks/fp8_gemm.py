@@ -113,7 +113,7 @@ def blockwise_gemm_us(x: torch.Tensor, w8: list[tuple[torch.Tensor, torch.Tensor
 
 def run(quick: bool) -> list[dict[str, Any]]:
     rows = []
-    print(f"{'case':<20} {'layout':<8} {'path':<9} {'bf16 us':>9} {'fp8 us':>9} {'speedup':>8}  other paths (us)")
+    print(f"{'case':<20} {'layout':<8} {'path':<19} {'bf16 us':>9} {'fp8 us':>9} {'speedup':>8}  other paths (us)")
     for name, m, k, n in CASES:
         if quick and name not in QUICK:
             continue
@@ -126,7 +126,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
                 if key.endswith("_us") and key not in ("bf16_us", "fp8_matmul_us")
             )
             print(
-                f"{name:<20} {layout:<8} {row['path']:<9} {row['bf16_us']:>9.1f} {row['fp8_matmul_us']:>9.1f} "
+                f"{name:<20} {layout:<8} {row['path']:<19} {row['bf16_us']:>9.1f} {row['fp8_matmul_us']:>9.1f} "
                 f"{row['speedup']:>7.2f}x  {others}",
                 flush=True,
             )
