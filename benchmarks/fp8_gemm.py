@@ -10,8 +10,14 @@ would win. ``speedup`` is bf16's time over the path's; ``path`` is what `fp8_mat
 ``--sweep-gemv`` times the decode GEMV's tilings (`fp8_triton.GemvConfig`: rows a program, programs an SM through
 split K) at the 7B decode shapes, beside the one `gemv_config` picks, so its defaults follow the box's numbers.
 
-``--aot 90`` needs no GPU: it compiles each FP8 kernel's launch at these shapes for sm_90 (`benchmarks.aot`) and
-prints its registers, spills and shared memory, exiting 1 where Triton or ptxas rejects one.
+``--sweep-block`` times the Triton block-scaled GEMM's tilings (`fp8_triton.ScaledMmConfig`: tile, GROUP_M, warps,
+stages; `SWEEP_TILES` x `SWEEP_STAGES` x `SWEEP_GROUP_M`) at the ViT's and the 7B prefill's (2048 rows) shapes, GEMM
+only, beside the one `scaled_mm_config` picks and cuBLASLt's block-scaled GEMM where this torch has it, printing the
+best per shape.
+
+``--aot 90`` needs no GPU: it compiles each FP8 kernel's launch at these shapes for sm_90 (`benchmarks.aot`), and
+every tiling the block sweep tries, and prints its registers, spills and shared memory, exiting 1 where Triton or
+ptxas rejects one.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from benchmarks.kernels import L2_OVERFLOW_BYTES, graph_replay_us
 from workers.kernels import fp8
 from workers.kernels._triton_common import Launch
 from workers.kernels.fp8 import FP8
+from workers.kernels.fp8_triton import ScaledMmConfig
 
 # (name, rows M, in features K, out features N)
 VIT = [("vit_qkv", 4096, 1280, 3840), ("vit_fc1", 4096, 1280, 5120), ("vit_fc2", 4096, 5120, 1280)]
@@ -72,6 +79,10 @@ def time_case(m: int, k: int, n: int, layout: str) -> dict[str, Any]:
             copies, lambda i: torch._scaled_mm(x_q, w8[i][0].t(), x_s, w8[i][1].view(1, -1), out_dtype=torch.bfloat16)
         )
     row["block_us"] = per_copy_us(copies, lambda i: fp8.block_triton(x, *w8[i], block, None))
+    call = fp8.blockwise_support(x.device) if layout == "block" and m > fp8.DECODE_ROWS else None
+    if call is not None:
+        row["blockwise_us"] = per_copy_us(copies, lambda i: fp8.blockwise_mm(x, *w8[i], None, call))
+        row["blockwise_gemm_only_us"] = blockwise_gemm_us(x, w8, call)
     group = k if layout == "channel" else fp8.GROUP
     row["quantize_us"] = per_copy_us(1, lambda i: fp8.quantize_triton(x, group))
     fastest = min(v for key, v in row.items() if key.endswith("_us") and key not in ("bf16_us", "quantize_us"))
@@ -80,9 +91,29 @@ def time_case(m: int, k: int, n: int, layout: str) -> dict[str, Any]:
     return row
 
 
+def blockwise_gemm(
+    x_q: torch.Tensor, x_s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, call: fp8.BlockwiseCall
+) -> torch.Tensor:
+    """cuBLASLt's block-scaled GEMM alone, on activations quantized beforehand (`fp8.blockwise_mm` less its
+    quantization; the weight scales' padding, where the call wants it, was done at the weight's load)."""
+    if call.api == "scaled_mm":
+        functional = torch.nn.functional
+        recipes = functional.ScalingType
+        return functional.scaled_mm(
+            x_q, w.t(), x_s, recipes.BlockWise1x128, w_scale.t(), recipes.BlockWise128x128, output_dtype=torch.bfloat16
+        )
+    return torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=w_scale.t(), out_dtype=torch.bfloat16)
+
+
+def blockwise_gemm_us(x: torch.Tensor, w8: list[tuple[torch.Tensor, torch.Tensor]], call: fp8.BlockwiseCall) -> float:
+    x_q, x_s = fp8.quantize_triton(x, fp8.GROUP, "column-major")
+    padded = [(w, fp8.padded_rows(s) if call.padded else s) for w, s in w8]
+    return per_copy_us(len(padded), lambda i: blockwise_gemm(x_q, x_s, *padded[i], call))
+
+
 def run(quick: bool) -> list[dict[str, Any]]:
     rows = []
-    print(f"{'case':<20} {'layout':<8} {'path':<9} {'bf16 us':>9} {'fp8 us':>9} {'speedup':>8}  other paths (us)")
+    print(f"{'case':<20} {'layout':<8} {'path':<19} {'bf16 us':>9} {'fp8 us':>9} {'speedup':>8}  other paths (us)")
     for name, m, k, n in CASES:
         if quick and name not in QUICK:
             continue
@@ -95,7 +126,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
                 if key.endswith("_us") and key not in ("bf16_us", "fp8_matmul_us")
             )
             print(
-                f"{name:<20} {layout:<8} {row['path']:<9} {row['bf16_us']:>9.1f} {row['fp8_matmul_us']:>9.1f} "
+                f"{name:<20} {layout:<8} {row['path']:<19} {row['bf16_us']:>9.1f} {row['fp8_matmul_us']:>9.1f} "
                 f"{row['speedup']:>7.2f}x  {others}",
                 flush=True,
             )
@@ -104,10 +135,12 @@ def run(quick: bool) -> list[dict[str, Any]]:
 
 
 def launches() -> Iterator[tuple[str, Launch]]:
-    """Each FP8 kernel's launch at the cases' shapes, on meta tensors (nothing runs)."""
+    """Each FP8 kernel's launch at the cases' shapes, and the block sweep's tilings, on meta tensors (nothing
+    runs)."""
     from workers.kernels import fp8_triton
 
     meta = torch.device("meta")
+    yield from sweep_launches(meta)
     for name, m, k, n in CASES:
         x = torch.empty(m, k, dtype=torch.bfloat16, device=meta)
         w = torch.empty(n, k, dtype=FP8, device=meta)
@@ -121,6 +154,9 @@ def launches() -> Iterator[tuple[str, Launch]]:
                 continue
             x_q, x_s, quantize = fp8_triton.plan_quantize(x, group)
             yield f"quantize {name} group {group}", quantize
+            if layout == "block":
+                column_major = fp8_triton.plan_quantize(x, group, scale_layout="column-major")[2]
+                yield f"quantize {name} group {group} column-major", column_major
             yield (
                 f"scaled_mm {name} {layout}",
                 fp8_triton.plan_scaled_mm(x_q, x_s, group, w, scale, block, bias, x.dtype)[1],
@@ -140,6 +176,73 @@ def compile_all(arch: int) -> int:
             continue
         print(f"{name:<44} {used.registers:>4} regs {used.spill_bytes:>5} B spilled {used.shared_bytes:>7} B shared")
     return 1 if failed else 0
+
+
+# (BLOCK_M, BLOCK_N, warps) of the block sweep: the rest of {64, 128} x {128, 256} x {4, 8} spill on sm_90 (64 x 256
+# and 128 x 128 on 4 warps, 128 x 256 on either), which `--aot 90` would report.
+SWEEP_TILES = ((64, 128, 4), (64, 128, 8), (64, 256, 8), (128, 128, 8))
+SWEEP_STAGES = (2, 3, 4)
+SWEEP_GROUP_M = (8, 32)
+SWEEP_BLOCK_CASES = VIT + [(f"7b_{name}_m2048", 2048, k, n) for name, k, n in LM_7B]
+
+
+def block_configs() -> list[ScaledMmConfig]:
+    return [
+        ScaledMmConfig(block_m, block_n, group_m, warps, stages)
+        for block_m, block_n, warps in SWEEP_TILES
+        for stages in SWEEP_STAGES
+        for group_m in SWEEP_GROUP_M
+    ]
+
+
+def sweep_launches(meta: torch.device) -> Iterator[tuple[str, Launch]]:
+    """The block sweep's tilings at the 7B qkv prefill shape, with a bias (the epilogue's registers count too)."""
+    from workers.kernels import fp8_triton
+
+    m, k, n = 2048, 3584, 4608
+    x_q = torch.empty(m, k, dtype=FP8, device=meta)
+    x_s = torch.empty(m, k // fp8.GROUP, device=meta)
+    w = torch.empty(n, k, dtype=FP8, device=meta)
+    scale = torch.empty(n // 128, k // 128, device=meta)
+    bias = torch.empty(n, dtype=torch.bfloat16, device=meta)
+    for config in block_configs():
+        plan = fp8_triton.plan_scaled_mm(x_q, x_s, fp8.GROUP, w, scale, (128, 128), bias, torch.bfloat16, config=config)
+        yield f"scaled_mm sweep {config.name}", plan[1]
+
+
+def sweep_block() -> list[dict[str, Any]]:
+    """Each shape's GEMM (activations quantized beforehand) under every tiling of `block_configs`."""
+    from workers.kernels import fp8_triton
+
+    rows = []
+    block = LAYOUTS["block"]
+    for name, m, k, n in SWEEP_BLOCK_CASES:
+        copies = max(1, -(-L2_OVERFLOW_BYTES // (n * k)))
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w8 = weights(n, k, block, copies)
+        x_q, x_s = fp8.quantize_triton(x, fp8.GROUP)
+        timings = {}
+        for config in block_configs():
+            plans = [
+                fp8_triton.plan_scaled_mm(x_q, x_s, fp8.GROUP, *w8[i], block, None, torch.bfloat16, config=config)[1]
+                for i in range(copies)
+            ]
+            timings[config.name] = per_copy_us(copies, lambda i, run=plans: run[i]())
+        best = min(timings, key=timings.get)
+        chosen = fp8_triton.scaled_mm_config(m, n).name
+        row = {"case": name, "m": m, "k": k, "n": n, "us": timings, "best": best, "chosen": chosen}
+        call = fp8.blockwise_support(x.device)
+        if call is not None:
+            row["cublaslt_us"] = blockwise_gemm_us(x, w8, call)
+        rows.append(row)
+        print(
+            f"{name:<18} chosen {chosen} {timings.get(chosen, float('nan')):.1f} us, best {best} {timings[best]:.1f} "
+            f"us, cuBLASLt {row.get('cublaslt_us', float('nan')):.1f} us; "
+            + " ".join(f"[{key}]={v:.1f}" for key, v in sorted(timings.items(), key=lambda item: item[1])),
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    return rows
 
 
 SWEEP_BLOCK_N = (16, 32, 64, 128)
@@ -185,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(sorted(QUICK))}")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     parser.add_argument("--sweep-gemv", action="store_true", help="time the decode GEMV's tilings and exit")
+    parser.add_argument("--sweep-block", action="store_true", help="time the block-scaled GEMM's tilings and exit")
     parser.add_argument("--aot", type=int, metavar="ARCH", help="compile the kernels for sm_ARCH (no GPU) and exit")
     args = parser.parse_args(argv)
     if args.aot:
@@ -192,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         print("benchmarks.fp8_gemm needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
-    rows = sweep_gemv() if args.sweep_gemv else run(args.quick)
+    rows = sweep_gemv() if args.sweep_gemv else sweep_block() if args.sweep_block else run(args.quick)
     if args.out:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
         args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1))

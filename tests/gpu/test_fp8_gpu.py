@@ -1,7 +1,7 @@
 """The FP8 GEMM paths of `workers.kernels.fp8` compiled, on CUDA, at the real models' shapes, against the dequantizing
 reference in fp32 (tests/unit/test_fp8_kernels.py checks the same kernels in Triton's interpreter and argues the
-bounds; the GPU adds the tensor cores' accumulation). `fp8_linear` choosing each path, and a decode step through the
-FP8 GEMV captured in a CUDA graph.
+bounds; the GPU adds the tensor cores' accumulation). `fp8_linear` choosing each path, cuBLASLt's block-scaled path
+and its probe, and a decode step through the FP8 GEMV captured in a CUDA graph.
 
 Hopper's FP8 tensor cores accumulate a K tile's products with fewer bits than fp32 (DeepSeek-V3's report measures
 about 14), which is why the scaled GEMM's accumulation term is 2**-12 of the absolute sum here rather than the
@@ -97,11 +97,11 @@ def test_fp8_linear_chooses_the_path_by_rows_and_layout(layout: str) -> None:
     block = LAYOUTS[layout] or (1, k)
     w, scale = fp8_weight(n, k, block, seed=3)
     weight = Fp8Weight(w, scale, block)
-    expected = {1: "gemv", 16: "gemv", 17: "scaled_mm" if layout == "channel" else "block", 512: None}
-    for rows, path in expected.items():
-        path = path or ("scaled_mm" if layout == "channel" else "block")
+    blockwise = fp8.blockwise_support(CUDA) is not None
+    prefill = {"channel": "scaled_mm", "block128": "scaled_mm_blockwise" if blockwise else "block", "row128": "block"}
+    for rows, path in {1: "gemv", 16: "gemv", 17: prefill[layout], 512: prefill[layout]}.items():
         x = activations(rows, k, seed=rows)
-        assert fp8.choose_path(rows, n, k, block, torch.cuda.get_device_capability()) == path
+        assert fp8.choose_path(rows, n, k, block, torch.cuda.get_device_capability(), blockwise) == path
         # The kernels are deterministic: the chosen path's own output, bit for bit.
         assert torch.equal(fp8_linear(x.view(1, rows, k), weight), fp8._PATHS[path](x, w, scale, block, None)[None])
 
@@ -133,3 +133,82 @@ def test_a_decode_step_through_the_fp8_gemv_replays_in_a_cuda_graph() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, step(static_x))
+
+
+# --- cuBLASLt's block-scaled GEMM ------------------------------------------------------------------------------------
+
+
+def blockwise_call() -> fp8.BlockwiseCall:
+    call = fp8.blockwise_support(CUDA)
+    if call is None:
+        pytest.skip(
+            "this torch's cuBLASLt block-scaled GEMM failed its probe on this GPU: the Triton block path serves"
+        )
+    return call
+
+
+@pytest.mark.parametrize("rows", [17, 2048])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_blockwise_path_matches_the_reference_on_its_activations(rows: int, shape: str) -> None:
+    """The bound of `test_quantized_paths_match_the_reference_on_their_activations`, and the activations quantized
+    bit for bit as the reference does, their scales in cuBLASLt's column-major layout."""
+    call = blockwise_call()
+    n, k = SHAPES[shape]
+    x = activations(rows, k, seed=rows + n)
+    w, scale = fp8_weight(n, k, (128, 128), seed=k)
+    bias = torch.randn(n, device=CUDA).to(torch.bfloat16)
+    out = fp8.scaled_mm_blockwise(x, w, scale, (128, 128), bias)
+    assert torch.equal(out, fp8.blockwise_mm(x, w, scale, bias, call))
+
+    q, s = fp8.quantize_triton(x, 128, "column-major")
+    q_ref, s_ref = quantize_reference(x, 128)
+    assert (
+        s.stride() == (1, rows) and torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    )
+    x_deq = dequantize_reference(q_ref, s_ref, (1, 128))
+    ref = fp8_matmul_reference(x_deq, w, scale, (128, 128), bias)
+    w_deq = dequantize_reference(w, scale, (128, 128))
+    product = (ref - bias.float()).abs()
+    within(out, ref, 2**-8 * (ref.abs() + product) + 2**-12 * (x_deq.abs() @ w_deq.abs().T))
+
+
+def test_fp8_matmul_takes_the_blockwise_path_once_probed_and_the_answer_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    call = blockwise_call()
+    assert fp8.blockwise_support(CUDA) is call  # remembered, not probed again
+    n, k = SHAPES["7b_gate_up"]
+    x = activations(300, k, seed=5)
+    w, scale = fp8_weight(n, k, (128, 128), seed=6)
+    assert torch.equal(fp8.fp8_matmul(x, w, scale, (128, 128)), fp8.blockwise_mm(x, w, scale, None, call))
+    # The remembered answer is what fp8_matmul reads: recorded as "none", the Triton block path serves.
+    monkeypatch.setitem(fp8._BLOCKWISE, torch.cuda.current_device(), None)
+    assert torch.equal(fp8.fp8_matmul(x, w, scale, (128, 128)), fp8.block_triton(x, w, scale, (128, 128), None))
+
+
+def _raise(*args: object, **kwargs: object) -> torch.Tensor:
+    raise RuntimeError("block-wise scaling is not supported here (a stand-in for a torch without the recipe)")
+
+
+@pytest.mark.parametrize("failure", ["raises", "wrong"])
+def test_a_failed_probe_falls_back_to_the_triton_block_path_without_an_error(
+    monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """torch's block-scaled calls raising (a torch without the recipe), or answering wrongly (scales read in another
+    layout): the probe answers None, and fp8_matmul serves 128 x 128 blocks through the Triton block GEMM."""
+
+    def wrong(*args: object, **kwargs: object) -> torch.Tensor:
+        a, b = args[0], args[1]
+        return torch.zeros(a.shape[0], b.shape[1], dtype=torch.bfloat16, device=a.device) + 1
+
+    stand_in = _raise if failure == "raises" else wrong
+    monkeypatch.setattr(torch, "_scaled_mm", stand_in)
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", stand_in)
+    monkeypatch.setattr(fp8, "_BLOCKWISE", {})
+    assert fp8.probe_blockwise(CUDA) is None
+    n, k = SHAPES["7b_qkv"]
+    x = activations(64, k, seed=7)
+    w, scale = fp8_weight(n, k, (128, 128), seed=8)
+    out = fp8.fp8_matmul(x, w, scale, (128, 128))
+    assert {torch.cuda.current_device(): None} == fp8._BLOCKWISE
+    assert torch.equal(out, fp8.block_triton(x, w, scale, (128, 128), None))

@@ -100,6 +100,29 @@ def test_quantize_matches_the_reference_bit_for_bit(rows: int, k: int, per_token
     assert torch.equal(q.float(), q_ref.float())  # as values: the interpreter's cast writes -0 as +0
 
 
+@kernel
+@pytest.mark.parametrize("rows", [1, 17, 37])
+@pytest.mark.parametrize("k", [256, 300, 4100])
+def test_quantize_writes_column_major_scales_where_cublaslt_reads_them(rows: int, k: int) -> None:
+    """``scale_layout="column-major"``: scales [M, ceil(K / 128)] with strides (1, M) (cuBLASLt's 1 x 128 layout),
+    each in its place in memory (read back through the raw storage, not the strided view)."""
+    x = activations(rows, k, seed=rows + k)
+    q, s = fp8.quantize_triton(x, 128, "column-major")
+    q_ref, s_ref = quantize_reference(x, 128)
+    assert s.shape == s_ref.shape and s.stride() == (1, rows)
+    stored = torch.as_strided(s, (s.numel(),), (1,))
+    assert torch.equal(stored, s_ref.t().reshape(-1))
+    assert torch.equal(q.float(), q_ref.float())
+
+
+def test_quantize_refuses_an_unknown_scale_layout() -> None:
+    pytest.importorskip("triton")
+    from workers.kernels import fp8_triton
+
+    with pytest.raises(ValueError, match="scale_layout must be one of"):
+        fp8_triton.plan_quantize(torch.empty(4, 256, device="meta"), 128, scale_layout="transposed")
+
+
 # --- GEMMs ----------------------------------------------------------------------------------------------------------
 
 
@@ -166,6 +189,40 @@ def test_scaled_gemm_matches_the_reference_on_its_quantized_activations(rows: in
 
 
 @kernel
+@pytest.mark.parametrize("config", [(128, 128, 32, 8, 2), (64, 256, 8, 8, 4)], ids=lambda c: "x".join(map(str, c)))
+def test_scaled_gemm_under_another_tiling(config: tuple[int, int, int, int, int]) -> None:
+    """A `ScaledMmConfig` override (as `benchmarks.fp8_gemm --sweep-block` passes): the same products, ragged in
+    every dimension, with GROUP_M larger than the row tiles."""
+    from workers.kernels import fp8_triton
+
+    n, k, rows = 300, 384, 70
+    x = activations(rows, k, seed=21)
+    w, scale = fp8_weight(n, k, (128, 128), seed=22)
+    bias = torch.randn(n).to(torch.bfloat16)
+    x_q, x_s = quantize_reference(x, 128)
+    cfg = fp8_triton.ScaledMmConfig(*config)
+    out, launch = fp8_triton.plan_scaled_mm(x_q, x_s, 128, w, scale, (128, 128), bias, x.dtype, True, cfg)
+    launch()
+    assert launch.num_warps == cfg.warps and launch.num_stages == cfg.stages
+    assert launch.grid == (-(-rows // cfg.block_m) * -(-n // cfg.block_n),)
+    x_deq = dequantize_reference(x_q, x_s, (1, 128))
+    ref = fp8_matmul_reference(x_deq, w, scale, (128, 128), bias)
+    within(out, ref, order_bound(x_deq, dequantize_reference(w, scale, (128, 128)), ref))
+
+
+def test_the_triton_scaled_gemm_refuses_column_major_activation_scales() -> None:
+    pytest.importorskip("triton")
+    from workers.kernels import fp8_triton
+
+    meta = torch.device("meta")
+    x_q = torch.empty(64, 256, dtype=FP8, device=meta)
+    x_s = torch.empty(2, 64, device=meta).t()
+    w, scale = torch.empty(128, 256, dtype=FP8, device=meta), torch.empty(1, 2, device=meta)
+    with pytest.raises(ValueError, match="row-major activation scales"):
+        fp8_triton.plan_scaled_mm(x_q, x_s, 128, w, scale, (128, 128), None, torch.bfloat16)
+
+
+@kernel
 def test_a_scaled_gemm_tile_taller_than_the_rows_and_a_bias() -> None:
     """Rows past M wrap onto real rows in the loads; they must not be stored (M = 17 in a 64-row tile is above)."""
     x = activations(65, 256, seed=5)
@@ -190,6 +247,40 @@ def test_dispatch_chooses_by_rows_and_scale_layout() -> None:
     assert choose_path(2048, 4608, 3584, (128, 128), hopper) == "block"
     assert choose_path(2048, 4608, 3584, (1, 128), hopper) == "block"
     assert choose_path(2048, 4608, 3584, (64, 64), hopper) == "dequantize"
+
+
+def test_dispatch_takes_cublaslt_block_scaling_only_where_the_probe_passed() -> None:
+    hopper, ada = (9, 0), (8, 9)
+    assert choose_path(2048, 4608, 3584, (128, 128), hopper, blockwise=True) == "scaled_mm_blockwise"
+    assert choose_path(17, 4608, 3584, (128, 128), hopper, blockwise=True) == "scaled_mm_blockwise"
+    assert choose_path(16, 4608, 3584, (128, 128), hopper, blockwise=True) == "gemv"  # decode streams the weight
+    assert choose_path(2048, 4608, 3584, (128, 128), hopper, blockwise=False) == "block"
+    assert choose_path(2048, 4608, 3584, (128, 128), ada, blockwise=True) == "block"  # cuBLASLt's recipe is sm_90+
+    assert choose_path(2048, 4608, 3584, (1, 128), hopper, blockwise=True) == "block"  # a fused projection's rows
+    assert choose_path(2048, 4600, 3584, (128, 128), hopper, blockwise=True) == "block"  # N not a multiple of 16
+    assert choose_path(2048, 3584, 18944, (1, 18944), hopper, blockwise=True) == "scaled_mm"  # per channel
+
+
+def test_weight_scales_padded_to_a_row_stride_of_four() -> None:
+    scale = torch.arange(30.0).view(3, 10)
+    padded = fp8.padded_rows(scale)
+    assert torch.equal(padded, scale) and padded.stride() == (12, 1)
+    whole = torch.arange(24.0).view(3, 8)
+    assert fp8.padded_rows(whole) is whole  # already a multiple of 4: no copy
+
+
+def test_the_blockwise_path_waits_for_its_probe_and_falls_back_without_one() -> None:
+    """Without a probe answer for the tensors' device (none on CPU) the path is the Triton block GEMM's: the
+    interpreter's, or compiled, a clear refusal of CPU tensors; never torch's block-scaled call."""
+    x = activations(20, 256, seed=3)
+    w, scale = fp8_weight(128, 256, (128, 128), seed=4)
+    if INTERPRETED:
+        expected = fp8.block_triton(x, w, scale, (128, 128), None)
+        assert torch.equal(fp8.scaled_mm_blockwise(x, w, scale, (128, 128), None), expected)
+    else:
+        pytest.importorskip("triton")
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            fp8.scaled_mm_blockwise(x, w, scale, (128, 128), None)
 
 
 def test_gemv_splits_k_only_where_the_column_tiles_leave_sms_idle() -> None:

@@ -1,16 +1,21 @@
 """FP8 GEMMs on the GPU: ``y = x @ w.T + bias`` for a weight w [N, K] stored as float8_e4m3fn values with fp32 scales
 ``w_scale[n // block_n, k // block_k]`` (`workers.models.fp8.Fp8Weight`'s definition), x in bf16.
 
-Three paths, chosen by `choose_path` from the number of rows and the weight's scale layout:
+Four paths, chosen by `choose_path` from the number of rows and the weight's scale layout:
 
 * ``gemv`` (decode, up to `DECODE_ROWS` rows): a Triton kernel reads the FP8 weights once and multiplies the bf16
   activations as they are, the weight tiles widened and scaled in registers. Decode reads every weight each step,
   so it gains by the halved bytes; quantizing activations first would add a kernel and gain nothing.
 * ``scaled_mm`` (per-channel weights, one scale per output row): activations quantized per token by a Triton kernel,
   then ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM) with the row and column scales.
-* ``block`` (block-wise weights, 128-wide K blocks, and fused projections kept per row): activations quantized per
-  1 x 128 group, then the Triton block-scaled GEMM, which scales each K tile's fp32 product by the activation's and
-  the weight's scales for that tile.
+* ``scaled_mm_blockwise`` (128 x 128 block weights, where the device's torch passed `blockwise_support`'s probe):
+  activations quantized per 1 x 128 group, the scales written column-major, then cuBLASLt's block-scaled FP8 GEMM
+  (1 x 128 activation scales, 128 x 128 weight scales) through torch. Whether a torch build wires that recipe up for
+  a GPU is known only by calling it, so the first such product on each device tries it on a small GEMM against the
+  dequantizing reference and remembers the answer.
+* ``block`` (block-wise weights where cuBLASLt's recipe is not there, and fused projections kept per row in 128-wide
+  K blocks): activations quantized per 1 x 128 group, then the Triton block-scaled GEMM, which scales each K tile's
+  fp32 product by the activation's and the weight's scales for that tile.
 
 Every function here takes the weight as tensors (data, scale, block): this layer sits below `workers.models`.
 ``name_reference`` functions are the same arithmetic in torch, which tests check the kernels against.
@@ -19,6 +24,8 @@ Every function here takes the weight as tensors (data, scale, block): this layer
 from __future__ import annotations
 
 import functools
+import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +36,9 @@ FP8_MAX = 448.0
 GROUP = 128  # activation scale group of the block path: the weight's K block
 DECODE_ROWS = 16  # up to this many rows the GEMV's weight streaming beats quantizing activations for a GEMM
 MIN_SCALE_AMAX = 1e-10  # as the kernel's: a row of zeros quantizes to zeros
+BLOCKWISE = (128, 128)  # the weight blocks cuBLASLt's block-scaled recipe takes (DeepSeek's and Qwen's layout)
+
+log = logging.getLogger(__name__)
 
 
 # --- references -----------------------------------------------------------------------------------------------------
@@ -74,9 +84,12 @@ def fp8_matmul_reference(
 # --- dispatch -------------------------------------------------------------------------------------------------------
 
 
-def choose_path(rows: int, n: int, k: int, block: tuple[int, int], capability: tuple[int, int]) -> str:
-    """``gemv``, ``scaled_mm``, ``block`` or ``dequantize`` (a layout no kernel takes) for a [rows, k] x [n, k]
-    product with the weight's scale ``block`` on a GPU of compute ``capability``."""
+def choose_path(
+    rows: int, n: int, k: int, block: tuple[int, int], capability: tuple[int, int], blockwise: bool = False
+) -> str:
+    """``gemv``, ``scaled_mm``, ``scaled_mm_blockwise``, ``block`` or ``dequantize`` (a layout no kernel takes) for a
+    [rows, k] x [n, k] product with the weight's scale ``block`` on a GPU of compute ``capability``; ``blockwise``:
+    the device's torch passed `blockwise_support`'s probe."""
     per_channel = block[0] == 1 and block[1] >= k
     if not (per_channel or block[1] % GROUP == 0):
         return "dequantize"
@@ -84,6 +97,8 @@ def choose_path(rows: int, n: int, k: int, block: tuple[int, int], capability: t
         return "gemv"
     if per_channel and capability >= (8, 9) and n % 16 == 0 and k % 16 == 0:
         return "scaled_mm"
+    if blockwise and tuple(block) == BLOCKWISE and capability >= (9, 0) and n % 16 == 0 and k % GROUP == 0:
+        return "scaled_mm_blockwise"
     return "block"
 
 
@@ -104,7 +119,10 @@ def fp8_matmul(
         return fp8_matmul_reference(x.reshape(-1, x.shape[-1]), w, w_scale, block, bias).view(*x.shape[:-1], -1)
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    path = choose_path(x2.shape[0], w.shape[0], w.shape[1], block, _capability(x.device.index or 0))
+    rows = x2.shape[0]
+    # Probed only where it could be chosen: a 128 x 128-block weight past the decode rows.
+    blockwise = tuple(block) == BLOCKWISE and rows > DECODE_ROWS and blockwise_support(x.device) is not None
+    path = choose_path(rows, w.shape[0], w.shape[1], block, _capability(x.device.index or 0), blockwise)
     out = _PATHS[path](x2, w, w_scale, block, bias)
     return out.view(*x.shape[:-1], w.shape[0])
 
@@ -143,22 +161,141 @@ def scaled_mm_torch(
     return out if bias is None else out + bias
 
 
+def scaled_mm_blockwise(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
+) -> torch.Tensor:
+    """128 x 128-block weights through cuBLASLt's block-scaled GEMM, as the device's probe found torch calls it; the
+    Triton ``block`` path where the probe found none (or has not run: it waits for a call outside graph capture)."""
+    call = _BLOCKWISE.get(_device_index(x.device)) if x.is_cuda else None
+    if call is None:
+        return block_triton(x, w, w_scale, block, bias)
+    return blockwise_mm(x, w, w_scale, bias, call)
+
+
+@dataclass(frozen=True)
+class BlockwiseCall:
+    """How this torch takes a 1 x 128 by 128 x 128 block-scaled GEMM: through ``torch.nn.functional.scaled_mm`` (its
+    scaling recipes named) or ``torch._scaled_mm`` (the recipe read from the scales' shapes and strides), with the
+    weight scales' row stride as it is or rounded up to a multiple of 4 (newer torch checks for that padding)."""
+
+    api: str  # "scaled_mm" or "_scaled_mm"
+    padded: bool
+
+
+BLOCKWISE_CALLS = tuple(BlockwiseCall(api, padded) for api in ("scaled_mm", "_scaled_mm") for padded in (False, True))
+# (M, K, N) of the probe's GEMMs: whole blocks, then ragged rows, a partial last weight block and K / 128 = 3 (where
+# the padded and unpadded scale layouts differ).
+PROBE_SHAPES = ((128, 256, 256), (37, 384, 176))
+_BLOCKWISE: dict[int, BlockwiseCall | None] = {}
+
+
+def blockwise_support(device: torch.device) -> BlockwiseCall | None:
+    """The first of `BLOCKWISE_CALLS` whose GEMMs match the dequantizing reference on ``device``, or None; probed once
+    per device (with a synchronisation, so never while a CUDA graph is being captured: None then, not remembered)."""
+    index = _device_index(device)
+    if index not in _BLOCKWISE:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        _BLOCKWISE[index] = probe_blockwise(torch.device("cuda", index))
+        found = _BLOCKWISE[index]
+        log.info(
+            "FP8 128x128-block GEMMs with more than %d rows on cuda:%d: %s",
+            DECODE_ROWS,
+            index,
+            f"cuBLASLt block-scaled through torch.{found.api} (padded weight scales: {found.padded})"
+            if found
+            else "the Triton block-scaled GEMM (this torch's cuBLASLt block-scaled GEMM failed its probe)",
+        )
+    return _BLOCKWISE[index]
+
+
+def probe_blockwise(device: torch.device) -> BlockwiseCall | None:
+    if _capability(device.index) < (9, 0):
+        return None
+    for call in BLOCKWISE_CALLS:
+        try:
+            if all(_probe_matches(device, call, *shape) for shape in PROBE_SHAPES):
+                return call
+        except Exception as error:  # (whatever this torch raises for a recipe it lacks: the next call is tried)
+            log.debug("cuBLASLt block-scaled GEMM through %s: %s", call, error)
+    return None
+
+
+def _probe_matches(device: torch.device, call: BlockwiseCall, m: int, k: int, n: int) -> bool:
+    """Whether ``call``'s [m, k] x [n, k] product matches the dequantizing reference on its quantized activations
+    within the bound the GPU tests hold the scaled paths to (bf16 rounding of the product; the tensor cores'
+    narrower accumulation, 2**-12 of the absolute sum)."""
+    g = torch.Generator(device=device).manual_seed(m + k + n)
+    x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g, device=device) * 64).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    w_scale = torch.rand(-(-n // 128), -(-k // 128), generator=g, device=device) * 2e-3 + 1e-3
+    out = blockwise_mm(x, w, w_scale, None, call).float()
+    x_q, x_s = quantize_reference(x, GROUP)
+    x_deq = dequantize_reference(x_q, x_s, (1, GROUP))
+    w_deq = dequantize_reference(w, w_scale, BLOCKWISE)
+    ref = x_deq @ w_deq.T
+    bound = 2**-8 * ref.abs() + 2**-12 * (x_deq.abs() @ w_deq.abs().T)
+    return out.shape == ref.shape and bool(((out - ref).abs() <= bound).all())
+
+
+def blockwise_mm(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, call: BlockwiseCall
+) -> torch.Tensor:
+    """x [M, K] quantized per 1 x 128 group (scales [M, K / 128] column-major, as cuBLASLt reads them) times w [N, K]
+    with w_scale [N / 128, K / 128] row-major, as ``call`` passes them to torch."""
+    from workers.kernels import fp8_triton
+
+    x_q, x_s = fp8_triton.quantize(x, GROUP, scale_layout="column-major")
+    w_s = padded_rows(w_scale) if call.padded else w_scale
+    if call.api == "scaled_mm":
+        functional = torch.nn.functional
+        recipes = functional.ScalingType
+        out = functional.scaled_mm(
+            x_q, w.t(), x_s, recipes.BlockWise1x128, w_s.t(), recipes.BlockWise128x128, output_dtype=x.dtype
+        )
+    else:
+        out = torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=w_s.t(), out_dtype=x.dtype)
+    return out if bias is None else out + bias
+
+
+def padded_rows(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` [R, C] with its row stride rounded up to a multiple of 4 (a copy only where C is not one already)."""
+    rows, cols = scale.shape
+    stride = -(-cols // 4) * 4
+    if scale.stride() == (stride, 1):
+        return scale
+    padded = scale.new_zeros(rows, stride)
+    padded[:, :cols] = scale
+    return padded[:, :cols]
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def dequantize_torch(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
 ) -> torch.Tensor:
     return fp8_matmul_reference(x, w, w_scale, block, bias)
 
 
-_PATHS = {"gemv": gemv_triton, "scaled_mm": scaled_mm_torch, "block": block_triton, "dequantize": dequantize_torch}
+_PATHS = {
+    "gemv": gemv_triton,
+    "scaled_mm": scaled_mm_torch,
+    "scaled_mm_blockwise": scaled_mm_blockwise,
+    "block": block_triton,
+    "dequantize": dequantize_torch,
+}
 
 
-def quantize_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_reference` as one Triton kernel: x [M, K] (unit column stride) to (q, scales)."""
+def quantize_triton(x: torch.Tensor, group: int, scale_layout: str = "row-major") -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_reference` as one Triton kernel: x [M, K] (unit column stride) to (q, scales), the scales row-major
+    or ``"column-major"`` (strides (1, M))."""
     from workers.kernels import fp8_triton
 
     if x.ndim != 2 or x.stride(-1) != 1 or group < 1:
         raise ValueError(f"x must be [M, K] with unit column stride and group >= 1, got {tuple(x.shape)}, {group}")
-    return fp8_triton.quantize(x, group)
+    return fp8_triton.quantize(x, group, scale_layout)
 
 
 def _scale_block(block: tuple[int, int], k: int) -> tuple[int, int]:

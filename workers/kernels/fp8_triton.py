@@ -52,6 +52,7 @@ def _quantize_kernel(
     stride_x,
     stride_q,
     stride_s,
+    stride_sg,
     group,
     BLOCK: tl.constexpr,
     GROUPS: tl.constexpr,
@@ -62,7 +63,8 @@ def _quantize_kernel(
     groups (1 x 128) go many to a program, as a [GROUPS, BLOCK] tile, so a program has a useful amount to load; a
     group wider than BLOCK (a whole row, per token) is read twice in BLOCK chunks: once for its amax, once to
     quantize. Divisions are IEEE-rounded (div_rn; compiled Triton's ``/`` is an approximate fp32 division), as torch's
-    tensor division is."""
+    tensor division is. Scale ``[row, g]`` goes to ``s_ptr + row * stride_s + g * stride_sg``: row-major, or the
+    column-major layout cuBLASLt's 1 x 128 scaling reads."""
     row = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * GROUPS
     x_row = x_ptr + row * stride_x
@@ -76,7 +78,7 @@ def _quantize_kernel(
         scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), FP8_MIN_SCALE_AMAX), FP8_MAX)
         q = tl.clamp(tl.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
         tl.store(q_row + cols, _to_e4m3(q, INTERPRETED), mask=mask)
-        tl.store(s_ptr + row * stride_s + groups, scale, mask=groups < n_groups)
+        tl.store(s_ptr + row * stride_s + groups * stride_sg, scale, mask=groups < n_groups)
     else:
         start = first * group
         end = tl.minimum(start + group, n_cols)
@@ -91,7 +93,7 @@ def _quantize_kernel(
             x = tl.load(x_row + c + offs, mask=mask, other=0.0).to(tl.float32)
             q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
             tl.store(q_row + c + offs, _to_e4m3(q, INTERPRETED), mask=mask)
-        tl.store(s_ptr + row * stride_s + first, scale)
+        tl.store(s_ptr + row * stride_s + first * stride_sg, scale)
 
 
 @triton.jit
@@ -156,8 +158,8 @@ def _scaled_mm_kernel(
         acc += part * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols_in).to(tl.float32)[None, :]
+    if HAS_BIAS:  # (indexed by the columns afresh: cols_in kept live across the loop spills 128 x 128 tiles)
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     out = to_dtype(acc, c_ptr.dtype.element_ty, INTERPRETED)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :], out, mask=mask)
@@ -254,22 +256,31 @@ def _gemv_store(
 # --- launches -----------------------------------------------------------------------------------------------------
 
 
-def quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [M, K] float8_e4m3fn, scales [M, ceil(K / group)] fp32) of x [M, K] with unit column stride."""
+SCALE_LAYOUTS = ("row-major", "column-major")
+
+
+def quantize(x: torch.Tensor, group: int, scale_layout: str = "row-major") -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [M, K] float8_e4m3fn, scales [M, ceil(K / group)] fp32) of x [M, K] with unit column stride; the scales
+    row-major, or column-major (strides (1, M): cuBLASLt's 1 x 128 layout) with ``scale_layout="column-major"``."""
     check_launchable(x.device)
-    q, s, step = plan_quantize(x, group, interpreted())
+    q, s, step = plan_quantize(x, group, interpreted(), scale_layout)
     if x.numel():
         step()
     return q, s
 
 
 def plan_quantize(
-    x: torch.Tensor, group: int, interpreted_mode: bool = False
+    x: torch.Tensor, group: int, interpreted_mode: bool = False, scale_layout: str = "row-major"
 ) -> tuple[torch.Tensor, torch.Tensor, Launch]:
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
     rows, cols = x.shape
     groups = -(-cols // group)
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    if scale_layout == "row-major":
+        s = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    else:  # written in place in the layout the GEMM reads, not transposed by a copy afterwards
+        s = torch.empty((groups, rows), dtype=torch.float32, device=x.device).t()
     block = min(next_power_of_2(group), QUANTIZE_BLOCK)
     one_block = block >= group
     per_program = max(1, QUANTIZE_BLOCK // block) if one_block else 1
@@ -285,6 +296,7 @@ def plan_quantize(
             "stride_x": x.stride(0),
             "stride_q": q.stride(0),
             "stride_s": s.stride(0),
+            "stride_sg": s.stride(1),
             "group": group,
         },
         constexprs={"BLOCK": block, "GROUPS": per_program, "ONE_BLOCK": one_block, "INTERPRETED": interpreted_mode},
@@ -323,15 +335,19 @@ def plan_scaled_mm(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     interpreted_mode: bool = False,
+    config: ScaledMmConfig | None = None,
 ) -> tuple[torch.Tensor, Launch]:
     """(out [M, N], the launch that fills it) for a [M, K] fp8 with a_scale [M, ceil(K / a_group)], b [N, K] fp8 with
-    b_scale [ceil(N / block_n), ceil(K / block_k)]."""
+    b_scale [ceil(N / block_n), ceil(K / block_k)]; ``config`` overrides the tiling (`benchmarks.fp8_gemm` sweeps
+    it)."""
     (m, k), n = a.shape, b.shape[0]
+    if a_scale.shape[1] > 1 and a_scale.stride(1) != 1:
+        raise ValueError(f"the Triton scaled GEMM reads row-major activation scales, got strides {a_scale.stride()}")
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    block_m, block_n, block_k, warps = _scaled_mm_config(m)
+    config = config or scaled_mm_config(m, n)
     step = Launch(
         _scaled_mm_kernel,
-        grid=(triton.cdiv(m, block_m) * triton.cdiv(n, block_n),),
+        grid=(triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),),
         args={
             "a_ptr": a,
             "a_s_ptr": a_scale,
@@ -352,23 +368,43 @@ def plan_scaled_mm(
             "scale_block_k": block[1],
         },
         constexprs={
-            "BLOCK_M": block_m,
-            "BLOCK_N": block_n,
-            "BLOCK_K": block_k,
-            "GROUP_M": 8,
+            "BLOCK_M": config.block_m,
+            "BLOCK_N": config.block_n,
+            "BLOCK_K": SCALED_MM_BLOCK_K,
+            "GROUP_M": config.group_m,
             "HAS_BIAS": bias is not None,
             "INTERPRETED": interpreted_mode,
         },
-        num_warps=warps,
-        num_stages=3,
+        num_warps=config.warps,
+        num_stages=config.stages,
     )
     return out, step
 
 
-def _scaled_mm_config(m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps): BLOCK_K is the scale group (128), so a tile never straddles two. 128 x 128
-    tiles on 8 warps spill on sm_90 (the tile's product beside its accumulator), so every M takes 64 x 128."""
-    return 64, 128, 128, 4
+SCALED_MM_BLOCK_K = 128  # the scale group: a K tile never straddles two scale blocks
+
+
+@dataclass(frozen=True)
+class ScaledMmConfig:
+    """The block-scaled GEMM's tiling: BLOCK_M x BLOCK_N output tiles over 128-wide K tiles, GROUP_M row tiles taking
+    each column tile in turn (while it is in L2), warps a program and the loads' pipeline stages."""
+
+    block_m: int = 64
+    block_n: int = 128
+    group_m: int = 8
+    warps: int = 4
+    stages: int = 3
+
+    @property
+    def name(self) -> str:
+        return f"{self.block_m}x{self.block_n} g{self.group_m} w{self.warps} s{self.stages}"
+
+
+def scaled_mm_config(m: int, n: int) -> ScaledMmConfig:
+    """The tiling for an [m, K] x [n, K] product: 64 x 128 tiles, 4 warps, 3 stages for every shape until
+    ``benchmarks.fp8_gemm --sweep-block`` has timed the alternatives on the H200 (the configs it sweeps all compile
+    for sm_90 without spills)."""
+    return ScaledMmConfig()
 
 
 def weight_gemv(
