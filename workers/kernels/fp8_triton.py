@@ -1,6 +1,6 @@
 """Triton kernels behind `workers.kernels.fp8` (imports triton): dynamic FP8 activation quantization (per token, per
-1 x group), the scaled FP8 GEMM (block-wise or per-channel weight scales, activation scales per group or per token)
-and the decode GEMM that reads FP8 weights and multiplies bf16 activations directly.
+1 x group) and the scaled FP8 GEMM (block-wise or per-channel weight scales, activation scales per group or per
+token). The decode GEMV, which multiplies bf16 activations by the FP8 weights directly, is `fp8_gemv_triton`.
 
 Scale indexing, one rule for every layout: the weight's ``[n, k]`` element has scale
 ``w_scale[n // scale_block_n, k // scale_block_k]`` and the activation's ``[m, k]`` one ``x_scale[m, k // group]``. A
@@ -9,8 +9,6 @@ takes one scale per row and column and the scaling happens on the tile's fp32 pr
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -163,94 +161,6 @@ def _scaled_mm_kernel(
     tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :], out, mask=mask)
 
 
-@triton.jit
-def _fp8_weight_gemv_kernel(
-    x_ptr,
-    w_ptr,
-    w_s_ptr,
-    bias_ptr,
-    out_ptr,
-    partial_ptr,
-    arrivals_ptr,
-    M,
-    N,
-    K,
-    k_per_split,
-    stride_xm,
-    stride_wn,
-    stride_wsn,
-    stride_om,
-    scale_block_n,
-    scale_block_k,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-):
-    """out = x @ (w * w_s)^T for few rows of x (bf16 as they come): each program streams BLOCK_N weight rows over
-    its slice of K once, widening each FP8 tile to x's dtype in registers (exact: every e4m3 value is a bf16 value),
-    and scales the tile's fp32 product by the weight's scales for that K tile.
-
-    Split K (SPLIT_K > 1): a projection with few output columns (a 7B down_proj has 3584) gives too few programs to
-    keep every SM's loads in flight, so K is cut into SPLIT_K slices. Each slice's program writes its fp32 partial
-    sums, then counts itself in on its column tile's arrival counter; the last to arrive adds the slices in a fixed
-    order (the result does not depend on which program came last), writes the output and sets the counter back to
-    0 for the next launch (so the counters need no clearing, also inside a CUDA graph)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_in = (cols % N).to(tl.int64)
-    ks = tl.arange(0, BLOCK_K)
-    row_in = rows < M
-    k_start = pid_k * k_per_split
-    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + k_start + ks[None, :]
-    w_ptrs = w_ptr + cols_in[None, :] * stride_wn + k_start + ks[:, None]
-    w_s_ptrs = w_s_ptr + (cols_in // scale_block_n) * stride_wsn
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        k_in = ks < K - k0
-        x = tl.load(x_ptrs, mask=row_in[:, None] & k_in[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
-        w_s = tl.load(w_s_ptrs + k0 // scale_block_k)
-        if INTERPRETED:  # noqa: SIM108 (a static branch; the ternary form is not what Triton kernels here use)
-            part = tl.dot(x.to(tl.float32), w.to(tl.float32))
-        else:
-            part = tl.dot(x, w.to(x.dtype))
-        acc += part * w_s[None, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    out_mask = row_in[:, None] & (cols[None, :] < N)
-    if SPLIT_K > 1:
-        tile = rows[:, None].to(tl.int64) * N + cols[None, :]
-        tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=out_mask)
-        # Every thread's partial stored before one thread's release: the barrier, then the atomic's acq_rel at GPU
-        # scope. The last arrival's acquire makes the others' partials visible; .cg reads them from L2, not a stale L1.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(SPLIT_K):
-                acc += tl.load(partial_ptr + s * M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _gemv_store(acc, bias_ptr, out_ptr, rows, cols, cols_in, out_mask, stride_om, HAS_BIAS, INTERPRETED)
-            tl.atomic_xchg(arrivals_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-    else:
-        _gemv_store(acc, bias_ptr, out_ptr, rows, cols, cols_in, out_mask, stride_om, HAS_BIAS, INTERPRETED)
-
-
-@triton.jit
-def _gemv_store(
-    acc, bias_ptr, out_ptr, rows, cols, cols_in, mask, stride_om, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr
-):
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols_in).to(tl.float32)[None, :]
-    out = to_dtype(acc, out_ptr.dtype.element_ty, INTERPRETED)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], out, mask=mask)
-
-
 # --- launches -----------------------------------------------------------------------------------------------------
 
 
@@ -369,115 +279,3 @@ def _scaled_mm_config(m: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps): BLOCK_K is the scale group (128), so a tile never straddles two. 128 x 128
     tiles on 8 warps spill on sm_90 (the tile's product beside its accumulator), so every M takes 64 x 128."""
     return 64, 128, 128, 4
-
-
-def weight_gemv(
-    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
-) -> torch.Tensor:
-    check_launchable(x.device)
-    out, step = plan_weight_gemv(x, w, w_scale, block, bias, interpreted())
-    if out.numel():
-        step()
-    return out
-
-
-DECODE_BLOCK_M = 16  # the smallest tl.dot; the decode path takes up to this many rows
-GEMV_BLOCK_K = 128  # the scale group: a K tile never straddles two scale blocks
-GEMV_PROGRAMS_PER_SM = 4  # column tiles times K slices: enough loads in flight per SM to stream weights at HBM rate
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    """The decode GEMV's tiling: BLOCK_N weight rows a program, K cut into ``split_k`` slices."""
-
-    block_n: int
-    split_k: int
-    k_per_split: int
-
-
-def gemv_config(
-    n: int, k: int, sm_count: int, block_n: int | None = None, programs_per_sm: int | None = None
-) -> GemvConfig:
-    """Wide tiles (64 rows: long loads), and K split until the column tiles times the slices fill every SM
-    ``programs_per_sm`` times over; a slice is whole K tiles."""
-    block_n = block_n or (64 if n >= 1024 else 16)
-    tiles_n = -(-n // block_n)
-    tiles_k = -(-k // GEMV_BLOCK_K)
-    wanted = -(-(sm_count * (programs_per_sm or GEMV_PROGRAMS_PER_SM)) // tiles_n)
-    per_split = -(-tiles_k // max(1, min(wanted, tiles_k)))
-    return GemvConfig(block_n, -(-tiles_k // per_split), per_split * GEMV_BLOCK_K)
-
-
-def sm_count(device: torch.device) -> int:
-    """The device's SMs; an H200's where there is no CUDA device (meta tensors compiled ahead of time, the
-    interpreter), so a plan is the same as on the box."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return H200_SMS
-
-
-H200_SMS = 132
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-ARRIVAL_COUNTERS = 1 << 16  # column tiles of one launch at most (a 64-row tile: 4M output columns)
-
-
-def arrival_counters(device: torch.device) -> torch.Tensor:
-    """The split-K GEMV's per-column-tile counters on ``device``: zero, and zero again after every launch (its last
-    arrival resets its counter), so one buffer serves every launch on a stream in turn."""
-    if device not in _ARRIVALS:
-        _ARRIVALS[device] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-    return _ARRIVALS[device]
-
-
-def plan_weight_gemv(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    block: tuple[int, int],
-    bias: torch.Tensor | None,
-    interpreted_mode: bool = False,
-    config: GemvConfig | None = None,
-) -> tuple[torch.Tensor, Launch]:
-    """(out [M, N] in x's dtype, the launch) for x [M <= 16, K], w [N, K] fp8 with w_scale [ceil(N / block_n),
-    ceil(K / block_k)]; ``config`` overrides the tiling (`benchmarks.fp8_gemm` sweeps it)."""
-    (m, k), n = x.shape, w.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    config = config or gemv_config(n, k, sm_count(x.device))
-    tiles_n = triton.cdiv(n, config.block_n)
-    if tiles_n > ARRIVAL_COUNTERS:
-        raise ValueError(f"the FP8 GEMV takes up to {ARRIVAL_COUNTERS * config.block_n} output columns, got {n}")
-    partial = torch.empty((config.split_k, m, n) if config.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
-    step = Launch(
-        _fp8_weight_gemv_kernel,
-        grid=(tiles_n, config.split_k),
-        args={
-            "x_ptr": x,
-            "w_ptr": w,
-            "w_s_ptr": w_scale,
-            "bias_ptr": bias if bias is not None else w_scale,  # read only with HAS_BIAS
-            "out_ptr": out,
-            "partial_ptr": partial,
-            "arrivals_ptr": arrival_counters(x.device),
-            "M": m,
-            "N": n,
-            "K": k,
-            "k_per_split": config.k_per_split,
-            "stride_xm": x.stride(0),
-            "stride_wn": w.stride(0),
-            "stride_wsn": w_scale.stride(0),
-            "stride_om": out.stride(0),
-            "scale_block_n": block[0],
-            "scale_block_k": block[1],
-        },
-        constexprs={
-            "BLOCK_M": DECODE_BLOCK_M,
-            "BLOCK_N": config.block_n,
-            "BLOCK_K": GEMV_BLOCK_K,
-            "SPLIT_K": config.split_k,
-            "HAS_BIAS": bias is not None,
-            "INTERPRETED": interpreted_mode,
-        },
-        num_warps=4,
-        num_stages=4,
-    )
-    return out, step
