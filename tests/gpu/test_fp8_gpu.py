@@ -49,13 +49,15 @@ def within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) ->
     assert excess.max().item() <= 0, f"worst excess {excess.max().item():.3g} over the bound"
 
 
-# (variant, block_n, block_k, num_warps, num_stages, evict_first) beside the default (None): each GEMV kernel compiled
+# (variant, block_n, block_k, num_warps, num_stages, evict_first, x_direct) beside the default (None): each GEMV
+# kernel compiled
 GEMV_KERNELS = {
     "default": None,
-    "dot_n32_evict": ("dot", 32, 128, 4, 4, True),
-    "sum_n32_k256": ("sum", 32, 256, 4, 3, True),
-    "sum_n16_k512_s1": ("sum", 16, 512, 4, 1, True),
-    "sum_n64_k256_w8": ("sum", 64, 256, 8, 3, True),
+    "dot_n32_evict": ("dot", 32, 128, 4, 4, True, False),
+    "sum_n32_k256": ("sum", 32, 256, 4, 3, True, False),
+    "sum_n32_k256_s1_xdirect": ("sum", 32, 256, 4, 1, True, True),
+    "sum_n16_k512_s1_xdirect": ("sum", 16, 512, 4, 1, True, True),
+    "sum_n64_k256_w8": ("sum", 64, 256, 8, 3, True, False),
 }
 
 
@@ -72,11 +74,11 @@ def gemv(
 
     if GEMV_KERNELS[kernel] is None:
         return fp8.gemv_triton(x, w, scale, block, bias)
-    variant, block_n, block_k, warps, stages, evict = GEMV_KERNELS[kernel]
+    variant, block_n, block_k, warps, stages, evict, x_direct = GEMV_KERNELS[kernel]
     (m, k), n = x.shape, w.shape[0]
     config = fp8_gemv_triton.gemv_config(
         m, n, k, fp8_gemv_triton.sm_count(x.device), variant=variant, block_n=block_n, block_k=block_k,
-        num_warps=warps, num_stages=stages, evict_first=evict,
+        num_warps=warps, num_stages=stages, evict_first=evict, x_direct=x_direct,
     )  # fmt: skip
     out, launch = fp8_gemv_triton.plan_weight_gemv(x, w, scale, (block[0], min(block[1], k)), bias, config=config)
     launch()

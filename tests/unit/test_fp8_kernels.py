@@ -118,12 +118,15 @@ def test_gemv_matches_the_dequantizing_reference(rows: int, n: int, k: int, layo
     within(out, ref, order_bound(x, dequantize_reference(w, scale, block), ref))
 
 
-# (variant, block_k, num_warps, num_stages): each GEMV kernel, the sum kernel's K tile one and several scale sub-tiles
+# (variant, block_k, num_warps, num_stages, x_direct): each GEMV kernel, the sum kernel's K tile one and several scale
+# sub-tiles, its x rows loaded either way
 GEMV_KERNELS = {
-    "dot": ("dot", 128, 4, 4),
-    "sum128": ("sum", 128, 4, 1),
-    "sum256": ("sum", 256, 4, 3),
-    "sum512": ("sum", 512, 8, 3),
+    "dot": ("dot", 128, 4, 4, False),
+    "sum128": ("sum", 128, 4, 1, False),
+    "sum256": ("sum", 256, 4, 3, False),
+    "sum256_direct": ("sum", 256, 4, 1, True),
+    "sum512": ("sum", 512, 8, 3, False),
+    "sum512_direct": ("sum", 512, 8, 1, True),
 }
 
 
@@ -160,14 +163,15 @@ def test_each_gemv_kernel_matches_the_dequantizing_reference(
 ) -> None:
     from workers.kernels import fp8_gemv_triton
 
-    variant, block_k, warps, stages = GEMV_KERNELS[kernel_name]
+    variant, block_k, warps, stages, x_direct = GEMV_KERNELS[kernel_name]
     block = LAYOUTS[layout] or (1, k)
     x = activations(rows, k, seed=rows + n + k)
     w, scale = fp8_weight(n, k, block, seed=n + k)
     bias = torch.randn(n).to(torch.bfloat16) if rows != 3 else None
     config = fp8_gemv_triton.gemv_config(
-        rows, n, k, 132, variant=variant, block_n=32, block_k=block_k, num_warps=warps, num_stages=stages
-    )
+        rows, n, k, 132, variant=variant, block_n=32, block_k=block_k, num_warps=warps, num_stages=stages,
+        x_direct=x_direct,
+    )  # fmt: skip
     out, _ = gemv_with(config, x, w, scale, block, bias)
     ref = fp8_matmul_reference(x.float(), w, scale, block, bias)  # fp32: only the kernel rounds to bf16
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
@@ -182,14 +186,14 @@ def test_gemv_slices_of_k_add_up_to_the_whole_and_leave_the_counters_clear(kerne
     next launch, or a CUDA graph's next replay, counts from zero). K spans several K tiles of the widest kernel."""
     from workers.kernels import fp8_gemv_triton
 
-    variant, block_k, warps, stages = GEMV_KERNELS[kernel_name]
+    variant, block_k, warps, stages, x_direct = GEMV_KERNELS[kernel_name]
     n, k, block = 200, 7 * 128 + 44, (128, 128)
     x = activations(5, k, seed=11)
     w, scale = fp8_weight(n, k, block, seed=12)
     bias = torch.randn(n).to(torch.bfloat16)
     tiles_k = -(-k // block_k)
     per_split = -(-tiles_k // split_k) * block_k
-    config = fp8_gemv_triton.GemvConfig(64, split_k, per_split, variant, block_k, warps, stages, evict_first=True)
+    config = fp8_gemv_triton.GemvConfig(64, split_k, per_split, variant, block_k, warps, stages, True, x_direct)
     out, launch = gemv_with(config, x, w, scale, block, bias)
     ref = fp8_matmul_reference(x.float(), w, scale, block, bias)
     within(out, ref, order_bound(x, dequantize_reference(w, scale, block), ref))
@@ -206,7 +210,7 @@ def test_every_swept_gemv_kernel_matches_the_reference() -> None:
     n, k, block = 200, 5 * 128 + 20, (1, 128)
     w, scale = fp8_weight(n, k, block, seed=21)
     w_deq = dequantize_reference(w, scale, block)
-    for variant, block_n, block_k, warps, stages, evict in SWEEP_KERNELS:
+    for variant, block_n, block_k, warps, stages, evict, x_direct in SWEEP_KERNELS:
         for rows in SWEEP_M:
             if variant == "sum" and rows > fp8_gemv_triton.SUM_MAX_ROWS:
                 continue
@@ -215,7 +219,7 @@ def test_every_swept_gemv_kernel_matches_the_reference() -> None:
             for per_sm in (1, 64):  # 7 column tiles at most: 132 programs need split K
                 config = fp8_gemv_triton.gemv_config(
                     rows, n, k, 132, per_sm, variant=variant, block_n=block_n, block_k=block_k, num_warps=warps,
-                    num_stages=stages, evict_first=evict,
+                    num_stages=stages, evict_first=evict, x_direct=x_direct,
                 )  # fmt: skip
                 try:
                     within(gemv_with(config, x, w, scale, block, None)[0], ref, order_bound(x, w_deq, ref))
@@ -303,6 +307,8 @@ def test_gemv_refuses_a_config_no_kernel_runs() -> None:
         check_config(gemv_config(1, 256, 768, 132, variant="sum", block_k=384), 1)
     with pytest.raises(ValueError, match="block_k must be 128"):
         check_config(gemv_config(1, 256, 768, 132, variant="dot", block_k=256), 1)
+    with pytest.raises(ValueError, match="x_direct is for the sum kernel at num_stages 1"):
+        check_config(gemv_config(1, 256, 768, 132, variant="sum", num_stages=3, x_direct=True), 1)
     with pytest.raises(ValueError, match="variant must be one of"):
         check_config(gemv_config(1, 256, 768, 132, variant="mma"), 1)
     check_config(gemv_config(16, 256, 768, 132), 16)  # the dot kernel: up to 16 rows

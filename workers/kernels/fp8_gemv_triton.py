@@ -122,6 +122,7 @@ def _gemv_sum_kernel(
     BLOCK_N: tl.constexpr,
     SUBS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    X_DIRECT: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WEIGHT_EVICTION: tl.constexpr,
@@ -158,21 +159,21 @@ def _gemv_sum_kernel(
         w_s = tl.load(
             w_s_ptrs + ((k0 + sub_starts) // scale_block_k)[None, :], mask=(sub_starts < K - k0)[None, :], other=0.0
         )
-        acc0 += _row_sum(w, w_s, x_ptrs, k_in)
+        acc0 += _row_sum(w, w_s, x_ptrs, k_in, X_DIRECT)
         if ROWS > 1:
-            acc1 += _row_sum(w, w_s, x_ptrs + stride_xm, k_in)
+            acc1 += _row_sum(w, w_s, x_ptrs + stride_xm, k_in, X_DIRECT)
         if ROWS > 2:
-            acc2 += _row_sum(w, w_s, x_ptrs + 2 * stride_xm, k_in)
+            acc2 += _row_sum(w, w_s, x_ptrs + 2 * stride_xm, k_in, X_DIRECT)
         if ROWS > 3:
-            acc3 += _row_sum(w, w_s, x_ptrs + 3 * stride_xm, k_in)
+            acc3 += _row_sum(w, w_s, x_ptrs + 3 * stride_xm, k_in, X_DIRECT)
         if ROWS > 4:
-            acc4 += _row_sum(w, w_s, x_ptrs + 4 * stride_xm, k_in)
+            acc4 += _row_sum(w, w_s, x_ptrs + 4 * stride_xm, k_in, X_DIRECT)
         if ROWS > 5:
-            acc5 += _row_sum(w, w_s, x_ptrs + 5 * stride_xm, k_in)
+            acc5 += _row_sum(w, w_s, x_ptrs + 5 * stride_xm, k_in, X_DIRECT)
         if ROWS > 6:
-            acc6 += _row_sum(w, w_s, x_ptrs + 6 * stride_xm, k_in)
+            acc6 += _row_sum(w, w_s, x_ptrs + 6 * stride_xm, k_in, X_DIRECT)
         if ROWS > 7:
-            acc7 += _row_sum(w, w_s, x_ptrs + 7 * stride_xm, k_in)
+            acc7 += _row_sum(w, w_s, x_ptrs + 7 * stride_xm, k_in, X_DIRECT)
         w_ptrs += SUBS * SCALE_K
         x_ptrs += SUBS * SCALE_K
 
@@ -199,10 +200,18 @@ def _gemv_sum_kernel(
 
 
 @triton.jit
-def _row_sum(w, w_s, x_ptrs, k_in):
-    """One x row's share of a weight tile: [BLOCK_N] fp32, each `SCALE_K` sub-tile's sum scaled before the add."""
-    x = tl.load(x_ptrs, mask=k_in, other=0.0).to(tl.float32)
-    return tl.sum(tl.sum(w * x[None, :, :], axis=2) * w_s, axis=1)
+def _row_sum(w, w_s, x_ptrs, k_in, X_DIRECT: tl.constexpr):
+    """One x row's share of a weight tile: [BLOCK_N] fp32, each `SCALE_K` sub-tile's sum scaled before the add.
+
+    X_DIRECT loads the row straight into the weight tile's layout, each thread its own copy (L1 hits, for every
+    weight row a thread holds); otherwise the row is loaded once and spread to that layout through shared memory, a
+    barrier a tile."""
+    if X_DIRECT:
+        mask = tl.broadcast_to(k_in[None, :, :], w.shape)
+        x = tl.load(tl.broadcast_to(x_ptrs[None, :, :], w.shape), mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(x_ptrs, mask=k_in, other=0.0).to(tl.float32)[None, :, :]
+    return tl.sum(tl.sum(w * x, axis=2) * w_s, axis=1)
 
 
 @triton.jit
@@ -278,14 +287,13 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 4
     evict_first: bool = False
+    x_direct: bool = False  # sum at 1 stage: x loaded straight into the weight tile's layout (`_row_sum`)
 
     @property
     def name(self) -> str:
-        evict = " evict" if self.evict_first else ""
-        return (
-            f"{self.variant} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}{evict} "
-            f"x{self.split_k}"
-        )
+        flags = (" evict" if self.evict_first else "") + (" xdirect" if self.x_direct else "")
+        tile = f"n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}"
+        return f"{self.variant} {tile}{flags} x{self.split_k}"
 
 
 GEMV_PROGRAMS_PER_SM = 4  # column tiles times K slices: enough loads in flight per SM to stream weights at HBM rate
@@ -301,8 +309,9 @@ def gemv_config(
     m: int, n: int, k: int, sm_count: int, programs_per_sm: int | None = None, **kernel: int | str | bool
 ) -> GemvConfig:
     """The config for x [m, k] times a weight [n, k]: `default_kernel`'s, with any of GemvConfig's kernel fields
-    (``variant``, ``block_n``, ``block_k``, ``num_warps``, ``num_stages``, ``evict_first``) overridden, and K split
-    until the column tiles times the slices fill every SM ``programs_per_sm`` times over; a slice is whole K tiles."""
+    (``variant``, ``block_n``, ``block_k``, ``num_warps``, ``num_stages``, ``evict_first``, ``x_direct``) overridden,
+    and K split until the column tiles times the slices fill every SM ``programs_per_sm`` times over; a slice is whole
+    K tiles."""
     base = replace(default_kernel(m, n), **kernel)
     tiles_n = -(-n // base.block_n)
     tiles_k = -(-k // base.block_k)
@@ -376,6 +385,7 @@ def plan_weight_gemv(
             "BLOCK_M": next_power_of_2(m),
             "SUBS": config.block_k // 128,
             "NUM_STAGES": config.num_stages,
+            "X_DIRECT": config.x_direct,
         }
         constexprs.update(common)
     else:
@@ -420,6 +430,11 @@ def check_config(config: GemvConfig, m: int) -> None:
     subs = config.block_k // 128
     if config.block_k % 128 or subs != next_power_of_2(subs) or (config.variant == "dot" and subs != 1):
         raise ValueError(f"GemvConfig.block_k must be 128 (dot) or 128 times a power of 2 (sum), got {config.block_k}")
+    if config.x_direct and (config.variant != "sum" or config.num_stages > 1):
+        raise ValueError(
+            "GemvConfig.x_direct is for the sum kernel at num_stages 1 (pipelined, each thread's copy of x would be "
+            "staged in shared memory)"
+        )
     if config.k_per_split % config.block_k or config.k_per_split < 1 or config.split_k < 1:
         raise ValueError(
             f"GemvConfig's K slices must be whole {config.block_k}-column tiles, got {config.split_k} of "
