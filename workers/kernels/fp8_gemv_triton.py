@@ -14,8 +14,12 @@ Two kernels, `GemvConfig.variant` picks one:
   loads of FP8), widened to fp32, multiplied by each x row and summed along K, the rows unrolled at compile time. A
   16-row MMA tile would spend 15/16 of its work on padding at batch 1, and the widened weight tile would go through
   shared memory into the MMA's layout. BLOCK_K may span several `SCALE_K` sub-tiles (more bytes in flight a
-  program): their sums are scaled before they are added.
+  program): their sums are scaled before they are added. Its loads are pipelined through shared memory by
+  ``tl.range``'s stages (the kernel's num_stages pipelines only loads that feed a dot); the x rows reach the weight
+  tile's layout through shared memory (a barrier a tile), or, with ``x_direct`` (1 stage), are loaded by each thread
+  in that layout.
 
+`gemv_config` picks the kernel by (M, N, K) from `default_kernel`, which `benchmarks.fp8_gemm --sweep-gemv` informs.
 Both read the weight with evict-first loads where the config asks (each weight is read once a step; x, read by every
 program, stays cached) and split K the same way (`gemv_config`, `_gemv_epilogue`).
 """
