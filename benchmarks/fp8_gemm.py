@@ -7,17 +7,18 @@ timings include their activation quantization (the Triton kernel), except the ``
 GEMM on activations quantized beforehand: the difference is what fusing quantization into the preceding kernel
 would win. ``speedup`` is bf16's time over the path's; ``path`` is what `fp8_matmul` chooses.
 
-``--sweep-gemv`` times the decode GEMV's tilings (`fp8_triton.GemvConfig`: rows a program, programs an SM through
-split K) at the 7B decode shapes, beside the one `gemv_config` picks, so its defaults follow the box's numbers.
+``--sweep-gemv`` times the decode GEMV's kernels and tilings (`fp8_gemv_triton.GemvConfig`: the dot or sum kernel,
+rows and columns a program, warps, stages, evict-first weight loads, programs an SM through split K) at the 7B decode
+shapes (M 1, 4, 16), beside the one `gemv_config` picks, so its defaults follow the box's numbers.
 
 ``--sweep-block`` times the Triton block-scaled GEMM's tilings (`fp8_triton.ScaledMmConfig`: tile, GROUP_M, warps,
 stages; `SWEEP_TILES` x `SWEEP_STAGES` x `SWEEP_GROUP_M`) at the ViT's and the 7B prefill's (2048 rows) shapes, GEMM
 only, beside the one `scaled_mm_config` picks and cuBLASLt's block-scaled GEMM where this torch has it, printing the
 best per shape.
 
-``--aot 90`` needs no GPU: it compiles each FP8 kernel's launch at these shapes for sm_90 (`benchmarks.aot`), and
-every tiling the block sweep tries, and prints its registers, spills and shared memory, exiting 1 where Triton or
-ptxas rejects one.
+``--aot 90`` needs no GPU: it compiles each FP8 kernel's launch at these shapes for sm_90 (`benchmarks.aot`), every
+tiling the block sweep tries and every kernel the GEMV sweep compiles, and prints its registers, spills and shared
+memory, exiting 1 where Triton or ptxas rejects one.
 """
 
 from __future__ import annotations
@@ -135,12 +136,12 @@ def run(quick: bool) -> list[dict[str, Any]]:
 
 
 def launches() -> Iterator[tuple[str, Launch]]:
-    """Each FP8 kernel's launch at the cases' shapes, and the block sweep's tilings, on meta tensors (nothing
-    runs)."""
-    from workers.kernels import fp8_triton
+    """Each FP8 kernel's launch at the cases' shapes, the block sweep's tilings and every kernel the GEMV sweep
+    compiles, on meta tensors (nothing runs)."""
+    from workers.kernels import fp8_gemv_triton, fp8_triton
 
     meta = torch.device("meta")
-    yield from sweep_launches(meta)
+    yield from block_sweep_launches(meta)
     for name, m, k, n in CASES:
         x = torch.empty(m, k, dtype=torch.bfloat16, device=meta)
         w = torch.empty(n, k, dtype=FP8, device=meta)
@@ -150,7 +151,7 @@ def launches() -> Iterator[tuple[str, Launch]]:
             bias = torch.empty(n, dtype=torch.bfloat16, device=meta)
             group = k if layout == "channel" else fp8.GROUP
             if m <= fp8.DECODE_ROWS:
-                yield f"gemv {name} {layout}", fp8_triton.plan_weight_gemv(x, w, scale, block, bias)[1]
+                yield f"gemv {name} {layout}", fp8_gemv_triton.plan_weight_gemv(x, w, scale, block, bias)[1]
                 continue
             x_q, x_s, quantize = fp8_triton.plan_quantize(x, group)
             yield f"quantize {name} group {group}", quantize
@@ -161,6 +162,10 @@ def launches() -> Iterator[tuple[str, Launch]]:
                 f"scaled_mm {name} {layout}",
                 fp8_triton.plan_scaled_mm(x_q, x_s, group, w, scale, block, bias, x.dtype)[1],
             )
+    yield from gemv_sweep_launches()
+
+
+SM90_SHARED_BYTES = 232448  # the most shared memory a block of an sm_90 kernel can have
 
 
 def compile_all(arch: int) -> int:
@@ -173,6 +178,10 @@ def compile_all(arch: int) -> int:
         except Exception as error:  # (any rejection by Triton or ptxas: reported, and the rest still compiled)
             failed += 1
             print(f"{name:<44} FAILED {type(error).__name__}: {str(error)[-2000:]}", flush=True)
+            continue
+        if used.shared_bytes > SM90_SHARED_BYTES:  # (compiles, but no launch gets that much)
+            failed += 1
+            print(f"{name:<44} FAILED: {used.shared_bytes} B of shared memory, over {SM90_SHARED_BYTES}", flush=True)
             continue
         print(f"{name:<44} {used.registers:>4} regs {used.spill_bytes:>5} B spilled {used.shared_bytes:>7} B shared")
     return 1 if failed else 0
@@ -195,7 +204,7 @@ def block_configs() -> list[ScaledMmConfig]:
     ]
 
 
-def sweep_launches(meta: torch.device) -> Iterator[tuple[str, Launch]]:
+def block_sweep_launches(meta: torch.device) -> Iterator[tuple[str, Launch]]:
     """The block sweep's tilings at the 7B qkv prefill shape, with a bias (the epilogue's registers count too)."""
     from workers.kernels import fp8_triton
 
@@ -245,42 +254,129 @@ def sweep_block() -> list[dict[str, Any]]:
     return rows
 
 
-SWEEP_BLOCK_N = (16, 32, 64, 128)
+SWEEP_M = (1, 4, 16)
 SWEEP_PROGRAMS_PER_SM = (1, 2, 4, 8)
+# (variant, block_n, block_k, num_warps, num_stages, evict_first, x_direct); split K from SWEEP_PROGRAMS_PER_SM
+SWEEP_KERNELS = [
+    ("dot", 64, 128, 4, 4, False, False),  # the kernel issue 29 measured first
+    ("dot", 64, 128, 4, 4, True, False),
+    ("dot", 32, 128, 4, 4, True, False),
+    ("dot", 32, 128, 4, 6, True, False),
+    ("dot", 64, 128, 8, 4, True, False),
+    *(  # x rows spread through shared memory; pipelined loads (stages > 1) or not
+        ("sum", block_n, block_k, warps, stages, True, False)
+        for block_n, block_k, warps, stages in [
+            (16, 256, 2, 3),
+            (16, 512, 4, 3),
+            (32, 256, 4, 1),
+            (32, 256, 4, 3),
+            (32, 256, 4, 5),
+            (64, 128, 4, 3),
+            (32, 512, 8, 3),
+            (64, 256, 8, 3),
+            (128, 128, 8, 3),
+        ]
+    ),
+    *(  # x rows loaded in the weight's layout: unpipelined (GemvConfig.x_direct)
+        ("sum", block_n, block_k, warps, 1, True, True)
+        for block_n, block_k, warps in [
+            (16, 256, 2),
+            (16, 512, 4),
+            (32, 256, 4),
+            (64, 128, 4),
+            (32, 256, 8),  # (32 x 512 on 8 warps spills at 4 rows)
+            (64, 256, 8),
+        ]
+    ),
+]
+
+
+def sweep_configs(m: int, n: int, k: int, sms: int) -> list[Any]:
+    """Every swept `GemvConfig` that runs on M rows (the sum kernel takes up to SUM_MAX_ROWS), one per distinct
+    config (programs an SM that give the same split are timed once)."""
+    from workers.kernels import fp8_gemv_triton
+
+    configs = {}
+    for variant, block_n, block_k, warps, stages, evict, x_direct in SWEEP_KERNELS:
+        if variant == "sum" and m > fp8_gemv_triton.SUM_MAX_ROWS:
+            continue
+        for per_sm in SWEEP_PROGRAMS_PER_SM:
+            config = fp8_gemv_triton.gemv_config(
+                m, n, k, sms, per_sm, variant=variant, block_n=block_n, block_k=block_k, num_warps=warps,
+                num_stages=stages, evict_first=evict, x_direct=x_direct,
+            )  # fmt: skip
+            configs.setdefault(config.name, config)
+    return list(configs.values())
+
+
+def gemv_sweep_launches() -> Iterator[tuple[str, Launch]]:
+    """One launch of each kernel the sweep compiles (a kernel, its constexprs and options, and M = 1 and split K = 1
+    specialized as Triton does), on meta tensors, for `compile_all`."""
+    from workers.kernels import fp8_gemv_triton
+
+    meta, seen = torch.device("meta"), set()
+    for m in SWEEP_M:
+        for _, k, n in LM_7B:
+            x = torch.empty(m, k, dtype=torch.bfloat16, device=meta)
+            w = torch.empty(n, k, dtype=FP8, device=meta)
+            scale = torch.empty(-(-n // 128), -(-k // 128), device=meta)
+            for config in sweep_configs(m, n, k, fp8_gemv_triton.H200_SMS):
+                launch = fp8_gemv_triton.plan_weight_gemv(x, w, scale, LAYOUTS["block"], None, config=config)[1]
+                key = (config.variant, *sorted(launch.constexprs.items()), config.num_warps, config.num_stages, m == 1)
+                if key not in seen:
+                    seen.add(key)
+                    yield f"gemv sweep {config.name} m{m}", launch
 
 
 def sweep_gemv() -> list[dict[str, Any]]:
-    from workers.kernels import fp8_triton
+    """Times every `sweep_configs` config at the 7B decode shapes; per shape, the chosen config (`gemv_config`'s)
+    beside the best, each variant's best, and the best's rate of weight bytes; then every timing."""
+    from workers.kernels import fp8_gemv_triton
 
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for m in (1, 16):
+    for m in SWEEP_M:
         for name, k, n in LM_7B:
-            block = LAYOUTS["block"]
-            copies = max(1, -(-L2_OVERFLOW_BYTES // (n * k)))
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            w8 = weights(n, k, block, copies)
-            chosen = fp8_triton.gemv_config(n, k, sms)
-            timings = {}
-            for block_n in SWEEP_BLOCK_N:
-                for per_sm in SWEEP_PROGRAMS_PER_SM:
-                    config = fp8_triton.gemv_config(n, k, sms, block_n=block_n, programs_per_sm=per_sm)
-                    launches = [
-                        fp8_triton.plan_weight_gemv(x, *w8[i], block, None, config=config)[1] for i in range(copies)
-                    ]
-                    timings[f"{block_n}x{config.split_k}"] = per_copy_us(copies, lambda i, run=launches: run[i]())
+            chosen = fp8_gemv_triton.gemv_config(m, n, k, sms)
+            timings = time_gemv_configs(m, k, n, [chosen, *sweep_configs(m, n, k, sms)])
             best = min(timings, key=timings.get)
-            picked = f"{chosen.block_n}x{chosen.split_k}"
+            by_variant = {}
+            for key in sorted(timings, key=timings.get):
+                by_variant.setdefault(key.split()[0], key)
+            case, rate = f"7b_{name}_m{m}", n * k / timings[best] / 1e6
             rows.append(
-                {"case": f"7b_{name}_m{m}", "m": m, "k": k, "n": n, "us": timings, "best": best, "chosen": picked}
-            )
+                {"case": case, "m": m, "k": k, "n": n, "us": timings, "best": best, "chosen": chosen.name,
+                 "best_by_variant": by_variant, "best_tb_s": rate}
+            )  # fmt: skip
             print(
-                f"7b_{name}_m{m:<3} chosen {picked} {timings.get(picked, float('nan')):.1f} us, "
-                f"best {best} {timings[best]:.1f} us; " + " ".join(f"{key}={v:.1f}" for key, v in timings.items()),
+                f"{case:<16} chosen [{chosen.name}] {timings[chosen.name]:.1f} us, best [{best}] "
+                f"{timings[best]:.1f} us ({rate:.2f} TB/s of FP8 weight); "
+                + ", ".join(f"best {v} [{key}] {timings[key]:.1f}" for v, key in by_variant.items()),
                 flush=True,
             )
-            torch.cuda.empty_cache()
+    for row in rows:
+        print(f"{row['case']:<16} " + " ".join(f"[{key}]={v:.1f}" for key, v in sorted(row["us"].items())))
     return rows
+
+
+def time_gemv_configs(m: int, k: int, n: int, configs: list[Any]) -> dict[str, float]:
+    """Microseconds a GEMV call, by config name, each config once, on weights read from HBM (`per_copy_us`)."""
+    from workers.kernels import fp8_gemv_triton
+
+    block = LAYOUTS["block"]
+    copies = max(1, -(-L2_OVERFLOW_BYTES // (n * k)))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w8 = weights(n, k, block, copies)
+    timings: dict[str, float] = {}
+    for config in configs:
+        if config.name not in timings:
+            launches = [
+                fp8_gemv_triton.plan_weight_gemv(x, *w8[i], block, None, config=config)[1] for i in range(copies)
+            ]
+            timings[config.name] = per_copy_us(copies, lambda i, run=launches: run[i]())
+    del w8
+    torch.cuda.empty_cache()
+    return timings
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -49,16 +49,58 @@ def within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) ->
     assert excess.max().item() <= 0, f"worst excess {excess.max().item():.3g} over the bound"
 
 
-@pytest.mark.parametrize("rows", [1, 7, 16])
+# (variant, block_n, block_k, num_warps, num_stages, evict_first, x_direct) beside the default (None): each GEMV
+# kernel compiled
+GEMV_KERNELS = {
+    "default": None,
+    "dot_n32_evict": ("dot", 32, 128, 4, 4, True, False),
+    "sum_n32_k256": ("sum", 32, 256, 4, 3, True, False),
+    "sum_n32_k256_s1_xdirect": ("sum", 32, 256, 4, 1, True, True),
+    "sum_n16_k512_s1_xdirect": ("sum", 16, 512, 4, 1, True, True),
+    "sum_n64_k256_w8": ("sum", 64, 256, 8, 3, True, False),
+}
+
+
+def gemv(
+    kernel: str,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """`fp8.gemv_triton`, or the GEMV with one of GEMV_KERNELS' configs (K split as `gemv_config` splits it)."""
+    from workers.kernels import fp8_gemv_triton
+
+    if GEMV_KERNELS[kernel] is None:
+        return fp8.gemv_triton(x, w, scale, block, bias)
+    variant, block_n, block_k, warps, stages, evict, x_direct = GEMV_KERNELS[kernel]
+    (m, k), n = x.shape, w.shape[0]
+    config = fp8_gemv_triton.gemv_config(
+        m, n, k, fp8_gemv_triton.sm_count(x.device), variant=variant, block_n=block_n, block_k=block_k,
+        num_warps=warps, num_stages=stages, evict_first=evict, x_direct=x_direct,
+    )  # fmt: skip
+    out, launch = fp8_gemv_triton.plan_weight_gemv(x, w, scale, (block[0], min(block[1], k)), bias, config=config)
+    launch()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kernel", "rows"), [(name, rows) for name in GEMV_KERNELS for rows in (1, 7, 16) if "sum" not in name or rows <= 8]
+)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_gemv_matches_the_dequantizing_reference(rows: int, shape: str, layout: str) -> None:
+def test_gemv_matches_the_dequantizing_reference(kernel: str, rows: int, shape: str, layout: str) -> None:
+    from workers.kernels import fp8_gemv_triton
+
     n, k = SHAPES[shape]
     block = LAYOUTS[layout] or (1, k)
     x = activations(rows, k, seed=rows)
     w, scale = fp8_weight(n, k, block, seed=n)
     bias = torch.randn(n, device=CUDA).to(torch.bfloat16)
-    out = fp8.gemv_triton(x, w, scale, block, bias)
+    out = gemv(kernel, x, w, scale, block, bias)
+    torch.cuda.synchronize()
+    assert not fp8_gemv_triton.arrival_counters(x.device).any(), "an arrival counter left set"
     ref = fp8_matmul_reference(x.float(), w, scale, block, bias)
     w_deq = dequantize_reference(w, scale, block)
     within(out, ref, 2**-8 * ref.abs() + 2**-16 * (x.float().abs() @ w_deq.abs().T))

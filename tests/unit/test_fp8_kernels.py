@@ -141,26 +141,113 @@ def test_gemv_matches_the_dequantizing_reference(rows: int, n: int, k: int, layo
     within(out, ref, order_bound(x, dequantize_reference(w, scale, block), ref))
 
 
+# (variant, block_k, num_warps, num_stages, x_direct): each GEMV kernel, the sum kernel's K tile one and several scale
+# sub-tiles, its x rows loaded either way
+GEMV_KERNELS = {
+    "dot": ("dot", 128, 4, 4, False),
+    "sum128": ("sum", 128, 4, 1, False),
+    "sum256": ("sum", 256, 4, 3, False),
+    "sum256_direct": ("sum", 256, 4, 1, True),
+    "sum512": ("sum", 512, 8, 3, False),
+    "sum512_direct": ("sum", 512, 8, 1, True),
+}
+
+
+def gemv_with(
+    config: object,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, object]:
+    """(out, launch) of the GEMV launched with ``config``, the scale block as `fp8.gemv_triton` passes it, after
+    checking that every arrival counter is back at zero."""
+    from workers.kernels import fp8_gemv_triton
+
+    k = x.shape[1]
+    out, launch = fp8_gemv_triton.plan_weight_gemv(
+        x, w, scale, (block[0], min(block[1], k)), bias, interpreted_mode=True, config=config
+    )
+    launch()
+    assert not fp8_gemv_triton.arrival_counters(x.device).any(), "an arrival counter left set"
+    return out, launch
+
+
+@kernel
+@pytest.mark.parametrize(
+    ("kernel_name", "rows"),
+    [(name, rows) for name in GEMV_KERNELS for rows in (1, 3, 8, 16) if name == "dot" or rows <= 8],  # SUM_MAX_ROWS
+)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_gemv_kernel_matches_the_dequantizing_reference(
+    kernel_name: str, rows: int, n: int, k: int, layout: str
+) -> None:
+    from workers.kernels import fp8_gemv_triton
+
+    variant, block_k, warps, stages, x_direct = GEMV_KERNELS[kernel_name]
+    block = LAYOUTS[layout] or (1, k)
+    x = activations(rows, k, seed=rows + n + k)
+    w, scale = fp8_weight(n, k, block, seed=n + k)
+    bias = torch.randn(n).to(torch.bfloat16) if rows != 3 else None
+    config = fp8_gemv_triton.gemv_config(
+        rows, n, k, 132, variant=variant, block_n=32, block_k=block_k, num_warps=warps, num_stages=stages,
+        x_direct=x_direct,
+    )  # fmt: skip
+    out, _ = gemv_with(config, x, w, scale, block, bias)
+    ref = fp8_matmul_reference(x.float(), w, scale, block, bias)  # fp32: only the kernel rounds to bf16
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    within(out, ref, order_bound(x, dequantize_reference(w, scale, block), ref))
+
+
 @kernel
 @pytest.mark.parametrize("split_k", [1, 2, 4])
-def test_gemv_slices_of_k_add_up_to_the_whole_and_leave_the_counters_clear(split_k: int) -> None:
+@pytest.mark.parametrize("kernel_name", GEMV_KERNELS)
+def test_gemv_slices_of_k_add_up_to_the_whole_and_leave_the_counters_clear(kernel_name: str, split_k: int) -> None:
     """The split-K GEMV: each slice's partial, the last arrival's sum, and every arrival counter back at zero (the
-    next launch, or a CUDA graph's next replay, counts from zero)."""
-    from workers.kernels import fp8_triton
+    next launch, or a CUDA graph's next replay, counts from zero). K spans several K tiles of the widest kernel."""
+    from workers.kernels import fp8_gemv_triton
 
-    n, k, block = 200, 3 * 128 + 44, (128, 128)
+    variant, block_k, warps, stages, x_direct = GEMV_KERNELS[kernel_name]
+    n, k, block = 200, 7 * 128 + 44, (128, 128)
     x = activations(5, k, seed=11)
     w, scale = fp8_weight(n, k, block, seed=12)
     bias = torch.randn(n).to(torch.bfloat16)
-    tiles_k = -(-k // 128)
-    per_split = -(-tiles_k // split_k) * 128
-    config = fp8_triton.GemvConfig(block_n=64, split_k=split_k, k_per_split=per_split)
-    out, launch = fp8_triton.plan_weight_gemv(x, w, scale, block, bias, interpreted_mode=True, config=config)
-    launch()
+    tiles_k = -(-k // block_k)
+    per_split = -(-tiles_k // split_k) * block_k
+    config = fp8_gemv_triton.GemvConfig(64, split_k, per_split, variant, block_k, warps, stages, True, x_direct)
+    out, launch = gemv_with(config, x, w, scale, block, bias)
     ref = fp8_matmul_reference(x.float(), w, scale, block, bias)
     within(out, ref, order_bound(x, dequantize_reference(w, scale, block), ref))
     assert launch.grid == (4, split_k)
-    assert not fp8_triton.arrival_counters(x.device).any()
+
+
+@kernel
+def test_every_swept_gemv_kernel_matches_the_reference() -> None:
+    """Each kernel `benchmarks.fp8_gemm --sweep-gemv` times (so a sweep's winner is a correct kernel), at the rows it
+    is swept at, split K and not, on a small ragged shape with 1 x 128 scales."""
+    from benchmarks.fp8_gemm import SWEEP_KERNELS, SWEEP_M
+    from workers.kernels import fp8_gemv_triton
+
+    n, k, block = 200, 5 * 128 + 20, (1, 128)
+    w, scale = fp8_weight(n, k, block, seed=21)
+    w_deq = dequantize_reference(w, scale, block)
+    for variant, block_n, block_k, warps, stages, evict, x_direct in SWEEP_KERNELS:
+        for rows in SWEEP_M:
+            if variant == "sum" and rows > fp8_gemv_triton.SUM_MAX_ROWS:
+                continue
+            x = activations(rows, k, seed=rows)
+            ref = fp8_matmul_reference(x.float(), w, scale, block, None)
+            for per_sm in (1, 64):  # 7 column tiles at most: 132 programs need split K
+                config = fp8_gemv_triton.gemv_config(
+                    rows, n, k, 132, per_sm, variant=variant, block_n=block_n, block_k=block_k, num_warps=warps,
+                    num_stages=stages, evict_first=evict, x_direct=x_direct,
+                )  # fmt: skip
+                try:
+                    within(gemv_with(config, x, w, scale, block, None)[0], ref, order_bound(x, w_deq, ref))
+                except AssertionError as error:
+                    raise AssertionError(f"{config.name}, {rows} rows: {error}") from error
 
 
 @kernel
@@ -285,16 +372,37 @@ def test_the_blockwise_path_waits_for_its_probe_and_falls_back_without_one() -> 
 
 def test_gemv_splits_k_only_where_the_column_tiles_leave_sms_idle() -> None:
     pytest.importorskip("triton")
-    from workers.kernels.fp8_triton import GEMV_BLOCK_K, gemv_config
+    from workers.kernels.fp8_gemv_triton import gemv_config
 
-    down = gemv_config(3584, 18944, sm_count=132)  # 56 column tiles: K cut until there are ~4 programs an SM
-    assert down.block_n == 64 and down.split_k > 1 and down.k_per_split % GEMV_BLOCK_K == 0
+    down = gemv_config(1, 3584, 18944, sm_count=132)  # 56 column tiles: K cut until there are ~4 programs an SM
+    assert down.block_n == 64 and down.split_k > 1 and down.k_per_split % down.block_k == 0
     assert 56 * down.split_k >= 4 * 132 and down.k_per_split * down.split_k >= 18944
     assert down.k_per_split * (down.split_k - 1) < 18944  # no empty slice
-    gate_up = gemv_config(37888, 3584, sm_count=132)  # 592 column tiles fill the SMs already
+    gate_up = gemv_config(1, 37888, 3584, sm_count=132)  # 592 column tiles fill the SMs already
     assert gate_up.split_k == 1 and gate_up.k_per_split >= 3584
-    small_k = gemv_config(3584, 128, sm_count=132)  # one K tile: nothing to split
+    small_k = gemv_config(1, 3584, 128, sm_count=132)  # one K tile: nothing to split
     assert small_k.split_k == 1
+    wide = gemv_config(1, 3584, 18944, sm_count=132, variant="sum", block_k=512)  # slices of whole 512-column tiles
+    assert (
+        wide.k_per_split % 512 == 0 and wide.k_per_split * (wide.split_k - 1) < 18944 <= wide.k_per_split * wide.split_k
+    )
+
+
+def test_gemv_refuses_a_config_no_kernel_runs() -> None:
+    pytest.importorskip("triton")
+    from workers.kernels.fp8_gemv_triton import SUM_MAX_ROWS, check_config, gemv_config
+
+    with pytest.raises(ValueError, match="sum kernel takes up to 8 rows, got 9"):
+        check_config(gemv_config(SUM_MAX_ROWS + 1, 256, 256, 132, variant="sum"), SUM_MAX_ROWS + 1)
+    with pytest.raises(ValueError, match="block_k must be 128 \\(dot\\) or 128 times a power of 2"):
+        check_config(gemv_config(1, 256, 768, 132, variant="sum", block_k=384), 1)
+    with pytest.raises(ValueError, match="block_k must be 128"):
+        check_config(gemv_config(1, 256, 768, 132, variant="dot", block_k=256), 1)
+    with pytest.raises(ValueError, match="x_direct is for the sum kernel at num_stages 1"):
+        check_config(gemv_config(1, 256, 768, 132, variant="sum", num_stages=3, x_direct=True), 1)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        check_config(gemv_config(1, 256, 768, 132, variant="mma"), 1)
+    check_config(gemv_config(16, 256, 768, 132), 16)  # the dot kernel: up to 16 rows
 
 
 def test_fp8_matmul_on_cpu_is_the_dequantizing_reference() -> None:

@@ -131,11 +131,11 @@ def gemv_triton(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
 ) -> torch.Tensor:
     """The decode path: x [M <= DECODE_ROWS, K] times the FP8 weight, no activation quantization."""
-    from workers.kernels import fp8_triton
+    from workers.kernels import fp8_gemv_triton
 
-    if x.shape[0] > fp8_triton.DECODE_BLOCK_M:
-        raise ValueError(f"the FP8 GEMV takes up to {fp8_triton.DECODE_BLOCK_M} rows, got {x.shape[0]}")
-    return fp8_triton.weight_gemv(x, w, w_scale, _scale_block(block, w.shape[1]), bias)
+    if x.shape[0] > fp8_gemv_triton.DECODE_BLOCK_M:
+        raise ValueError(f"the FP8 GEMV takes up to {fp8_gemv_triton.DECODE_BLOCK_M} rows, got {x.shape[0]}")
+    return fp8_gemv_triton.weight_gemv(x, w, w_scale, _scale_block(block, w.shape[1]), bias)
 
 
 def block_triton(
