@@ -2,13 +2,23 @@
 
 import logging
 import resource
+import sys
 
 from aiohttp import web
 
 from common.checkpoint import require_checkpoint
 from common.lifecycle import freeze_startup_heap, parse_args, start_process
 from common.model_files import check_model_files
-from gateway.app import Gateway
+
+
+def without_torch() -> None:
+    """Make torch unimportable in this process, before anything imports transformers. The gateway runs no model:
+    it takes only the tokenizer and chat template from transformers, which work the same without torch, but
+    transformers imports torch whenever it is installed. A ``None`` in ``sys.modules`` is Python's own "not
+    installed": ``import torch`` raises ImportError and transformers' ``is_torch_available()`` is False."""
+    if "transformers" in sys.modules:  # (too late: it has looked for torch already)
+        return
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
 
 
 def raise_open_file_limit() -> int:
@@ -29,6 +39,9 @@ DRAIN_S = 30.0
 
 
 def main() -> None:
+    without_torch()
+    from gateway.app import Gateway  # (after without_torch: it imports transformers)
+
     cfg = start_process("gateway", parse_args("gateway"))
     files = raise_open_file_limit()
     if not cfg.model.path:

@@ -28,6 +28,8 @@ SLOW = (
     "test_vision_backends.py::test_onnxruntime_backend_matches_the_torch_tower_and_exports_once",
     "test_stall_watchdog.py::*",
     "test_image_preprocess.py::*h3000_w4000*",
+    "test_gateway_without_torch.py::*",
+    "test_decoder_start_imports.py::*",
 )
 HERE = Path(__file__).parent
 

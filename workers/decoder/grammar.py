@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 from common.protocol import PreparedRequest
@@ -97,13 +97,17 @@ class Grammars:
         """int32 ``[len(matchers), ceil(vocab / 32)]`` on the host: bit ``t % 32`` of word ``t // 32`` of row i
         is set where ``matchers[i]`` allows token t next."""
         vocab = self.tokenizer.vocab_size
-        mask = torch.empty(llguidance.torch.get_bitmask_shape(len(matchers), vocab), dtype=torch.int32)
+        # Filled through a numpy view of the tensor's memory: llguidance.torch would do the same, but importing it
+        # compiles its masking kernel with torch.compile, which loads dynamo and inductor into the process.
+        mask = torch.empty(llguidance.numpy.get_bitmask_shape(len(matchers), vocab), dtype=torch.int32)
+        words = mask.numpy()
         if len(matchers) == 1:
-            llguidance.torch.fill_next_token_bitmask(matchers[0], mask, 0)
+            llguidance.numpy.fill_next_token_bitmask(matchers[0], words, 0)
         else:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], mask)
+            rows = [(m, i) for i, m in enumerate(matchers)]
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, words)
         return mask
 
 

@@ -13,8 +13,9 @@ the vision process reads just ``visual.*`` and the decoder just the language-mod
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -159,12 +160,50 @@ def built_and_loaded(make: Callable[[], Built], state: Mapping[str, torch.Tensor
     """``make()`` built on the meta device (no random init of weights the load overwrites at once), then
     ``load_state(state)``, in eval mode: every family's towers and language models come this way. The linear layers
     whose weights ``state`` holds in FP8 (with their scales) become `workers.models.fp8.Fp8Linear` first."""
-    with torch.device("meta"):
+    with torch.device("meta"), _parameters_left_uninitialised():
         module = make()
         adopt_fp8_layers(module, state)
     module.load_state(state)
     module.eval()
     return module
+
+
+# torch.nn.init's in-place fills, which the layers' reset_parameters call
+_INIT_FILLS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "eye_",
+    "dirac_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "sparse_",
+)
+
+
+@contextlib.contextmanager
+def _parameters_left_uninitialised() -> Iterator[None]:
+    """torch.nn.init's fills do nothing here. On the meta device they fill nothing anyway (no data, no random
+    numbers drawn), but ``normal_`` there (``nn.Embedding``'s init) runs torch's Python reference, whose first call
+    imports dynamo into the process."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FILLS}
+    for name in _INIT_FILLS:
+        setattr(nn.init, name, _unfilled)
+    try:
+        yield
+    finally:
+        for name, fill in saved.items():
+            setattr(nn.init, name, fill)
+
+
+def _unfilled(tensor: torch.Tensor, *_args: object, **_kwargs: object) -> torch.Tensor:
+    return tensor
 
 
 def assign_state(module: nn.Module, state: Mapping[str, torch.Tensor], what: str) -> None:
