@@ -254,7 +254,7 @@ def sweep_block() -> list[dict[str, Any]]:
     return rows
 
 
-SWEEP_M = (1, 4, 16)
+SWEEP_M = (1, 4, 16, 32, 64)
 SWEEP_PROGRAMS_PER_SM = (1, 2, 4, 8)
 # (variant, block_n, block_k, num_warps, num_stages, evict_first, x_direct); split K from SWEEP_PROGRAMS_PER_SM
 SWEEP_KERNELS = [

@@ -86,7 +86,8 @@ def gemv(
 
 
 @pytest.mark.parametrize(
-    ("kernel", "rows"), [(name, rows) for name in GEMV_KERNELS for rows in (1, 7, 16) if "sum" not in name or rows <= 8]
+    ("kernel", "rows"),
+    [(name, rows) for name in GEMV_KERNELS for rows in (1, 7, 16, 40, 64) if "sum" not in name or rows <= 8],
 )
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -141,7 +142,7 @@ def test_fp8_linear_chooses_the_path_by_rows_and_layout(layout: str) -> None:
     weight = Fp8Weight(w, scale, block)
     blockwise = fp8.blockwise_support(CUDA) is not None
     prefill = {"channel": "scaled_mm", "block128": "scaled_mm_blockwise" if blockwise else "block", "row128": "block"}
-    for rows, path in {1: "gemv", 16: "gemv", 17: prefill[layout], 512: prefill[layout]}.items():
+    for rows, path in {1: "gemv", 64: "gemv", 65: prefill[layout], 512: prefill[layout]}.items():
         x = activations(rows, k, seed=rows)
         assert fp8.choose_path(rows, n, k, block, torch.cuda.get_device_capability(), blockwise) == path
         # The kernels are deterministic: the chosen path's own output, bit for bit.

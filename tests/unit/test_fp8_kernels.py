@@ -127,7 +127,7 @@ def test_quantize_refuses_an_unknown_scale_layout() -> None:
 
 
 @kernel
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 40, 64])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gemv_matches_the_dequantizing_reference(rows: int, n: int, k: int, layout: str) -> None:
@@ -328,7 +328,8 @@ def test_dispatch_chooses_by_rows_and_scale_layout() -> None:
     hopper, ampere = (9, 0), (8, 0)
     assert choose_path(1, 37888, 3584, (128, 128), hopper) == "gemv"
     assert choose_path(16, 3584, 18944, (1, 18944), hopper) == "gemv"
-    assert choose_path(17, 3584, 18944, (1, 18944), hopper) == "scaled_mm"
+    assert choose_path(64, 3584, 18944, (1, 18944), hopper) == "gemv"  # a decode batch: the weight's bytes dominate
+    assert choose_path(65, 3584, 18944, (1, 18944), hopper) == "scaled_mm"
     assert choose_path(2048, 3584, 18944, (1, 18944), ampere) == "block"  # no FP8 tensor cores for cuBLASLt
     assert choose_path(2048, 3590, 3584, (1, 3584), hopper) == "block"  # _scaled_mm wants multiples of 16
     assert choose_path(2048, 4608, 3584, (128, 128), hopper) == "block"
@@ -339,8 +340,8 @@ def test_dispatch_chooses_by_rows_and_scale_layout() -> None:
 def test_dispatch_takes_cublaslt_block_scaling_only_where_the_probe_passed() -> None:
     hopper, ada = (9, 0), (8, 9)
     assert choose_path(2048, 4608, 3584, (128, 128), hopper, blockwise=True) == "scaled_mm_blockwise"
-    assert choose_path(17, 4608, 3584, (128, 128), hopper, blockwise=True) == "scaled_mm_blockwise"
-    assert choose_path(16, 4608, 3584, (128, 128), hopper, blockwise=True) == "gemv"  # decode streams the weight
+    assert choose_path(65, 4608, 3584, (128, 128), hopper, blockwise=True) == "scaled_mm_blockwise"
+    assert choose_path(64, 4608, 3584, (128, 128), hopper, blockwise=True) == "gemv"  # decode streams the weight
     assert choose_path(2048, 4608, 3584, (128, 128), hopper, blockwise=False) == "block"
     assert choose_path(2048, 4608, 3584, (128, 128), ada, blockwise=True) == "block"  # cuBLASLt's recipe is sm_90+
     assert choose_path(2048, 4608, 3584, (1, 128), hopper, blockwise=True) == "block"  # a fused projection's rows
@@ -402,7 +403,9 @@ def test_gemv_refuses_a_config_no_kernel_runs() -> None:
         check_config(gemv_config(1, 256, 768, 132, variant="sum", num_stages=3, x_direct=True), 1)
     with pytest.raises(ValueError, match="variant must be one of"):
         check_config(gemv_config(1, 256, 768, 132, variant="mma"), 1)
-    check_config(gemv_config(16, 256, 768, 132), 16)  # the dot kernel: up to 16 rows
+    check_config(gemv_config(64, 256, 768, 132), 64)  # the dot kernel: up to 64 rows
+    with pytest.raises(ValueError, match="takes up to 64 rows, got 65"):
+        check_config(gemv_config(65, 256, 768, 132), 65)
 
 
 def test_fp8_matmul_on_cpu_is_the_dequantizing_reference() -> None:

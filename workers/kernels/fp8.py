@@ -34,7 +34,7 @@ from workers.kernels._launch import use_triton
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128  # activation scale group of the block path: the weight's K block
-DECODE_ROWS = 16  # up to this many rows the GEMV's weight streaming beats quantizing activations for a GEMM
+DECODE_ROWS = 64  # up to this many rows the GEMV's weight streaming beats quantizing activations for a GEMM
 MIN_SCALE_AMAX = 1e-10  # as the kernel's: a row of zeros quantizes to zeros
 BLOCKWISE = (128, 128)  # the weight blocks cuBLASLt's block-scaled recipe takes (DeepSeek's and Qwen's layout)
 
@@ -133,8 +133,8 @@ def gemv_triton(
     """The decode path: x [M <= DECODE_ROWS, K] times the FP8 weight, no activation quantization."""
     from workers.kernels import fp8_gemv_triton
 
-    if x.shape[0] > fp8_gemv_triton.DECODE_BLOCK_M:
-        raise ValueError(f"the FP8 GEMV takes up to {fp8_gemv_triton.DECODE_BLOCK_M} rows, got {x.shape[0]}")
+    if x.shape[0] > fp8_gemv_triton.DOT_MAX_ROWS:
+        raise ValueError(f"the FP8 GEMV takes up to {fp8_gemv_triton.DOT_MAX_ROWS} rows, got {x.shape[0]}")
     return fp8_gemv_triton.weight_gemv(x, w, w_scale, _scale_block(block, w.shape[1]), bias)
 
 

@@ -1,5 +1,5 @@
 """The FP8 decode GEMV behind `workers.kernels.fp8.gemv_triton` (imports triton): ``out = x @ (w * w_s)^T + bias``
-for up to `DECODE_BLOCK_M` rows of x (bf16 as they come), reading the FP8 weight once, as every decode step does.
+for up to `DOT_MAX_ROWS` rows of x (bf16 as they come), reading the FP8 weight once, as every decode step does.
 
 Scale indexing, the one rule of `workers.kernels.fp8_triton`: the weight's ``[n, k]`` element has scale
 ``w_scale[n // scale_block_n, k // scale_block_k]``. A K sub-tile of `SCALE_K` columns never straddles a scale block
@@ -8,8 +8,8 @@ scaling happens on the sub-tile's fp32 sum.
 
 Two kernels, `GemvConfig.variant` picks one:
 
-* ``dot``: the x rows as a 16-row tile, times the weight tile widened to bf16 (exact: every e4m3 value is a bf16
-  value) on the tensor cores. Any M <= 16.
+* ``dot``: the x rows as a tile of 16, 32 or 64 rows, times the weight tile widened to bf16 (exact: every e4m3 value
+  is a bf16 value) on the tensor cores. Any M <= `DOT_MAX_ROWS`: decode batches too.
 * ``sum``: no MMA, for few rows (up to `SUM_MAX_ROWS`): a [BLOCK_N, BLOCK_K] weight tile loaded K-contiguous (16-byte
   loads of FP8), widened to fp32, multiplied by each x row and summed along K, the rows unrolled at compile time. A
   16-row MMA tile would spend 15/16 of its work on padding at batch 1, and the widened weight tile would go through
@@ -36,7 +36,10 @@ from workers.kernels._launch import check_launchable, interpreted, next_power_of
 from workers.kernels._triton_common import Launch, to_dtype
 
 SCALE_K = tl.constexpr(128)  # the weight's K scale block (or a divisor of it): one scale a sub-tile
-DECODE_BLOCK_M = 16  # the smallest tl.dot; the decode path takes up to this many rows
+DOT_MIN_ROWS = 16  # the smallest tl.dot: fewer rows are padded to it (masked, never read)
+# Up to this many rows the weight's bytes still dominate a product's traffic (a 7B projection's weight is ~50x 64 rows
+# of activations), so streaming the weight once beats quantizing the activations for a GEMM: decode batches too.
+DOT_MAX_ROWS = 64
 SUM_MAX_ROWS = 8  # the sum kernel unrolls its rows: past this the dot kernel does the rows' work in one MMA
 VARIANTS = ("dot", "sum")
 
@@ -364,7 +367,7 @@ def plan_weight_gemv(
     interpreted_mode: bool = False,
     config: GemvConfig | None = None,
 ) -> tuple[torch.Tensor, Launch]:
-    """(out [M, N] in x's dtype, the launch) for x [M <= 16, K], w [N, K] fp8 with w_scale [ceil(N / block_n),
+    """(out [M, N] in x's dtype, the launch) for x [M <= DOT_MAX_ROWS, K], w [N, K] fp8 with w_scale [ceil(N / block_n),
     ceil(K / block_k)] (``block_k`` a multiple of `SCALE_K`, or K); ``config`` overrides `gemv_config`'s choice
     (`benchmarks.fp8_gemm` sweeps it)."""
     (m, k), n = x.shape, w.shape[0]
@@ -393,7 +396,7 @@ def plan_weight_gemv(
         }
         constexprs.update(common)
     else:
-        kernel, constexprs = _gemv_dot_kernel, {"BLOCK_M": DECODE_BLOCK_M, **common}
+        kernel, constexprs = _gemv_dot_kernel, {"BLOCK_M": max(DOT_MIN_ROWS, next_power_of_2(m)), **common}
     step = Launch(
         kernel,
         grid=(tiles_n, config.split_k),
@@ -428,7 +431,7 @@ def check_config(config: GemvConfig, m: int) -> None:
     """ValueError for a config no kernel can run on M rows (a sweep's or a caller's mistake, said plainly)."""
     if config.variant not in VARIANTS:
         raise ValueError(f"GemvConfig.variant must be one of {VARIANTS}, got {config.variant!r}")
-    rows = SUM_MAX_ROWS if config.variant == "sum" else DECODE_BLOCK_M
+    rows = SUM_MAX_ROWS if config.variant == "sum" else DOT_MAX_ROWS
     if m > rows:
         raise ValueError(f"the FP8 GEMV's {config.variant} kernel takes up to {rows} rows, got {m}")
     subs = config.block_k // 128
