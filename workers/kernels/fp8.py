@@ -319,3 +319,39 @@ def check_inputs(
         )
     if bias is not None and bias.shape != (w.shape[0],):
         raise ValueError(f"bias must be [{w.shape[0]}], got {tuple(bias.shape)}")
+
+
+def fp8_matmul_quantized(
+    x_q: torch.Tensor,
+    x_s: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(x_q * x_s) @ w.T + bias`` in ``out_dtype`` for activations quantized beforehand per token (x_q [M, K]
+    float8_e4m3fn, x_s [M, 1] fp32: `quantize_reference(x, K)`'s layout, which the norm kernels of `fp8_norm` write)
+    and a per-channel weight (``block = (1, K)`` or wider). On CUDA the GEMM `fp8_matmul` would run after its own
+    quantization: ``torch._scaled_mm`` where `choose_path` says ``scaled_mm``, the Triton scaled GEMM otherwise (N or
+    K not a multiple of 16, or before sm_89); elsewhere both operands dequantized exactly, multiplied in fp32 and
+    rounded once."""
+    w_scale = w_scale.float().contiguous()
+    check_inputs(x_q, w, w_scale, block, bias)
+    rows, k = x_q.shape if x_q.ndim == 2 else (-1, -1)
+    if x_q.ndim != 2 or x_q.dtype != FP8 or tuple(x_s.shape) != (rows, 1) or x_s.dtype != torch.float32:
+        raise ValueError(
+            f"x_q must be float8_e4m3fn [M, K] with fp32 scales [M, 1], got {x_q.dtype} {tuple(x_q.shape)} and "
+            f"{x_s.dtype} {tuple(x_s.shape)}"
+        )
+    if block[0] != 1 or block[1] < k:
+        raise ValueError(f"activations quantized per token take a per-channel weight (block (1, {k})), got {block}")
+    if not use_triton(x_q, w):
+        out = dequantize_reference(x_q, x_s, (1, k)) @ dequantize_reference(w, w_scale, (1, k)).T
+        return (out if bias is None else out + bias.float()).to(out_dtype)
+    if choose_path(rows, w.shape[0], k, block, _capability(x_q.device.index or 0)) != "scaled_mm":
+        from workers.kernels import fp8_triton
+
+        return fp8_triton.scaled_mm(x_q, x_s, k, w, w_scale, _scale_block(block, k), bias, out_dtype)
+    out = torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=w_scale.view(1, -1), out_dtype=out_dtype)
+    return out if bias is None else out + bias

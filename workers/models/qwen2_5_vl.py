@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.kernels.activation import silu_and_mul
+from workers.kernels.fp8_norm import norm_quantize
 from workers.kernels.norm import fused_add_rms_norm, rms_norm
 from workers.models.fp8 import Fp8Linear, Fp8Weight, fp8_linear, fuse_weights
 from workers.models.frame_attention import FrameAttention, SegmentFrames, VarlenSegments, varlen_runs
@@ -38,6 +39,7 @@ from workers.models.vision import (
     vision_rotary_positions,
     warm_up_forward,
 )
+from workers.models.vision_fp8 import QuantizedRows, Rows, fp8_weight_of, quantized_linear, quantizes_for
 from workers.models.weights import CheckpointWeights, assign_state, built_and_loaded, checkpoint_root, load_vision_state
 
 # The reference's RMSNorms in the tower and the merger, fixed in code, not in the config.
@@ -88,11 +90,15 @@ class GatedMlp(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def fused(self, x: torch.Tensor) -> torch.Tensor:
+    def fused(self, x: Rows) -> torch.Tensor:
         """The same with gate and up as one GEMM and silu(gate) * up as one kernel (Triton on CUDA). FP8 layers (the
         checkpoint's, or `[encoder] quantization = "fp8"`'s) fuse their FP8 weights and scales the same way
         (`fuse_weights`: exact, per-row scales where a part does not end on a scale block) and run through
-        `workers.models.fp8.fp8_linear`; a pair of which only one is FP8 runs unfused."""
+        `workers.models.fp8.fp8_linear`, or take rows the norm quantized for them (`QuantizedRows`, where
+        `fused_fp8_weight` is one); a pair of which only one is FP8 runs unfused."""
+        if isinstance(x, QuantizedRows):
+            fp8_weight, bias = self.fp8_gate_up()
+            return self._down(quantized_linear(x, fp8_weight, bias))
         fp8 = isinstance(self.gate_proj, Fp8Linear), isinstance(self.up_proj, Fp8Linear)
         if fp8[0] != fp8[1]:
             return self.forward(x)
@@ -102,8 +108,17 @@ class GatedMlp(nn.Module):
         else:
             weight, bias = self.gate_up()
             gate_up = F.linear(x, weight, bias)
+        return self._down(gate_up)
+
+    def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         hidden = gate_up.shape[-1] // 2
         return self.down_proj(silu_and_mul(gate_up[..., :hidden], gate_up[..., hidden:]))
+
+    def fused_fp8_weight(self) -> Fp8Weight | None:
+        """The (gate | up) FP8 weight `fused` multiplies, None where gate and up are not both FP8."""
+        if isinstance(self.gate_proj, Fp8Linear) and isinstance(self.up_proj, Fp8Linear):
+            return self.fp8_gate_up()[0]
+        return None
 
     def fp8_gate_up(self) -> tuple[Fp8Weight, torch.Tensor]:
         """`gate_up` for FP8 layers: the fused FP8 weight and the (gate | up) bias, made on first use with the two
@@ -173,12 +188,31 @@ class WindowBlock(nn.Module):
         sin: torch.Tensor,
         attend: FrameAttention,
         next_norm: RMSNorm,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        next_linear: nn.Module | None = None,
+    ) -> tuple[torch.Tensor, Rows]:
         """(x, norm1(x)) -> (the block's output, next_norm of it): each residual add fused with the RMSNorm after
-        it (as `workers.models.vision.VisionBlock` does with its LayerNorms), the MLP's gate and up as one GEMM."""
-        normed, x = fused_add_rms_norm(self.attn(normed, cos, sin, attend), x, self.norm2.weight, self.norm2.eps)
-        normed, x = fused_add_rms_norm(self.mlp.fused(normed), x, next_norm.weight, next_norm.eps)
-        return x, normed
+        it (as `workers.models.vision.VisionBlock` does with its LayerNorms), the MLP's gate and up as one GEMM.
+        ``next_linear``: what next_norm feeds (the next block's ``qkv``), None where its rows go elsewhere."""
+        update = self.attn(normed, cos, sin, attend)
+        x, normed = add_and_rms_norm(update, x, self.norm2, self.mlp.fused_fp8_weight())
+        return add_and_rms_norm(self.mlp.fused(normed), x, next_norm, fp8_weight_of(next_linear))
+
+
+def add_and_rms_norm(
+    update: torch.Tensor | None, stream: torch.Tensor, norm: RMSNorm, consumer: Fp8Weight | None
+) -> tuple[torch.Tensor, Rows]:
+    """(stream + update, its RMSNorm), or (stream, its RMSNorm) without an update: one Triton kernel on CUDA. Where
+    the norm feeds an FP8 per-channel ``consumer`` that would quantize its rows per token (`quantizes_for`), the kernel
+    writes them quantized (`QuantizedRows`) instead."""
+    if quantizes_for(consumer, stream):
+        q, scale, summed = norm_quantize(
+            stream if update is None else update, None if update is None else stream, norm.weight, norm.eps
+        )
+        return (stream if summed is None else summed), QuantizedRows(q, scale, stream.dtype)
+    if update is None:
+        return stream, rms_norm(stream, norm.weight, norm.eps)
+    normed, summed = fused_add_rms_norm(update, stream, norm.weight, norm.eps)
+    return summed, normed
 
 
 class RmsPatchMerger(nn.Module):
@@ -295,12 +329,13 @@ class WindowVisionTower(nn.Module):
         else:
             windows = SegmentFrames(torch.tensor([[1, 1, length] for length in lengths]))
             frames = SegmentFrames(grid)
-        first = self.blocks[0].norm1
-        normed = rms_norm(x, first.weight, first.eps)
+        first = self.blocks[0]
+        x, normed = add_and_rms_norm(None, x, first.norm1, fp8_weight_of(first.attn.qkv))
         next_norms = [*(block.norm1 for block in self.blocks[1:]), self.merger.ln_q]
-        for index, (block, next_norm) in enumerate(zip(self.blocks, next_norms, strict=True)):
+        next_linears = [*(block.attn.qkv for block in self.blocks[1:]), None]
+        for index, block in enumerate(self.blocks):
             attend = frames if index in spec.fullatt_block_indexes else windows
-            x, normed = block.fused(x, normed, cos, sin, attend, next_norm)
+            x, normed = block.fused(x, normed, cos, sin, attend, next_norms[index], next_linears[index])
         return self.merger.mlp(normed.view(-1, self.merger.merged_dim))
 
 

@@ -26,6 +26,7 @@ from workers.models.vision import (
     vision_rotary_cos_sin,
     vision_rotary_positions,
 )
+from workers.models.vision_fp8 import Rows, linear_on
 from workers.models.weights import CheckpointWeights, assign_state, built_and_loaded, checkpoint_root, load_vision_state
 
 
@@ -107,8 +108,13 @@ class VisionMlp(nn.Module):
         self.linear_fc1 = nn.Linear(spec.embed_dim, spec.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(spec.intermediate_size, spec.embed_dim, bias=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(gelu_tanh(self.linear_fc1(x)))
+    @property
+    def first(self) -> nn.Module:
+        """The linear the block's second norm feeds."""
+        return self.linear_fc1
+
+    def forward(self, x: Rows) -> torch.Tensor:
+        return self.linear_fc2(gelu_tanh(linear_on(self.linear_fc1, x)))
 
 
 class PatchMerger(nn.Module):
@@ -141,7 +147,7 @@ class Qwen3VisionTower(nn.Module):
         self.spec = spec
         self.patch_embed = PatchEmbed(spec)
         self.pos_embed = nn.Embedding(spec.num_position_embeddings, spec.embed_dim)
-        self.blocks = nn.ModuleList([VisionBlock(spec, VisionMlp) for _ in range(spec.depth)])  # type: ignore[arg-type]
+        self.blocks = nn.ModuleList([VisionBlock(spec, VisionMlp) for _ in range(spec.depth)])
         self.merger = PatchMerger(spec, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(
             [PatchMerger(spec, postshuffle=True) for _ in spec.deepstack_visual_indexes]
@@ -200,11 +206,12 @@ class Qwen3VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)
         x = x + self.position_embeddings(grid_thw).to(x.dtype)
         attend = attention_for((), grid_thw, spec.num_heads, spec.head_dim, x)
-        normed = self.blocks[0].norm1(x)
+        normed: Rows = self.blocks[0].norm1(x)  # (torch's: the first norm has no residual add to fuse with)
         next_norms = [*(block.norm1 for block in self.blocks[1:]), self.merger.norm]
+        next_linears = [*(block.attn.qkv for block in self.blocks[1:]), None]
         deepstack: list[torch.Tensor] = []
-        for index, (block, next_norm) in enumerate(zip(self.blocks, next_norms, strict=True)):
-            x, normed = block(x, normed, cos, sin, attend, next_norm)
+        for index, block in enumerate(self.blocks):
+            x, normed = block(x, normed, cos, sin, attend, next_norms[index], next_linears[index])
             if index in spec.deepstack_visual_indexes:
                 merger = self.deepstack_merger_list[spec.deepstack_visual_indexes.index(index)]
                 deepstack.append(merger(x))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend
 
+from workers.kernels.fp8_norm import norm_quantize
 from workers.kernels.norm import fused_add_layer_norm
 from workers.kernels.vision import quick_gelu
 from workers.models.frame_attention import (
@@ -30,6 +31,7 @@ from workers.models.frame_attention import (
 )
 from workers.models.runtime import upload
 from workers.models.spec import ModelSpec, VisionSpec
+from workers.models.vision_fp8 import QuantizedRows, Rows, fp8_weight_of, linear_on, quantizes_for
 from workers.models.weights import CheckpointWeights, assign_state, built_and_loaded, checkpoint_root, load_vision_state
 
 log = logging.getLogger(__name__)
@@ -123,8 +125,9 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(spec.embed_dim, 3 * spec.embed_dim, bias=True)
         self.proj = nn.Linear(spec.embed_dim, spec.embed_dim, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: FrameAttention) -> torch.Tensor:
-        out = attend(self.qkv(x), cos, sin, self.num_heads)  # SDPA's kernel: the tower's `backends`
+    def forward(self, x: Rows, cos: torch.Tensor, sin: torch.Tensor, attend: FrameAttention) -> torch.Tensor:
+        """``x``: the normalised rows, or the same quantized by the norm for an FP8 ``qkv`` (`QuantizedRows`)."""
+        out = attend(linear_on(self.qkv, x), cos, sin, self.num_heads)  # SDPA's kernel: the tower's `backends`
         return self.proj(out.reshape(x.shape[0], -1))
 
 
@@ -137,12 +140,24 @@ class VisionMlp(nn.Module):
         self.fc1 = nn.Linear(spec.embed_dim, spec.mlp_hidden_dim, bias=True)
         self.fc2 = nn.Linear(spec.mlp_hidden_dim, spec.embed_dim, bias=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+    @property
+    def first(self) -> nn.Module:
+        """The linear the block's second norm feeds."""
+        return self.fc1
+
+    def forward(self, x: Rows) -> torch.Tensor:
+        return self.fc2(self.act(linear_on(self.fc1, x)))
 
 
-def add_and_norm(update: torch.Tensor, stream: torch.Tensor, norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(stream + update, norm of it): one Triton kernel on CUDA, torch's add and LayerNorm elsewhere."""
+def add_and_norm(
+    update: torch.Tensor, stream: torch.Tensor, norm: nn.LayerNorm, consumer: nn.Module | None = None
+) -> tuple[torch.Tensor, Rows]:
+    """(stream + update, norm of it): one Triton kernel on CUDA, torch's add and LayerNorm elsewhere. Where the norm
+    feeds ``consumer``, an FP8 per-channel linear that would quantize its rows per token (`quantizes_for`), the kernel
+    writes them quantized (`QuantizedRows`) instead."""
+    if quantizes_for(fp8_weight_of(consumer), stream):
+        q, scale, summed = norm_quantize(update, stream, norm.weight, norm.eps, norm.bias)
+        return summed, QuantizedRows(q, scale, stream.dtype)
     normed, summed = fused_add_layer_norm(update, stream, norm.weight, norm.bias, norm.eps)
     return summed, normed
 
@@ -167,10 +182,12 @@ class VisionBlock(nn.Module):
         sin: torch.Tensor,
         attend: FrameAttention,
         next_norm: nn.LayerNorm,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, norm1(x)) -> (the block's output, next_norm of it)."""
-        x, normed = add_and_norm(self.attn(normed, cos, sin, attend), x, self.norm2)
-        return add_and_norm(self.mlp(normed), x, next_norm)
+        next_linear: nn.Module | None = None,
+    ) -> tuple[torch.Tensor, Rows]:
+        """(x, norm1(x)) -> (the block's output, next_norm of it); ``next_linear``: what next_norm feeds (the next
+        block's ``qkv``), None where its rows go elsewhere (the merger's concatenation)."""
+        x, normed = add_and_norm(self.attn(normed, cos, sin, attend), x, self.norm2, self.mlp.first)
+        return add_and_norm(self.mlp(normed), x, next_norm, next_linear)
 
 
 class PatchMerger(nn.Module):
@@ -308,11 +325,12 @@ class VisionTower(nn.Module):
         cos, sin = vision_rotary_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta)
         x = self.patch_embed(pixel_values)
         attend = attention_for(self.backends, grid_thw, self.spec.num_heads, self.spec.head_dim, x)
-        normed = self.blocks[0].norm1(x)
+        normed: Rows = self.blocks[0].norm1(x)  # (torch's: the first norm has no residual add to fuse with)
         next_norms = [*(block.norm1 for block in self.blocks[1:]), self.merger.ln_q]
+        next_linears = [*(block.attn.qkv for block in self.blocks[1:]), None]
         with sdpa_choice(self.backends):  # set once per forward, around every block
-            for block, next_norm in zip(self.blocks, next_norms, strict=True):
-                x, normed = block(x, normed, cos, sin, attend, next_norm)
+            for block, next_norm, next_linear in zip(self.blocks, next_norms, next_linears, strict=True):
+                x, normed = block(x, normed, cos, sin, attend, next_norm, next_linear)
         return self.merger.project(normed)
 
     def _validate(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""Triton kernel behind `workers.kernels.fp8_norm` (imports triton): the vision tower's norm (LayerNorm with a bias, or
+RMSNorm), optionally after the residual add before it, written directly as FP8 e4m3 with one scale per row, for the
+per-channel FP8 GEMM that follows it.
+
+One program per row, the row in registers, as `norm_triton._norm_kernel`: its norm arithmetic is that kernel's, line
+for line (the same block, the same reductions), so the normalised row rounded to the rows' dtype is the value the
+unfused path would have written; its quantization is `fp8_triton._quantize_kernel`'s per-token one on that rounded
+row (amax, ``scale = amax / 448`` and ``q = x / scale`` as IEEE divisions, `_to_e4m3`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.kernels._launch import check_launchable, interpreted, next_power_of_2
+from workers.kernels._triton_common import Launch, round_to, to_dtype
+from workers.kernels.fp8_triton import FP8_MAX, FP8_MIN_SCALE_AMAX, _to_e4m3
+
+
+@triton.jit
+def _norm_quantize_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    bias_ptr,
+    q_ptr,
+    s_ptr,
+    summed_ptr,
+    n_cols,
+    stride_x,
+    stride_r,
+    stride_q,
+    stride_s,
+    eps,
+    BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+    LAYER_NORM: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = to_dtype(x + r, summed_ptr.dtype.element_ty, INTERPRETED)
+        tl.store(summed_ptr + row * stride_s + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # The norm as `norm_triton._norm_kernel` computes it (keep the two alike: the fused path's bits depend on it).
+    if LAYER_NORM:
+        centred = tl.where(mask, x - tl.sum(x, 0) / n_cols, 0.0)
+        rstd = tl.rsqrt(tl.sum(centred * centred, 0) / n_cols + eps)
+        b = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        out = centred * rstd * w + b
+    else:
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
+        out = round_to(x * rstd, x_ptr.dtype.element_ty, INTERPRETED) * w
+    # Rounded to the rows' dtype, as the unfused norm stores it and the quantize kernel reads it back.
+    normed = tl.where(mask, round_to(out, x_ptr.dtype.element_ty, INTERPRETED), 0.0)
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(normed), 0), FP8_MIN_SCALE_AMAX), FP8_MAX)
+    q = tl.clamp(tl.div_rn(normed, scale), -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * stride_q + cols, _to_e4m3(q, INTERPRETED), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    check_launchable(x.device)
+    q, s, summed, step = plan(x, residual, weight, eps, bias, interpreted())
+    if q.numel():
+        step()
+    return q, s, summed
+
+
+def plan(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    bias: torch.Tensor | None = None,
+    interpreted_mode: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Launch]:
+    """(q [M, K] float8_e4m3fn, scales [M, 1] fp32, x + residual or None, the launch that fills them) for x [M, K]
+    (and residual [M, K]) with unit column stride: LayerNorm where ``bias`` is given, RMSNorm otherwise."""
+    rows, hidden = x.shape
+    q = torch.empty((rows, hidden), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    summed = torch.empty_like(x) if residual is not None else None
+    block = next_power_of_2(hidden)
+    weight = weight.contiguous()
+    step = Launch(
+        _norm_quantize_kernel,
+        grid=(rows,),
+        args={
+            "x_ptr": x,
+            "residual_ptr": residual if residual is not None else x,  # read only with ADD_RESIDUAL
+            "weight_ptr": weight,
+            "bias_ptr": bias.contiguous() if bias is not None else weight,  # read only by LayerNorm
+            "q_ptr": q,
+            "s_ptr": s,
+            "summed_ptr": summed if summed is not None else x,  # written only with ADD_RESIDUAL
+            "n_cols": hidden,
+            "stride_x": x.stride(0),
+            "stride_r": residual.stride(0) if residual is not None else x.stride(0),
+            "stride_q": q.stride(0),
+            "stride_s": summed.stride(0) if summed is not None else x.stride(0),
+            "eps": eps,
+        },
+        constexprs={
+            "BLOCK": block,
+            "ADD_RESIDUAL": residual is not None,
+            "LAYER_NORM": bias is not None,
+            "INTERPRETED": interpreted_mode,
+        },
+        num_warps=min(16, max(1, block // 256)),  # as the norm kernel's: the row stays in registers
+    )
+    return q, s, summed, step
