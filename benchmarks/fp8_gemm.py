@@ -163,6 +163,26 @@ def launches() -> Iterator[tuple[str, Launch]]:
                 fp8_triton.plan_scaled_mm(x_q, x_s, group, w, scale, block, bias, x.dtype)[1],
             )
     yield from gemv_sweep_launches()
+    yield from norm_quantize_launches(meta)
+
+
+# (name, rows, hidden, LayerNorm) of the norms that quantize for the ViT's FP8 qkv and fc1 / gate|up (Qwen2-VL's and
+# Qwen2.5-VL's width 1280, Qwen3-VL-8B's 1152); RMSNorm also without its residual add (Qwen2.5-VL's first block).
+NORM_QUANTIZE_CASES = [("vit_layer_norm", 4096, 1280, True), ("vit_rms_norm", 4096, 1280, False)]
+NORM_QUANTIZE_CASES += [("vit_layer_norm_1152", 4096, 1152, True)]
+
+
+def norm_quantize_launches(meta: torch.device) -> Iterator[tuple[str, Launch]]:
+    """`fp8_norm_triton`'s launches at the ViT's shapes: the norm with the activations' FP8 quantization fused."""
+    from workers.kernels import fp8_norm_triton
+
+    for name, m, k, layer_norm in NORM_QUANTIZE_CASES:
+        x = torch.empty(m, k, dtype=torch.bfloat16, device=meta)
+        weight = torch.empty(k, dtype=torch.bfloat16, device=meta)
+        bias = weight if layer_norm else None
+        yield f"norm_quantize {name} add", fp8_norm_triton.plan(x, x, weight, 1e-6, bias)[3]
+        if not layer_norm:
+            yield f"norm_quantize {name}", fp8_norm_triton.plan(x, None, weight, 1e-6)[3]
 
 
 SM90_SHARED_BYTES = 232448  # the most shared memory a block of an sm_90 kernel can have

@@ -11,7 +11,12 @@ quantization.md. `BOUND` is twice the larger (Qwen3-VL's was not emulated; its b
 scale or a row mixed up is off by O(1), and the floor shows the layers were quantized. The encoder's batching
 (several images of different sizes in one forward, through `encode_images`, after `tune_attention` and `warm_up` as
 the encoder does at start-up) must give each image what it gets alone: per-token activation scales keep rows
-independent, so only the GEMMs' tiling may differ (`BATCH_BOUND`)."""
+independent, so only the GEMMs' tiling may differ (`BATCH_BOUND`).
+
+The norms quantize for the FP8 linears after them (`workers.kernels.fp8_norm`, `vision_fp8.QuantizedRows`): the
+kernel is the unfused norm kernel then the quantize kernel bit for bit (checked in Triton's interpreter by
+tests/unit/test_fp8_norm_kernels.py; here compiled, at the ViT's widths), and the towers' embeddings with it are the
+unfused FP8 path's (`quantized_norms(False)`) within bf16 rounding (`FUSED_BOUND`)."""
 
 from __future__ import annotations
 
@@ -23,8 +28,15 @@ import torch
 from tests.gpu.test_family_towers_gpu import QWEN2_5_VISION, QWEN3_VISION
 from tests.gpu.test_kernels_gpu import _SKIP_REASON
 from workers.encoder.worker import encode_images
+from workers.kernels import fp8, fp8_norm, norm
 from workers.models.fp8 import Fp8Linear
-from workers.models.vision_fp8 import fp8_linear_names, serve_linears
+from workers.models.vision_fp8 import (
+    fp8_linear_names,
+    fp8_weight_of,
+    quantized_norms,
+    quantizes_for,
+    serve_linears,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")]
 CUDA = torch.device("cuda")
@@ -33,6 +45,11 @@ FLOOR = 0.01  # below it the FP8 layers did not round anything
 # An image in a batch against the same image alone, both through the FP8 tower: a GEMM tiled differently may flip an
 # activation's FP8 rounding, which the random blocks carry on; a row of another image, or rows out of order, is O(1).
 BATCH_BOUND = 0.1
+# The fused path's embeddings against the unfused FP8 path's: the same quantized activations into the same GEMMs, so
+# equal where the compiled norm+quantize kernel is the unfused pair bit for bit (as `test_norm_quantize_on_the_gpu_...`
+# checks); the bound is one bf16 rounding (2^-8) of the embeddings, far below a wrong scale or row (O(1)) and below a
+# single flipped e4m3 rounding carried through the blocks.
+FUSED_BOUND = 2**-8
 
 QWEN2_7B = {"depth": 32, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4, "hidden_size": 3584}
 QWEN2_5_7B = {**QWEN2_5_VISION, "depth": 32, "fullatt_block_indexes": [7, 15, 23, 31]}
@@ -131,3 +148,68 @@ def test_the_encoders_batches_give_each_image_what_it_gets_alone(towers: tuple[A
         error = relative_error(in_batch, alone)
         print(f"grid {grid}: batched against alone {error:.2e}")
         assert in_batch.shape == alone.shape and error < BATCH_BOUND
+
+
+def test_the_towers_norms_quantize_for_their_fp8_linears_with_the_unfused_paths_result(
+    towers: tuple[Any, Any],
+) -> None:
+    _, fp8_tower = towers
+    grid = GRIDS[fp8_tower.spec.patch_size][0]
+    pixels = _pixels(fp8_tower, grid, seed=20)
+    rows = torch.empty(grid[0] * grid[1] * grid[2], 1, device=CUDA, dtype=torch.bfloat16)
+    qkvs = [fp8_weight_of(block.attn.qkv) for block in fp8_tower.blocks]
+    assert all(quantizes_for(weight, rows) for weight in qkvs), "the fused path is not taken at this image's rows"
+    with quantized_norms(False):
+        assert not any(quantizes_for(weight, rows) for weight in qkvs)
+        (unfused,) = encode_images(fp8_tower, [pixels], [grid])
+    (fused,) = encode_images(fp8_tower, [pixels], [grid])
+    error = relative_error(fused, unfused)
+    print(f"grid {grid}: fused quantization against unfused {error:.2e} (equal: {torch.equal(fused, unfused)})")
+    assert fused.shape == unfused.shape and error <= FUSED_BOUND
+
+
+def _norm_inputs(rows: int, hidden: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    scales = 10.0 ** torch.empty(rows, 1, device=CUDA).uniform_(-2, 2, generator=g)
+    stream = (torch.randn(rows, hidden, device=CUDA, generator=g) * scales + 2.5).bfloat16()
+    update = torch.randn(rows, hidden, device=CUDA, generator=g).bfloat16()
+    weight = (torch.randn(hidden, device=CUDA, generator=g) * 2).bfloat16()
+    bias = (torch.randn(hidden, device=CUDA, generator=g) * 0.1).bfloat16()
+    return update, stream, weight, bias
+
+
+@pytest.mark.parametrize("hidden", [1280, 1152])
+@pytest.mark.parametrize("kind", ["layer_norm", "add_rms_norm", "rms_norm"])
+def test_norm_quantize_on_the_gpu_is_the_norm_kernel_then_the_quantize_kernel(hidden: int, kind: str) -> None:
+    """Compiled, the fused kernel writes what the unfused pair writes, bit for bit: the same scales, FP8 bytes and
+    sums (a difference here means the compiler treated the two kernels' norm arithmetic differently)."""
+    update, stream, weight, bias = _norm_inputs(4133, hidden, seed=hidden)
+    if kind == "layer_norm":
+        normed, summed = norm.fused_add_layer_norm(update, stream, weight, bias, 1e-6)
+        got = fp8_norm.norm_quantize(update, stream, weight, 1e-6, bias)
+    elif kind == "add_rms_norm":
+        normed, summed = norm.fused_add_rms_norm(update, stream, weight, 1e-6)
+        got = fp8_norm.norm_quantize(update, stream, weight, 1e-6)
+    else:
+        normed, summed = norm.rms_norm(stream, weight, 1e-6), None
+        got = fp8_norm.norm_quantize(stream, None, weight, 1e-6)
+    q_ref, s_ref = fp8.quantize_triton(normed, hidden)
+    q, s, got_summed = got
+    assert torch.equal(s, s_ref), f"{int((s != s_ref).sum())} scales differ"
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), f"{int((q != q_ref).sum())} FP8 values differ"
+    assert (got_summed is None and summed is None) or torch.equal(got_summed, summed)
+
+
+@pytest.mark.parametrize("n", [3840, 6840])  # the ViT's qkv (torch._scaled_mm); Qwen2.5-VL-7B's gate|up (Triton GEMM)
+def test_the_gemm_on_prequantized_rows_is_fp8_matmuls(n: int) -> None:
+    """`fp8_matmul_quantized` on the quantize kernel's output is `fp8_matmul` on the bf16 rows, exactly."""
+    from workers.models.fp8 import quantize_per_channel
+
+    g = torch.Generator(device=CUDA).manual_seed(n)
+    x = torch.randn(4133, 1280, device=CUDA, generator=g).bfloat16()
+    w, w_scale = quantize_per_channel(torch.randn(n, 1280, device=CUDA, generator=g))
+    bias = torch.randn(n, device=CUDA, generator=g).bfloat16()
+    expected = fp8.fp8_matmul(x, w, w_scale, (1, 1280), bias)
+    x_q, x_s = fp8.quantize_triton(x, 1280)
+    got = fp8.fp8_matmul_quantized(x_q, x_s, w, w_scale, (1, 1280), bias, torch.bfloat16)
+    assert torch.equal(got, expected)
