@@ -41,7 +41,7 @@ from workers.kernels.fp8_triton import ScaledMmConfig
 # (name, rows M, in features K, out features N)
 VIT = [("vit_qkv", 4096, 1280, 3840), ("vit_fc1", 4096, 1280, 5120), ("vit_fc2", 4096, 5120, 1280)]
 # One 768x1024 image's 3,996 patches: a row count no tile divides (the tower at batch 1 was 2.6x slower in FP8 than
-# in bf16 on the H200, at batch 4 as fast); `scaled_mm_padded_us` times the GEMM on rows padded to a multiple of 16.
+# in bf16 on the H200, at batch 4 as fast); `scaled_mm_padded_gemm_only_us` times the GEMM on rows padded to 16.
 VIT_ONE_IMAGE = [(f"{name}_m3996", 3996, k, n) for name, _, k, n in VIT]
 LM_7B = [("qkv", 3584, 4608), ("o", 3584, 3584), ("gate_up", 3584, 37888), ("down", 18944, 3584)]
 CASES = VIT + VIT_ONE_IMAGE + [(f"7b_{name}_m{m}", m, k, n) for m in (2048, 32, 1) for name, k, n in LM_7B]
