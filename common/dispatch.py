@@ -6,6 +6,10 @@ jobs go to the live worker with the most free credits. A worker that is silent f
 ``dead_after_s`` or comes back as a new incarnation loses its jobs to the queue again; a job
 that has failed ``max_attempts`` times, or waited past its deadline, is failed through
 ``on_fail`` — never dropped.
+
+Silence is measured on the hub's `LivenessClock` (given, and ticked by the hub's own periodic tick before it
+calls `Dispatcher.tick`), not the wall: the time the hub's own loop was stalled, when it could not read a
+heartbeat, is not a worker's silence. Job deadlines are the client's, and run on the wall.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from common.liveness import LivenessClock
 from common.protocol import Message, WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -27,7 +32,7 @@ class Peer:
     key: bytes
     incarnation: str
     credits: int
-    last_seen: float
+    last_seen: float  # `LivenessClock` time of its last status
     jobs: set[str] = field(default_factory=set)
 
     @property
@@ -52,18 +57,21 @@ class Dispatcher:
         send: Callable[[bytes, Message | bytes], bool],
         on_fail: Callable[[Job, str], None],
         *,
+        clock: LivenessClock,
         dead_after_s: float,
         max_attempts: int = 3,
         hold_without_workers_s: float | None = None,
     ) -> None:
-        """``hold_without_workers_s``: once no worker has been live for that long (a crash loop, a pool never
+        """``clock``: the hub's, which its periodic tick advances (`LivenessClock.tick`) before calling `tick`
+        here. ``hold_without_workers_s``: once no worker has been live for that long (a crash loop, a pool never
         started), queued jobs fail at once instead of each waiting out its own deadline; None: they wait."""
         self.send = send
+        self.clock = clock
         self.on_fail = on_fail
         self.dead_after_s = dead_after_s
         self.max_attempts = max_attempts
         self.hold_without_workers_s = hold_without_workers_s
-        self.none_live_since = time.monotonic()
+        self.none_live_since = clock.now()  # (`LivenessClock` time, as every time a peer is judged by)
         self.peers: dict[bytes, Peer] = {}
         self.jobs: dict[str, Job] = {}
         self.queue: deque[str] = deque()
@@ -76,9 +84,9 @@ class Dispatcher:
             peer = None
         if peer is None:
             log.info("worker %s (%s) is live with %d credits", key, status.incarnation, status.credits)
-            peer = self.peers[key] = Peer(key, status.incarnation, status.credits, time.monotonic())
+            peer = self.peers[key] = Peer(key, status.incarnation, status.credits, self.clock.now())
         peer.credits = status.credits
-        peer.last_seen = time.monotonic()
+        peer.last_seen = self.clock.now()
         self.dispatch()
 
     def live_peers(self) -> int:
@@ -88,7 +96,7 @@ class Dispatcher:
         log.warning("worker %s %s; re-issuing %d job(s)", peer.key, why, len(peer.jobs))
         self.peers.pop(peer.key, None)
         if not self.peers:
-            self.none_live_since = time.monotonic()
+            self.none_live_since = self.clock.now()
         for job_id in sorted(peer.jobs):
             job = self.jobs.get(job_id)
             if job is not None:
@@ -153,16 +161,18 @@ class Dispatcher:
         return ranked_first(job.affinity, self.peers) if job.affinity is not None else None
 
     def tick(self) -> None:
-        """Drop silent workers (re-issuing their jobs) and fail jobs past their deadline."""
+        """Drop silent workers (re-issuing their jobs) and fail jobs past their deadline. The hub has ticked its
+        clock first: silence counts only the time its loop could have read a status in."""
+        seen_now = self.clock.now()
+        for peer in [p for p in self.peers.values() if seen_now - p.last_seen > self.dead_after_s]:
+            self._lose_peer(peer, f"silent for {seen_now - peer.last_seen:.1f}s")
         now = time.monotonic()
-        for peer in [p for p in self.peers.values() if now - p.last_seen > self.dead_after_s]:
-            self._lose_peer(peer, f"silent for {now - peer.last_seen:.1f}s")
         for job in [j for j in self.jobs.values() if j.deadline < now]:
             self._fail(job, "timed out waiting for a live worker" if self.peers else "no worker is live to take it")
         hold = self.hold_without_workers_s
-        if not self.peers and hold is not None and now - self.none_live_since >= hold:
+        if not self.peers and hold is not None and seen_now - self.none_live_since >= hold:
             for job in list(self.jobs.values()):
-                self._fail(job, f"no worker has been live for {now - self.none_live_since:.0f} s")
+                self._fail(job, f"no worker has been live for {seen_now - self.none_live_since:.0f} s")
         self.dispatch()
 
     def _fail(self, job: Job, why: str) -> None:

@@ -17,6 +17,7 @@ from prometheus_client import Histogram
 from common.config import Config
 from common.dispatch import Dispatcher, Job
 from common.lifecycle import StallWatchdog
+from common.liveness import LivenessClock
 from common.protocol import (
     Abort,
     CacheRelease,
@@ -36,7 +37,6 @@ from common.protocol import (
 )
 from common.transport import AsyncChannel
 from gateway.errors import ApiError
-from gateway.liveness import LivenessClock, excuse
 from gateway.offload import off_loop_if_large
 from gateway.replicas import Replica, Replicas, prefix_affinity
 
@@ -122,7 +122,11 @@ class Pipeline:
         ]
         self.cache = AsyncChannel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
         self.fetchers = Dispatcher(
-            self._send_to_fetcher, self._fetch_failed, dead_after_s=cfg.liveness.dead_after_s, max_attempts=3
+            self._send_to_fetcher,
+            self._fetch_failed,
+            clock=self.clock,
+            dead_after_s=cfg.liveness.dead_after_s,
+            max_attempts=3,
         )
         self.requests: dict[str, Tracked] = {}
         self.rewired: dict[str, str] = {}  # a re-issued request's wire id -> its request id
@@ -315,8 +319,7 @@ class Pipeline:
         blamed for it, whether the readers or this tick run first."""
         while True:
             await asyncio.sleep(self.cfg.liveness.heartbeat_s)
-            now = time.monotonic()
-            excuse(self.fetchers.peers.values(), self.clock.tick(now), now)  # (their `Dispatcher` has no clock)
+            self.clock.tick()
             self.fetchers.tick()
             for replica in self.replicas.silenced():
                 self._replica_lost(replica, "is not responding")

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from common.config import Config, decoder_name
+from common.liveness import LivenessClock
 from common.protocol import MediaInput
-from gateway.liveness import LivenessClock
 
 log = logging.getLogger(__name__)
 

@@ -312,7 +312,7 @@ def test_a_gateway_stalled_past_dead_after_s_keeps_its_live_decoder(stack: Stack
     """The gateway's own process frozen (SIGSTOP) for longer than ``dead_after_s`` while a stream is mid-answer,
     the decoder and fetcher alive and heartbeating all along: once it runs again, the stream goes on to its end
     with the tokens an undisturbed run gives, and no decoder replica or fetcher is taken for dead (the time the
-    gateway could not read their heartbeats is not theirs: `gateway.liveness.LivenessClock`)."""
+    gateway could not read their heartbeats is not theirs: `common.liveness.LivenessClock`)."""
     client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=ANSWER_BOUND_S)
     model = client.models.list().data[0].id
     liveness = load_config(stack.config_path).liveness

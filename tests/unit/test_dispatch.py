@@ -8,21 +8,33 @@ from dataclasses import dataclass, field
 import pytest
 
 from common import dispatch as dispatch_mod
+from common import liveness as liveness_mod
 from common.dispatch import Dispatcher, Job
+from common.liveness import LivenessClock
 from common.protocol import Message, Ping, WorkerStatus
 
 DEAD_AFTER = 3.0
+TICK = 0.5  # the hub's liveness tick ([liveness] heartbeat_s)
 
 
 class Clock:
+    """Monotonic time, set by the test, and the hub's `LivenessClock` over it, ticked on time as it runs."""
+
     def __init__(self) -> None:
         self.now = 1000.0
+        self.liveness = LivenessClock(TICK, start=self.now)
 
     def __call__(self) -> float:
         return self.now
 
     def advance(self, seconds: float) -> None:
-        self.now += seconds
+        """Time passes with the hub's loop turning: its tick comes every period, on time."""
+        end = self.now + seconds
+        while self.now + TICK < end:
+            self.now += TICK
+            self.liveness.tick()
+        self.now = end
+        self.liveness.tick()
 
 
 @dataclass
@@ -39,6 +51,7 @@ class Harness:
         self.dispatcher = Dispatcher(
             self.send,
             self.on_fail,
+            clock=self.clock.liveness,
             dead_after_s=DEAD_AFTER,
             max_attempts=self.max_attempts,
             hold_without_workers_s=self.hold,
@@ -75,6 +88,7 @@ class Harness:
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     clock = Clock()
     monkeypatch.setattr(dispatch_mod, "time", types.SimpleNamespace(monotonic=clock))
+    monkeypatch.setattr(liveness_mod, "time", types.SimpleNamespace(monotonic=clock))
     return clock
 
 

@@ -1,19 +1,22 @@
-"""The gateway's liveness clock (`gateway.liveness`): a stall of the judging loop is not a peer's silence, a
-peer that really went silent is still judged dead within ``dead_after_s`` and one tick, and a heartbeat read
-just before or just after the late tick counts the same. Times are given, never waited for."""
+"""The liveness clock (`common.liveness`) that the gateway (its decoder replicas, its fetchers) and a fetcher (its
+encoders, through `common.dispatch.Dispatcher`) judge their peers by: a stall of the judging loop is not a peer's
+silence, a peer that really went silent is still judged dead within ``dead_after_s`` and one tick, and a heartbeat
+read just before or just after the late tick counts the same. Times are given, never waited for."""
 
 from __future__ import annotations
 
+import math
 import random
 import types
 
 import pytest
 
 from common import dispatch as dispatch_mod
+from common import liveness as liveness_mod
 from common.config import Config, LivenessConfig
 from common.dispatch import Dispatcher, Job
+from common.liveness import LivenessClock
 from common.protocol import Message, WorkerStatus
-from gateway.liveness import LivenessClock, excuse
 from gateway.replicas import Replicas
 
 PERIOD = 0.5  # the tick's sleep ([liveness] heartbeat_s)
@@ -128,7 +131,7 @@ def test_a_replica_is_counted_lost_once_per_loss() -> None:
 
 
 class Wall:
-    """`common.dispatch`'s monotonic time, set by the test."""
+    """Monotonic time (`common.dispatch`'s and `common.liveness`'s), set by the test."""
 
     def __init__(self) -> None:
         self.now = START
@@ -140,57 +143,103 @@ class Wall:
 @pytest.fixture
 def wall(monkeypatch: pytest.MonkeyPatch) -> Wall:
     wall = Wall()
-    monkeypatch.setattr(dispatch_mod, "time", types.SimpleNamespace(monotonic=wall))
+    for module in (dispatch_mod, liveness_mod):
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=wall))
     return wall
 
 
-def fetchers() -> Dispatcher:
+def workers(clock: LivenessClock) -> Dispatcher:
     def send(_peer: bytes, _msg: Message | bytes) -> bool:
         return True
 
     def on_fail(_job: Job, _why: str) -> None:
         pass
 
-    return Dispatcher(send, on_fail, dead_after_s=DEAD_AFTER)
+    return Dispatcher(send, on_fail, clock=clock, dead_after_s=DEAD_AFTER)
 
 
 def heartbeat(dispatcher: Dispatcher, key: bytes) -> None:
-    dispatcher.peer_status(key, WorkerStatus("fetcher", key.decode(), "inc-1", 8))
+    dispatcher.peer_status(key, WorkerStatus("encoder", key.decode(), "inc-1", 8))
 
 
-@pytest.mark.parametrize("excused", [True, False])
-def test_a_fetcher_is_not_dropped_for_the_gateways_stall(wall: Wall, excused: bool) -> None:
-    """The fetchers' `Dispatcher` judges by the wall: a fetcher heard at +0.4, the gateway stalled until +5.6,
-    one more heard just after it resumed (before the tick). Excused by the seconds the clock left out, neither
-    is dropped, and the one heard after the stall is not made any fresher than now; unexcused (as before the
-    clock), the first is dropped."""
-    clock = LivenessClock(PERIOD, start=START)
-    dispatcher = fetchers()
-    wall.now = START + 0.4
-    heartbeat(dispatcher, b"before")
-    wall.now = START + 5.6
-    heartbeat(dispatcher, b"after")
-    missed = clock.tick(wall.now)
-    if excused:
-        excuse(dispatcher.peers.values(), missed, wall.now)
+def hub_tick(clock: LivenessClock, dispatcher: Dispatcher) -> None:
+    """The hub's periodic tick (the gateway's `Pipeline._tick`, a fetcher's `heartbeat`): the clock, then the
+    judgement."""
+    clock.tick()
     dispatcher.tick()
-    assert sorted(dispatcher.peers) == ([b"after", b"before"] if excused else [b"after"])
-    assert dispatcher.peers[b"after"].last_seen == START + 5.6
 
 
-def test_a_silent_fetcher_is_still_dropped_after_the_gateways_stall(wall: Wall) -> None:
-    clock = LivenessClock(PERIOD, start=START)
-    dispatcher = fetchers()
+@pytest.mark.parametrize("reader_first", [True, False])
+@pytest.mark.parametrize("period", [PERIOD, math.inf])
+def test_a_worker_whose_heartbeat_waits_is_not_dropped_for_its_hubs_stall(
+    wall: Wall, reader_first: bool, period: float
+) -> None:
+    """Two workers heard at +0.4 on time, the hub's loop stalled from +0.6 to +5.6 (past ``dead_after_s``):
+    one worker's heartbeat sent meanwhile waits in the socket and is read on resuming, before the hub's late
+    tick or after it; the other's is not there yet (its answer to the ping that tick sends). Neither is
+    dropped, and the one read is not made any fresher than now. A clock that counts every second (an infinite
+    period: the wall, as a `Dispatcher` judged by before) drops both."""
+    clock = LivenessClock(period, start=START)
+    dispatcher = workers(clock)
     wall.now = START + 0.4
+    clock.tick()
+    heartbeat(dispatcher, b"waiting")
+    heartbeat(dispatcher, b"pinged")
+    wall.now = START + 5.6
+    if reader_first:
+        heartbeat(dispatcher, b"waiting")
+    hub_tick(clock, dispatcher)
+    if period == math.inf:
+        assert sorted(dispatcher.peers) == ([b"waiting"] if reader_first else [])
+        return
+    assert sorted(dispatcher.peers) == [b"pinged", b"waiting"]
+    if not reader_first:
+        heartbeat(dispatcher, b"waiting")
+    assert dispatcher.peers[b"waiting"].last_seen == pytest.approx(clock.now())
+    while wall.now + PERIOD < START + 5.6 + DEAD_AFTER - 0.1:  # (none heard since: still within their time)
+        wall.now += PERIOD
+        hub_tick(clock, dispatcher)
+    assert sorted(dispatcher.peers) == [b"pinged", b"waiting"]
+
+
+@pytest.mark.parametrize("stall", [0.0, 5.0])
+def test_a_silent_worker_is_still_dropped_within_dead_after_s_and_one_tick(wall: Wall, stall: float) -> None:
+    """A worker heard at +0.4, then never again; the hub's first tick after that late by ``stall`` (its loop
+    stalled), then on time: the tick that drops it comes after ``dead_after_s`` of the time the hub could read
+    in, and no more than one period later (with the stall between, that much later on the wall)."""
+    clock = LivenessClock(PERIOD, start=START)
+    dispatcher = workers(clock)
+    wall.now = START + 0.4
+    clock.tick()
     heartbeat(dispatcher, b"silent")
-    wall.now, not_counted = START + 5.6, 0.0  # (the gateway stalled: the first tick is late)
+    wall.now += stall
     while dispatcher.peers:
         wall.now += PERIOD
-        missed = clock.tick(wall.now)
-        not_counted += missed
-        excuse(dispatcher.peers.values(), missed, wall.now)
-        dispatcher.tick()
+        hub_tick(clock, dispatcher)
         assert wall.now < START + 60, "never dropped"
-    assert not_counted > DEAD_AFTER  # (the stall alone would have dropped it, unexcused)
-    silent = wall.now - not_counted - (START + 0.4)
+    silent = wall.now - stall - (START + 0.4)
     assert DEAD_AFTER < silent <= DEAD_AFTER + PERIOD + 1e-9
+
+
+def test_a_stall_of_the_hub_does_not_count_towards_failing_jobs_for_want_of_workers(wall: Wall) -> None:
+    """``hold_without_workers_s`` is a judgement of the workers' liveness too: no worker heard since the hub
+    started, its loop stalled past the hold right away (a worker's ready handshake may be waiting): the queued
+    job waits on, and fails once the hold has run in the time the hub could have heard a worker in."""
+    clock = LivenessClock(PERIOD, start=START)
+    failed: list[str] = []
+    dispatcher = Dispatcher(
+        lambda _peer, _msg: True,
+        lambda job, _why: failed.append(job.job_id),
+        clock=clock,
+        dead_after_s=DEAD_AFTER,
+        hold_without_workers_s=2 * DEAD_AFTER,
+    )
+    dispatcher.submit("job", b"", timeout_s=600)
+    wall.now += 3 * DEAD_AFTER  # (stalled from the start: nothing counted yet)
+    hub_tick(clock, dispatcher)
+    assert failed == []
+    while not failed:
+        wall.now += PERIOD
+        hub_tick(clock, dispatcher)
+        assert wall.now < START + 60, "never failed"
+    assert clock.now() - START == pytest.approx(2 * DEAD_AFTER)

@@ -23,6 +23,7 @@ import zmq
 from common.config import Config
 from common.dispatch import Dispatcher, Job
 from common.lifecycle import REPORT_EVERY_S, CounterWindow
+from common.liveness import LivenessClock
 from common.protocol import (
     Abort,
     CacheLookup,
@@ -150,9 +151,13 @@ class FetcherWorker:
         self.encoders = [
             Channel(self.ctx, zmq.DEALER, cfg.endpoint(f"encoder.{k}"), bind=False) for k in range(encoder_count(cfg))
         ]
+        # The encoders' and the cache daemon's liveness is judged on this clock, which `heartbeat` (the loop's
+        # periodic tick) advances: a stall of this process's own loop is not their silence (`LivenessClock`).
+        self.clock = LivenessClock(cfg.liveness.heartbeat_s)
         self.encode = Dispatcher(
             self.send_encode,
             self.encode_failed,
+            clock=self.clock,
             dead_after_s=cfg.liveness.dead_after_s,
             max_attempts=cfg.fetcher.encode_attempts,
             # with every encoder down that long, image requests fail at once (503) instead of a minute each
@@ -166,8 +171,8 @@ class FetcherWorker:
         self.loading: dict[MediaInput, list[tuple[str, int]]] = {}
         self.calls: dict[str, CacheCall] = {}
         # The cache daemon's liveness while reservations wait there: its incarnation, when it last answered a
-        # ping, and (`cache_has_all_before`) when the newest ping it answered was sent: it holds every
-        # reservation sent before that, one socket keeping their order.
+        # ping (`LivenessClock` time), and (`cache_has_all_before`) when the newest ping it answered was sent:
+        # it holds every reservation sent before that, one socket keeping their order.
         self.cache_incarnation = ""
         self.cache_heard = 0.0
         self.cache_has_all_before = 0.0
@@ -209,6 +214,8 @@ class FetcherWorker:
 
     # ------------------------------------------------------------------ liveness
     def heartbeat(self) -> None:
+        """The periodic tick: the clock first, so that the time this loop was late by is nobody's silence."""
+        self.clock.tick()
         live, known = self.encode.live_peers(), len(self.encoders)
         self.gateway.send(WorkerStatus("fetcher", self.name, self.incarnation, self.cfg.fetcher.credits, live, known))
         for channel in self.encoders:
@@ -389,7 +396,7 @@ class FetcherWorker:
 
     def held_by_cache(self, call: CacheCall, now: float) -> bool:
         """The daemon has this reservation and is alive: it answers it by its deadline."""
-        alive = now - self.cache_heard < self.cfg.liveness.dead_after_s
+        alive = self.clock.now() - self.cache_heard < self.cfg.liveness.dead_after_s
         answered_by = call.sent + self.cfg.cache.reserve_wait_s + self.cfg.liveness.call_timeout_s
         return alive and call.sent < self.cache_has_all_before and now < answered_by
 
@@ -405,8 +412,7 @@ class FetcherWorker:
     def cache_alive(self, ping: str, incarnation: str) -> None:
         """A ping answered. From a new daemon (restarted): every reservation waiting at the old one is lost
         with it, so each is sent again now."""
-        now = time.monotonic()
-        self.cache_heard = now
+        self.cache_heard = self.clock.now()
         restarted = bool(self.cache_incarnation) and incarnation != self.cache_incarnation
         self.cache_incarnation = incarnation
         if restarted:

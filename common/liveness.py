@@ -1,27 +1,26 @@
-"""The clock the gateway judges its peers' liveness by: a peer is dead when this clock, not the wall, has run
-``dead_after_s`` past its last heartbeat.
+"""The clock a hub judges its peers' liveness by: a peer is dead when this clock, not the wall, has run
+``dead_after_s`` past its last heartbeat. Every judge of peers by the age of their last message uses one: the
+gateway (its decoder replicas and fetchers), a fetcher (its encoders), each `common.dispatch.Dispatcher`.
 
-The gateway reads heartbeats on the same event loop that judges them. When that loop is held up (a slow first
-import, a GC pause, a starved CPU, the process stopped), the heartbeats that came meanwhile wait in the sockets,
-and on resuming the judging tick may run before the readers have taken them: a wall clock would then blame the
-peer for the judge's own stall. So this clock runs only while the loop could have read: between two ticks it
-advances by at most the period the tick asked to sleep, and whatever the tick was late by beyond that is time
-the loop was busy elsewhere, not counted.
+A hub reads heartbeats on the same loop that judges them. When that loop is held up (a slow first import, a GC
+pause, a starved CPU, the process stopped), the heartbeats that came meanwhile wait in the sockets (or were
+never asked for: a fetcher pings its encoders from the same tick), and on resuming the judging tick may run
+before the readers have taken them: a wall clock would then blame the peer for the judge's own stall. So this
+clock runs only while the loop could have read: between two ticks it advances by at most the period the tick
+asked to sleep, and whatever the tick was late by beyond that is time the loop was busy elsewhere, not counted.
 
 Why a clock and not "skip judging after a late tick" or "drain the sockets first": the readers stamp heartbeats
 with this same clock, which never runs backwards nor ahead of what the next tick commits, so a heartbeat read
 just before or just after the late tick counts the same (the reader and the tick may run in either order); a
 peer that is really dead is still judged so within ``dead_after_s`` plus one tick of its last heartbeat, as a
 wall clock would, as long as the loop keeps its time; and a heartbeat stuck behind a backlog of other messages
-(tokens) gets the whole of ``dead_after_s`` to be read, not one tick.
+(tokens) gets the whole of ``dead_after_s`` to be read, not one tick. The owner's periodic tick calls `tick`
+once per period, before it judges; a clock never ticked stops one period after its start.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-
-from common.dispatch import Peer
 
 
 class LivenessClock:
@@ -46,14 +45,3 @@ class LivenessClock:
         missed = max(at - self.ticked, 0.0) - (counted - self.at_tick)
         self.ticked, self.at_tick = at, counted
         return missed
-
-
-def excuse(peers: Iterable[Peer], missed_s: float, now: float) -> None:
-    """For a judge that keeps wall-clock times (a `common.dispatch.Dispatcher`, shared with hubs that have no
-    such clock): each peer's last heartbeat moves on by the ``missed_s`` that `LivenessClock.tick` left out, but
-    never past ``now`` (monotonic): one read after the stall, before this tick, is as fresh as can be, and a time
-    later than now would grant it more than ``dead_after_s`` of silence from now."""
-    if missed_s <= 0:
-        return
-    for peer in peers:
-        peer.last_seen = min(peer.last_seen + missed_s, now)
