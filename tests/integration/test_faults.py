@@ -348,6 +348,39 @@ def test_a_gateway_stalled_past_dead_after_s_keeps_its_live_decoder(stack: Stack
     assert stack.pid("gateway") == gateway  # (not restarted: the same process judged, after its stall)
 
 
+def test_a_fetcher_stalled_past_dead_after_s_keeps_its_live_encoder(stack: Stack) -> None:
+    """The fetcher's own process frozen (SIGSTOP) for longer than ``dead_after_s`` with an image request sent
+    to it meanwhile, its encoder alive all along: once it runs again, the request is answered as an undisturbed
+    run answers it, and the fetcher takes its encoder for dead at no point (it could not ping it nor read its
+    answers while frozen: `common.liveness.LivenessClock`, ticked by the fetcher's heartbeat)."""
+    client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=ANSWER_BOUND_S)
+    liveness = load_config(stack.config_path).liveness
+    picture = image_part(data_url(make_image(96, 80, seed=4242)))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": [picture, {"type": "text", "text": "What is it?"}]}]
+    log = stack.run_dir / "logs" / "fetcher-0.log"
+    logged = log.stat().st_size
+    fetcher = stack.pid("fetcher-0")
+    os.kill(fetcher, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(ask, client, messages)  # (it waits in the frozen fetcher's socket)
+            time.sleep(liveness.dead_after_s + 2)
+            assert not answer.done(), answer.exception()
+            os.kill(fetcher, signal.SIGCONT)
+            stalled = answer.result(timeout=ANSWER_BOUND_S)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (a failed assertion must not leave it frozen)
+            os.kill(fetcher, signal.SIGCONT)
+    undisturbed = ask(client, messages)
+    assert stalled.choices[0].finish_reason == "length", stalled
+    assert stalled.choices[0].token_ids == undisturbed.choices[0].token_ids, (stalled, undisturbed)
+    with open(log, "rb") as text:
+        text.seek(logged)
+        since = text.read().decode(errors="replace")
+    assert "silent for" not in since, since
+    assert stack.pid("fetcher-0") == fetcher  # (not restarted: the same process judged, after its stall)
+
+
 def test_every_process_watches_its_own_loop(stack: Stack) -> None:
     """Each serving process arms the stall watchdog (`common.lifecycle.StallWatchdog`, tested on a real loop in
     tests/unit/test_stall_watchdog.py): a hung one ends itself for supervisord to restart."""
