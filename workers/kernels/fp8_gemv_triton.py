@@ -342,7 +342,8 @@ ARRIVAL_COUNTERS = 1 << 16  # column tiles of one launch at most (a 64-row tile:
 
 def arrival_counters(device: torch.device) -> torch.Tensor:
     """The split-K GEMV's per-column-tile counters on ``device``: zero, and zero again after every launch (its last
-    arrival resets its counter), so one buffer serves every launch on a stream in turn."""
+    arrival resets its counter), so one buffer serves every launch on a stream in turn. Launches on concurrent
+    streams would need buffers of their own: every process here runs its model on one stream."""
     if device not in _ARRIVALS:
         _ARRIVALS[device] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
     return _ARRIVALS[device]
