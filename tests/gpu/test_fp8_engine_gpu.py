@@ -7,6 +7,7 @@ as a large distance or lost argmax agreement. The 2b shape: several 128 x 128 bl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from tests.triton_setup import compiled_kernels_skip_reason
 from workers.kernels import fp8, paged_attention
 from workers.kernels.fp8 import dequantize_reference, fp8_matmul_reference, quantize_reference
 from workers.models.language import LanguageModel
-from workers.models.paged import fuse_layers
+from workers.models.paged import FusedLayer, fuse_layers
 from workers.models.synth import generate_checkpoint
 
 _SKIP_REASON = compiled_kernels_skip_reason()
@@ -26,16 +27,48 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP_REASON is not None, reas
 CUDA = torch.device("cuda")
 
 
+def kernel_inputs(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The activations the chosen kernel multiplies: past DECODE_ROWS rows rounded per 1 x 128 group (per token for
+    a per-channel weight) as the prefill paths do, as they are below."""
+    if x.shape[0] <= fp8.DECODE_ROWS:
+        return x
+    group = x.shape[1] if block[1] >= x.shape[1] else fp8.GROUP
+    q, s = quantize_reference(x, group)
+    return dequantize_reference(q, s, (1, group)).to(x.dtype)
+
+
 def reference_product(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """What the chosen kernel computes, by the references: activations of more than DECODE_ROWS rows rounded per
-    1 x 128 group (per token for a per-channel weight) as the prefill paths do, then the exact product."""
-    if x.shape[0] > fp8.DECODE_ROWS:
-        group = x.shape[1] if block[1] >= x.shape[1] else fp8.GROUP
-        q, s = quantize_reference(x, group)
-        x = dequantize_reference(q, s, (1, group)).to(x.dtype)
-    return fp8_matmul_reference(x.float(), w, w_scale, block, bias)
+    """What the chosen kernel computes, by the references: the exact product in fp32, rounded once."""
+    return fp8_matmul_reference(kernel_inputs(x, block).float(), w, w_scale, block, bias)
+
+
+def bf16_product(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The same product as cuBLAS's bf16 GEMM on the dequantized weight: another valid bf16 computation of the same
+    model, whose distance to `reference_product`'s is the yardstick for the kernels'."""
+    weight = dequantize_reference(w, w_scale, block).to(x.dtype)
+    return torch.nn.functional.linear(kernel_inputs(x, block), weight, bias)
+
+
+def logits_with(
+    product: Callable[..., torch.Tensor],
+    model: LanguageModel,
+    ids: list[int],
+    layers: list[FusedLayer],
+    patch: pytest.MonkeyPatch,
+) -> torch.Tensor:
+    with patch.context() as scoped:
+        for name in ("gemv", "scaled_mm", "scaled_mm_blockwise", "block"):
+            scoped.setitem(fp8._PATHS, name, product)
+        return paged_logits(model, ids, layers, paged_attention, 64)
+
+
+def distance(logits: torch.Tensor, truth: torch.Tensor) -> tuple[float, float]:
+    worst = ((logits - truth).abs() / truth.abs().amax(-1, keepdim=True)).max().item()
+    return worst, (logits.argmax(-1) == truth.argmax(-1)).float().mean().item()
 
 
 def test_2b_block_fp8_logits_through_the_engine_match_the_references(
@@ -46,17 +79,15 @@ def test_2b_block_fp8_logits_through_the_engine_match_the_references(
     model = LanguageModel.from_checkpoint(path, device=CUDA, dtype=torch.bfloat16)
     layers = fuse_layers(model)
     kernels = paged_logits(model, ids, layers, paged_attention, 64)
-    with monkeypatch.context() as patch:
-        patch.setitem(fp8._PATHS, "gemv", reference_product)
-        for name in ("scaled_mm", "scaled_mm_blockwise", "block"):
-            patch.setitem(fp8._PATHS, name, reference_product)
-        reference = paged_logits(model, ids, layers, paged_attention, 64)
-    scale = reference.abs().amax(-1, keepdim=True)
-    worst = ((kernels - reference).abs() / scale).max().item()
-    agree = (kernels.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    prefill_agree = (kernels[:300].argmax(-1) == reference[:300].argmax(-1)).float().mean().item()
-    print(f"2b block FP8, kernels vs references: worst |diff| / row max {worst:.4f}, argmax agreement {agree:.3f}")
-    # bf16 activations between layers on both sides: the distance of two bf16 computations of one model (the bf16
-    # engine test's transformers-bf16-vs-fp32 is the scale), far below FP8's own rounding.
-    assert worst < 0.05
-    assert agree >= 0.95 and prefill_agree >= 0.95
+    reference = logits_with(reference_product, model, ids, layers, monkeypatch)
+    other_bf16 = logits_with(bf16_product, model, ids, layers, monkeypatch)
+    worst, agree = distance(kernels, reference)
+    base_worst, base_agree = distance(other_bf16, reference)
+    print(
+        f"2b block FP8 vs the references: kernels worst |diff| / row max {worst:.4f}, argmax agreement {agree:.3f}; "
+        f"cuBLAS bf16 on the same inputs {base_worst:.4f}, {base_agree:.3f}"
+    )
+    # A kernel or scale error moves logits by far more than a second bf16 computation does; FP8's own rounding is
+    # on both sides, so it is not what is measured.
+    assert worst <= 2 * base_worst + 1e-3
+    assert agree >= base_agree - 0.03
