@@ -2,8 +2,8 @@
 RMSNorm), optionally after the residual add before it, written directly as FP8 e4m3 with one scale per row, for the
 per-channel FP8 GEMM that follows it.
 
-One program per row, the row in registers, as `norm_triton._norm_kernel`: its norm arithmetic is that kernel's, line
-for line (the same block, the same reductions), so the normalised row rounded to the rows' dtype is the value the
+One program per row, the row in registers, as `norm_triton._norm_kernel`: its norm is that kernel's own
+(`norm_triton.residual_norm_row`), so the normalised row rounded to the rows' dtype is the value the
 unfused path would have written; its quantization is `fp8_triton._quantize_kernel`'s per-token one on that rounded
 row (amax, ``scale = amax / 448`` and ``q = x / scale`` as IEEE divisions, `_to_e4m3`).
 """
@@ -15,8 +15,9 @@ import triton
 import triton.language as tl
 
 from workers.kernels._launch import check_launchable, interpreted, next_power_of_2
-from workers.kernels._triton_common import Launch, round_to, to_dtype
+from workers.kernels._triton_common import Launch, round_to
 from workers.kernels.fp8_triton import FP8_MAX, FP8_MIN_SCALE_AMAX, _to_e4m3
+from workers.kernels.norm_triton import residual_norm_row
 
 
 @triton.jit
@@ -42,22 +43,10 @@ def _norm_quantize_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if ADD_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        summed = to_dtype(x + r, summed_ptr.dtype.element_ty, INTERPRETED)
-        tl.store(summed_ptr + row * stride_s + cols, summed, mask=mask)
-        x = summed.to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    # The norm as `norm_triton._norm_kernel` computes it (keep the two alike: the fused path's bits depend on it).
-    if LAYER_NORM:
-        centred = tl.where(mask, x - tl.sum(x, 0) / n_cols, 0.0)
-        rstd = tl.rsqrt(tl.sum(centred * centred, 0) / n_cols + eps)
-        b = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        out = centred * rstd * w + b
-    else:
-        rstd = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
-        out = round_to(x * rstd, x_ptr.dtype.element_ty, INTERPRETED) * w
+    out = residual_norm_row(
+        x_ptr, residual_ptr, weight_ptr, bias_ptr, summed_ptr, row, cols, mask, n_cols, stride_x, stride_r, stride_s,
+        eps, ADD_RESIDUAL, LAYER_NORM, INTERPRETED,
+    )  # fmt: skip
     # Rounded to the rows' dtype, as the unfused norm stores it and the quantize kernel reads it back.
     normed = tl.where(mask, round_to(out, x_ptr.dtype.element_ty, INTERPRETED), 0.0)
     scale = tl.div_rn(tl.maximum(tl.max(tl.abs(normed), 0), FP8_MIN_SCALE_AMAX), FP8_MAX)

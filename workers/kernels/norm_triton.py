@@ -13,6 +13,49 @@ from workers.kernels._triton_common import Launch, round_to, to_dtype
 
 
 @triton.jit
+def residual_norm_row(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    bias_ptr,
+    summed_ptr,
+    row,
+    cols,
+    mask,
+    n_cols,
+    stride_x,
+    stride_r,
+    stride_s,
+    eps,
+    ADD_RESIDUAL: tl.constexpr,
+    LAYER_NORM: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """One row's norm in fp32, before its final rounding: the residual added first where ADD_RESIDUAL (the sum
+    stored, rounded to its dtype), then LayerNorm with a bias or RMSNorm. `fp8_norm_triton` normalises with this
+    too, so its fused rows are bit for bit the ones this kernel writes."""
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        # Rounded to the input dtype before normalising, as the layer's own `x + residual` is.
+        summed = to_dtype(x + r, summed_ptr.dtype.element_ty, INTERPRETED)
+        tl.store(summed_ptr + row * stride_s + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if LAYER_NORM:
+        # As torch's LayerNorm: statistics in fp32, the affine map in fp32, one rounding at the end.
+        centred = tl.where(mask, x - tl.sum(x, 0) / n_cols, 0.0)
+        rstd = tl.rsqrt(tl.sum(centred * centred, 0) / n_cols + eps)
+        b = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        out = centred * rstd * w + b
+    else:
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
+        # The reference casts the normalised row to x's dtype before the weight multiply; so do we.
+        out = round_to(x * rstd, x_ptr.dtype.element_ty, INTERPRETED) * w
+    return out
+
+
+@triton.jit
 def _norm_kernel(
     x_ptr,
     residual_ptr,
@@ -34,24 +77,10 @@ def _norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if ADD_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        # Rounded to the input dtype before normalising, as the layer's own `x + residual` is.
-        summed = to_dtype(x + r, summed_ptr.dtype.element_ty, INTERPRETED)
-        tl.store(summed_ptr + row * stride_s + cols, summed, mask=mask)
-        x = summed.to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if LAYER_NORM:
-        # As torch's LayerNorm: statistics in fp32, the affine map in fp32, one rounding at the end.
-        centred = tl.where(mask, x - tl.sum(x, 0) / n_cols, 0.0)
-        rstd = tl.rsqrt(tl.sum(centred * centred, 0) / n_cols + eps)
-        b = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        out = centred * rstd * w + b
-    else:
-        rstd = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
-        # The reference casts the normalised row to x's dtype before the weight multiply; so do we.
-        out = round_to(x * rstd, x_ptr.dtype.element_ty, INTERPRETED) * w
+    out = residual_norm_row(
+        x_ptr, residual_ptr, weight_ptr, bias_ptr, summed_ptr, row, cols, mask, n_cols, stride_x, stride_r, stride_s,
+        eps, ADD_RESIDUAL, LAYER_NORM, INTERPRETED,
+    )  # fmt: skip
     tl.store(out_ptr + row * stride_o + cols, to_dtype(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
