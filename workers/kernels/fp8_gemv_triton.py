@@ -26,6 +26,7 @@ program, stays cached) and split K the same way (`gemv_config`, `_gemv_epilogue`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -330,9 +331,12 @@ def gemv_config(
 def sm_count(device: torch.device) -> int:
     """The device's SMs; an H200's where there is no CUDA device (meta tensors compiled ahead of time, the
     interpreter), so a plan is the same as on the box."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return H200_SMS
+    return _cuda_sm_count(device.index or 0) if device.type == "cuda" else H200_SMS
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:  # (asked by every eager GEMV call: once per device)
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 H200_SMS = 132
