@@ -3,7 +3,10 @@ Nothing here imports triton at module level: which of the two a process gets is 
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
+import sys
 
 import torch
 
@@ -23,6 +26,23 @@ def compiled_kernels_skip_reason() -> str | None:
     if os.environ.get("TRITON_INTERPRET") == "1" or interpreted():
         return "TRITON_INTERPRET=1 makes every kernel run in the interpreter: run tests/gpu without it"
     return None
+
+
+FP8_INTERPRETER_CHILD = "VLM_FP8_INTERPRETER_CHILD"  # set in the child process the FP8 kernel tests run in
+
+
+def interpreted_in_child(child_env: str, kernels_module: str) -> bool:
+    """Import ``kernels_module`` (and so triton) under TRITON_INTERPRET=1 where this process still can: it is the
+    child process a test started with ``child_env`` = 1, and nothing has imported triton yet."""
+    if importlib.util.find_spec("triton") is None or os.environ.get(child_env) != "1" or "triton" in sys.modules:
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    importlib.import_module(kernels_module)
+    from workers.kernels._launch import interpreted
+
+    if interpreted():
+        fix_interpreter_scalar_index()
+    return interpreted()
 
 
 def fix_interpreter_scalar_index() -> None:

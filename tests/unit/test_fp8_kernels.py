@@ -20,7 +20,6 @@ Tolerances, from the formats' precision:
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -29,27 +28,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.triton_setup import fix_interpreter_scalar_index
+from tests.triton_setup import FP8_INTERPRETER_CHILD, interpreted_in_child
 from workers.kernels import fp8
 from workers.kernels.fp8 import FP8, choose_path, dequantize_reference, fp8_matmul_reference, quantize_reference
 
-CHILD = "VLM_FP8_INTERPRETER_CHILD"
-
-
-def _in_interpreter() -> bool:
-    """Import triton under TRITON_INTERPRET=1 where this process still can (the child process)."""
-    if importlib.util.find_spec("triton") is None or os.environ.get(CHILD) != "1" or "triton" in sys.modules:
-        return False
-    os.environ["TRITON_INTERPRET"] = "1"
-    from workers.kernels import fp8_triton  # noqa: F401
-    from workers.kernels._launch import interpreted
-
-    if interpreted():
-        fix_interpreter_scalar_index()
-    return interpreted()
-
-
-INTERPRETED = _in_interpreter()
+CHILD = FP8_INTERPRETER_CHILD
+INTERPRETED = interpreted_in_child(CHILD, "workers.kernels.fp8_triton")
 kernel = pytest.mark.skipif(not INTERPRETED, reason="runs in test_kernels_in_interpreter's child process")
 
 ROWS = (1, 3, 17)
@@ -362,11 +346,15 @@ def test_the_blockwise_path_waits_for_its_probe_and_falls_back_without_one() -> 
     interpreter's, or compiled, a clear refusal of CPU tensors; never torch's block-scaled call."""
     x = activations(20, 256, seed=3)
     w, scale = fp8_weight(128, 256, (128, 128), seed=4)
-    if INTERPRETED:
+    pytest.importorskip("triton")
+    from workers.kernels._launch import interpreted
+
+    # (this module's child process, or any process where another test module imported triton under the
+    # interpreter first: tests/unit/test_kernels.py does at collection)
+    if interpreted():
         expected = fp8.block_triton(x, w, scale, (128, 128), None)
         assert torch.equal(fp8.scaled_mm_blockwise(x, w, scale, (128, 128), None), expected)
     else:
-        pytest.importorskip("triton")
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             fp8.scaled_mm_blockwise(x, w, scale, (128, 128), None)
 

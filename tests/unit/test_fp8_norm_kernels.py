@@ -12,7 +12,6 @@ interpreter's cast writes -0 as +0) and the same residual sums.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -21,28 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.triton_setup import fix_interpreter_scalar_index
+from tests.triton_setup import FP8_INTERPRETER_CHILD, interpreted_in_child
 from workers.kernels import fp8, fp8_norm
 from workers.kernels.fp8 import FP8, quantize_reference
 from workers.models.fp8 import Fp8Weight, quantize_per_channel
 from workers.models.vision_fp8 import QuantizedRows, linear_on, quantized_norms, takes_quantized_rows
 
-CHILD = "VLM_FP8_INTERPRETER_CHILD"
-
-
-def _in_interpreter() -> bool:
-    if importlib.util.find_spec("triton") is None or os.environ.get(CHILD) != "1" or "triton" in sys.modules:
-        return False
-    os.environ["TRITON_INTERPRET"] = "1"
-    from workers.kernels import fp8_norm_triton  # noqa: F401
-    from workers.kernels._launch import interpreted
-
-    if interpreted():
-        fix_interpreter_scalar_index()
-    return interpreted()
-
-
-INTERPRETED = _in_interpreter()
+CHILD = FP8_INTERPRETER_CHILD
+INTERPRETED = interpreted_in_child(CHILD, "workers.kernels.fp8_norm_triton")
 kernel = pytest.mark.skipif(not INTERPRETED, reason="runs in test_norm_kernels_in_interpreter's child process")
 
 HIDDEN = (1280, 1152, 200)  # Qwen2-VL's and Qwen2.5-VL's ViT width, Qwen3-VL-8B's, and one not a power of 2
