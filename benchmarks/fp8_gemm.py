@@ -425,9 +425,14 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         print("benchmarks.fp8_gemm needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
+    from workers.kernels import fp8
+
+    blockwise = fp8.blockwise_support(torch.device("cuda"))
+    failures = fp8.PROBE_FAILURES.get(torch.cuda.current_device(), [])
+    print(f"cuBLASLt block-scaled GEMM: {blockwise or 'none; ' + '; '.join(failures)}", flush=True)
     rows = sweep_gemv() if args.sweep_gemv else sweep_block() if args.sweep_block else run(args.quick)
     if args.out:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "blockwise_probe": failures}
         args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
 

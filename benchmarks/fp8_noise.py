@@ -57,7 +57,9 @@ def last_logprobs(model: torch.nn.Module, tokenizer: Any, device: str) -> list[t
 def round_weights(linears: list[torch.nn.Linear]) -> None:
     for module in linears:
         data, scale = quantize_per_block(module.weight.data.float())
-        module.weight.data = dequantize_reference(data, scale, (128, 128)).to(module.weight.dtype)
+        # (quantize_per_block answers on the CPU, as the synthetic generator uses it)
+        weight = dequantize_reference(data, scale, (128, 128))
+        module.weight.data = weight.to(device=module.weight.device, dtype=module.weight.dtype)
 
 
 def round_inputs(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

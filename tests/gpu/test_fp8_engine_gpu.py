@@ -41,7 +41,7 @@ def reference_product(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
 ) -> torch.Tensor:
     """What the chosen kernel computes, by the references: the exact product in fp32, rounded once."""
-    return fp8_matmul_reference(kernel_inputs(x, block).float(), w, w_scale, block, bias)
+    return fp8_matmul_reference(kernel_inputs(x, block).float(), w, w_scale, block, bias).to(x.dtype)
 
 
 def bf16_product(

@@ -312,8 +312,9 @@ def test_dispatch_chooses_by_rows_and_scale_layout() -> None:
     hopper, ampere = (9, 0), (8, 0)
     assert choose_path(1, 37888, 3584, (128, 128), hopper) == "gemv"
     assert choose_path(16, 3584, 18944, (1, 18944), hopper) == "gemv"
-    assert choose_path(64, 3584, 18944, (1, 18944), hopper) == "gemv"  # a decode batch: the weight's bytes dominate
-    assert choose_path(65, 3584, 18944, (1, 18944), hopper) == "scaled_mm"
+    rows = fp8.DECODE_ROWS
+    assert choose_path(rows, 3584, 18944, (1, 18944), hopper) == "gemv"  # a decode batch: the weight's bytes dominate
+    assert choose_path(rows + 1, 3584, 18944, (1, 18944), hopper) == "scaled_mm"
     assert choose_path(2048, 3584, 18944, (1, 18944), ampere) == "block"  # no FP8 tensor cores for cuBLASLt
     assert choose_path(2048, 3590, 3584, (1, 3584), hopper) == "block"  # _scaled_mm wants multiples of 16
     assert choose_path(2048, 4608, 3584, (128, 128), hopper) == "block"
@@ -324,8 +325,9 @@ def test_dispatch_chooses_by_rows_and_scale_layout() -> None:
 def test_dispatch_takes_cublaslt_block_scaling_only_where_the_probe_passed() -> None:
     hopper, ada = (9, 0), (8, 9)
     assert choose_path(2048, 4608, 3584, (128, 128), hopper, blockwise=True) == "scaled_mm_blockwise"
-    assert choose_path(65, 4608, 3584, (128, 128), hopper, blockwise=True) == "scaled_mm_blockwise"
-    assert choose_path(64, 4608, 3584, (128, 128), hopper, blockwise=True) == "gemv"  # decode streams the weight
+    rows = fp8.DECODE_ROWS
+    assert choose_path(rows + 1, 4608, 3584, (128, 128), hopper, blockwise=True) == "scaled_mm_blockwise"
+    assert choose_path(rows, 4608, 3584, (128, 128), hopper, blockwise=True) == "gemv"  # decode streams the weight
     assert choose_path(2048, 4608, 3584, (128, 128), hopper, blockwise=False) == "block"
     assert choose_path(2048, 4608, 3584, (128, 128), ada, blockwise=True) == "block"  # cuBLASLt's recipe is sm_90+
     assert choose_path(2048, 4608, 3584, (1, 128), hopper, blockwise=True) == "block"  # a fused projection's rows
@@ -363,18 +365,28 @@ def test_gemv_splits_k_only_where_the_column_tiles_leave_sms_idle() -> None:
     pytest.importorskip("triton")
     from workers.kernels.fp8_gemv_triton import gemv_config
 
-    down = gemv_config(1, 3584, 18944, sm_count=132)  # 56 column tiles: K cut until there are ~4 programs an SM
+    tile = {"programs_per_sm": 4, "variant": "dot", "block_n": 64, "block_k": 128}
+    down = gemv_config(1, 3584, 18944, sm_count=132, **tile)  # 56 column tiles: K cut until ~4 programs an SM
     assert down.block_n == 64 and down.split_k > 1 and down.k_per_split % down.block_k == 0
     assert 56 * down.split_k >= 4 * 132 and down.k_per_split * down.split_k >= 18944
     assert down.k_per_split * (down.split_k - 1) < 18944  # no empty slice
-    gate_up = gemv_config(1, 37888, 3584, sm_count=132)  # 592 column tiles fill the SMs already
+    gate_up = gemv_config(1, 37888, 3584, sm_count=132, **tile)  # 592 column tiles fill the SMs already
     assert gate_up.split_k == 1 and gate_up.k_per_split >= 3584
-    small_k = gemv_config(1, 3584, 128, sm_count=132)  # one K tile: nothing to split
+    small_k = gemv_config(1, 3584, 128, sm_count=132, **tile)  # one K tile: nothing to split
     assert small_k.split_k == 1
     wide = gemv_config(1, 3584, 18944, sm_count=132, variant="sum", block_k=512)  # slices of whole 512-column tiles
     assert (
         wide.k_per_split % 512 == 0 and wide.k_per_split * (wide.split_k - 1) < 18944 <= wide.k_per_split * wide.split_k
     )
+
+
+def test_the_default_gemv_configs_run_on_every_decode_batch() -> None:
+    pytest.importorskip("triton")
+    from workers.kernels.fp8_gemv_triton import check_config, gemv_config
+
+    for m in range(1, fp8.DECODE_ROWS + 1):
+        for n, k in ((4608, 3584), (3584, 18944), (96, 64)):
+            check_config(gemv_config(m, n, k, sm_count=132), m)
 
 
 def test_gemv_refuses_a_config_no_kernel_runs() -> None:

@@ -34,7 +34,9 @@ from workers.kernels._launch import use_triton
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128  # activation scale group of the block path: the weight's K block
-DECODE_ROWS = 64  # up to this many rows the GEMV's weight streaming beats quantizing activations for a GEMM
+# Up to this many rows the GEMV's weight streaming beats quantizing activations for a GEMM; past it the dot kernel's
+# x tile outweighs the weight tile and cuBLASLt's FP8 GEMM wins (the H200 sweep, docs/performance.md).
+DECODE_ROWS = 32
 MIN_SCALE_AMAX = 1e-10  # as the kernel's: a row of zeros quantizes to zeros
 BLOCKWISE = (128, 128)  # the weight blocks cuBLASLt's block-scaled recipe takes (DeepSeek's and Qwen's layout)
 
@@ -210,21 +212,32 @@ def blockwise_support(device: torch.device) -> BlockwiseCall | None:
 
 
 def probe_blockwise(device: torch.device) -> BlockwiseCall | None:
+    """The first of `BLOCKWISE_CALLS` that matches the reference on every probe shape; why each other failed is kept
+    in `PROBE_FAILURES` (and logged), since a torch that lacks the recipe and one that computes it wrongly differ."""
+    failures = PROBE_FAILURES.setdefault(_device_index(device), [])
+    failures.clear()
     if _capability(device.index) < (9, 0):
+        failures.append(f"compute capability {_capability(device.index)} is below 9.0")
         return None
     for call in BLOCKWISE_CALLS:
         try:
-            if all(_probe_matches(device, call, *shape) for shape in PROBE_SHAPES):
-                return call
+            mismatch = next(filter(None, (_probe_mismatch(device, call, *shape) for shape in PROBE_SHAPES)), None)
         except Exception as error:  # (whatever this torch raises for a recipe it lacks: the next call is tried)
-            log.debug("cuBLASLt block-scaled GEMM through %s: %s", call, error)
+            mismatch = f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if mismatch is None:
+            return call
+        failures.append(f"torch.{call.api} (padded weight scales: {call.padded}): {mismatch}")
+        log.info("cuBLASLt block-scaled GEMM through %s failed its probe: %s", call, mismatch)
     return None
 
 
-def _probe_matches(device: torch.device, call: BlockwiseCall, m: int, k: int, n: int) -> bool:
-    """Whether ``call``'s [m, k] x [n, k] product matches the dequantizing reference on its quantized activations
+PROBE_FAILURES: dict[int, list[str]] = {}  # device index: why each block-scaled call failed its last probe
+
+
+def _probe_mismatch(device: torch.device, call: BlockwiseCall, m: int, k: int, n: int) -> str | None:
+    """None where ``call``'s [m, k] x [n, k] product matches the dequantizing reference on its quantized activations
     within the bound the GPU tests hold the scaled paths to (bf16 rounding of the product; the tensor cores'
-    narrower accumulation, 2**-12 of the absolute sum)."""
+    narrower accumulation, 2**-12 of the absolute sum); else what differs."""
     g = torch.Generator(device=device).manual_seed(m + k + n)
     x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
     w = (torch.randn(n, k, generator=g, device=device) * 64).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -235,7 +248,13 @@ def _probe_matches(device: torch.device, call: BlockwiseCall, m: int, k: int, n:
     w_deq = dequantize_reference(w, w_scale, BLOCKWISE)
     ref = x_deq @ w_deq.T
     bound = 2**-8 * ref.abs() + 2**-12 * (x_deq.abs() @ w_deq.abs().T)
-    return out.shape == ref.shape and bool(((out - ref).abs() <= bound).all())
+    if out.shape != ref.shape:
+        return f"[{m}, {k}] x [{n}, {k}]: answered shape {tuple(out.shape)}"
+    over = (out - ref).abs() / bound
+    if bool((over <= 1).all()):
+        return None
+    off = int((over > 1).sum())
+    return f"[{m}, {k}] x [{n}, {k}]: {off} of {over.numel()} outputs off, worst {over.max():.3g}x the bound"
 
 
 def blockwise_mm(

@@ -304,13 +304,22 @@ class GemvConfig:
         return f"{self.variant} {tile}{flags} x{self.split_k}"
 
 
-GEMV_PROGRAMS_PER_SM = 4  # column tiles times K slices: enough loads in flight per SM to stream weights at HBM rate
-
-
 def default_kernel(m: int, n: int) -> GemvConfig:
-    """The kernel and tile `gemv_config` uses for M rows and N output columns (its split fields are placeholders):
-    the one measured before the variants existed, until `benchmarks.fp8_gemm --sweep-gemv` says which to keep."""
-    return GemvConfig(block_n=64 if n >= 1024 else 16, split_k=1, k_per_split=0)
+    """The kernel and tile `gemv_config` uses for M rows (its split fields are placeholders), as the H200 sweep of the
+    7B decode shapes (`benchmarks.fp8_gemm --sweep-gemv`, docs/performance.md) ranked them: at one row the ``sum``
+    kernel, whose 16-byte weight loads skip the MMA's padding and layout change; from two rows the ``dot`` kernel, on
+    32-column tiles while the rows fit the smallest MMA and 64-column tiles past it (its x tile then weighs as much as
+    the weight tile). Evict-first weight loads everywhere: each weight is read once a step."""
+    del n  # (one tile for every projection: the split, not the tile, adapts to N)
+    if m == 1:
+        return GemvConfig(32, 1, 0, variant="sum", block_k=256, num_stages=1, evict_first=True)
+    return GemvConfig(32 if m <= DOT_MIN_ROWS else 64, 1, 0, evict_first=True)
+
+
+def default_programs_per_sm(m: int) -> int:
+    """Column tiles times K slices an SM: enough loads in flight to stream weights at HBM rate; more slices (a deeper
+    split) won while the x tile is small."""
+    return 8 if m <= DOT_MIN_ROWS else 4
 
 
 def gemv_config(
@@ -323,7 +332,7 @@ def gemv_config(
     base = replace(default_kernel(m, n), **kernel)
     tiles_n = -(-n // base.block_n)
     tiles_k = -(-k // base.block_k)
-    wanted = -(-(sm_count * (programs_per_sm or GEMV_PROGRAMS_PER_SM)) // tiles_n)
+    wanted = -(-(sm_count * (programs_per_sm or default_programs_per_sm(m))) // tiles_n)
     per_split = -(-tiles_k // max(1, min(wanted, tiles_k)))
     return replace(base, split_k=-(-tiles_k // per_split), k_per_split=per_split * base.block_k)
 
