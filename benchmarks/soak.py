@@ -51,7 +51,7 @@ import numpy as np
 
 from benchmarks import soak_verdict
 from benchmarks.serve import _error_text, _read_stream, environment
-from benchmarks.soak_stack import START_WAIT_S, STOP_WAIT_S, Stack, sample, start_stack
+from benchmarks.soak_stack import PROBE_TIMEOUT_S, START_WAIT_S, STOP_WAIT_S, Sampler, Stack, start_stack
 from benchmarks.workloads import WorkloadOptions, seed3img_request, text_request, video_request
 
 Record = dict[str, Any]
@@ -311,10 +311,16 @@ class Chaos:
         return None
 
 
-async def sampler(stack: Stack, t0: float, every_s: float, samples: list[dict[str, Any]]) -> None:
+async def sampler(
+    stack: Stack, t0: float, every_s: float, samples: list[dict[str, Any]], probe_timeout_s: float = PROBE_TIMEOUT_S
+) -> None:
+    """A sample every ``every_s`` until cancelled, whatever a probe does (`Sampler`: one that fails or does not
+    answer within ``probe_timeout_s`` is recorded as missing)."""
+    probes = Sampler(stack, probe_timeout_s)
     while True:
-        samples.append(await asyncio.to_thread(sample, stack, time.perf_counter() - t0))
-        await asyncio.sleep(every_s)
+        started = time.perf_counter()
+        samples.append(await probes.sample(started - t0))
+        await asyncio.sleep(max(0.0, every_s - (time.perf_counter() - started)))
 
 
 async def drain(stack: Stack, timeout_s: float) -> dict[str, float]:
@@ -390,7 +396,7 @@ async def soak(h: Harness) -> dict[str, Any]:
     if len(background) > 1:  # (a hang in progress ends first: its SIGCONT must be sent)
         await background[1]
     idle = await drain(h.stack, args.drain_s)
-    h.samples.append(await asyncio.to_thread(sample, h.stack, h.now()))
+    h.samples.append(await Sampler(h.stack).sample(h.now()))
     resources = soak_verdict.judge_resources(h.samples, traffic_end, args.warmup_s)
     verdict = soak_verdict.judge(
         h.records,
