@@ -10,15 +10,17 @@ chunk, and bad inputs (each must get its 4xx). With ``--chaos-every S`` (mean se
 random stage gets ``kill -9``, or SIGSTOP then SIGCONT ``--hang-s`` later (a hang, for the liveness watchdogs), by
 its pid from supervisord. Every ``--sample-every`` seconds it samples each process's RSS and open fds, the
 deployment's /dev/shm bytes, the decoder's KV blocks in use and the cache daemon's leases and pending entries (the
-gateway's /metrics) and GPU memory. The traffic stops, the stack drains, and `benchmarks.soak_verdict` judges the
-records and samples (its docstring says how). Exit 1 with the reasons when the run fails.
+gateway's /metrics) and GPU memory, every probe bounded (`benchmarks.soak_stack.Sampler`). The traffic stops, the
+stack drains, and `benchmarks.soak_verdict` judges the records and samples (its docstring says how). Exit 1 with the
+reasons when the run fails.
 
 Burst (``--burst``): the sustainable rate (``--sustainable-rate``, else measured: ``--burst-workload`` requests
 closed-loop at ``--concurrency`` for ``--measure-s``), a request's latency alone (the median of a few, one at a
 time), then Poisson arrivals at ``--burst-factor`` x that rate for ``--burst-s``, then requests one at a time for
-``--tail-s``. It fails if a request went unanswered by its deadline, a refusal was not a 503 with Retry-After within
-``--refuse-within-s``, the one-at-a-time latency was not back within ``--recover-factor`` x the pre-burst one
-``--recover-within-s`` after the burst, or a resource still grew after it.
+``--tail-s``; every body built before it starts (`BodyPool`). It fails if the burst was sent under 90% of the rate
+asked (the harness's fault, said so), a request went unanswered by its deadline, a refusal was not a 503 with
+Retry-After within ``--refuse-within-s``, the one-at-a-time latency was not back within ``--recover-factor`` x the
+pre-burst one ``--recover-within-s`` after the burst, or a resource still grew after it.
 
 Writes ``--out`` (config, summary, verdict, chaos events, every request, every sample) and a plot beside it
 (``.png``): each resource over time, chaos events marked.
