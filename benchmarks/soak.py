@@ -10,15 +10,17 @@ chunk, and bad inputs (each must get its 4xx). With ``--chaos-every S`` (mean se
 random stage gets ``kill -9``, or SIGSTOP then SIGCONT ``--hang-s`` later (a hang, for the liveness watchdogs), by
 its pid from supervisord. Every ``--sample-every`` seconds it samples each process's RSS and open fds, the
 deployment's /dev/shm bytes, the decoder's KV blocks in use and the cache daemon's leases and pending entries (the
-gateway's /metrics) and GPU memory. The traffic stops, the stack drains, and `benchmarks.soak_verdict` judges the
-records and samples (its docstring says how). Exit 1 with the reasons when the run fails.
+gateway's /metrics) and GPU memory, every probe bounded (`benchmarks.soak_stack.Sampler`). The traffic stops, the
+stack drains, and `benchmarks.soak_verdict` judges the records and samples (its docstring says how). Exit 1 with the
+reasons when the run fails.
 
 Burst (``--burst``): the sustainable rate (``--sustainable-rate``, else measured: ``--burst-workload`` requests
 closed-loop at ``--concurrency`` for ``--measure-s``), a request's latency alone (the median of a few, one at a
 time), then Poisson arrivals at ``--burst-factor`` x that rate for ``--burst-s``, then requests one at a time for
-``--tail-s``. It fails if a request went unanswered by its deadline, a refusal was not a 503 with Retry-After within
-``--refuse-within-s``, the one-at-a-time latency was not back within ``--recover-factor`` x the pre-burst one
-``--recover-within-s`` after the burst, or a resource still grew after it.
+``--tail-s``; every body built before it starts (`BodyPool`). It fails if the burst was sent under 90% of the rate
+asked (the harness's fault, said so), a request went unanswered by its deadline, a refusal was not a 503 with
+Retry-After within ``--refuse-within-s``, the one-at-a-time latency was not back within ``--recover-factor`` x the
+pre-burst one ``--recover-within-s`` after the burst, or a resource still grew after it.
 
 Writes ``--out`` (config, summary, verdict, chaos events, every request, every sample) and a plot beside it
 (``.png``): each resource over time, chaos events marked.
@@ -49,9 +51,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from benchmarks import soak_verdict
+from benchmarks import media, soak_verdict
 from benchmarks.serve import _error_text, _read_stream, environment
-from benchmarks.soak_stack import START_WAIT_S, STOP_WAIT_S, Stack, sample, start_stack
+from benchmarks.soak_stack import PROBE_TIMEOUT_S, START_WAIT_S, STOP_WAIT_S, Sampler, Stack, start_stack
 from benchmarks.workloads import WorkloadOptions, seed3img_request, text_request, video_request
 
 Record = dict[str, Any]
@@ -311,10 +313,16 @@ class Chaos:
         return None
 
 
-async def sampler(stack: Stack, t0: float, every_s: float, samples: list[dict[str, Any]]) -> None:
+async def sampler(
+    stack: Stack, t0: float, every_s: float, samples: list[dict[str, Any]], probe_timeout_s: float = PROBE_TIMEOUT_S
+) -> None:
+    """A sample every ``every_s`` until cancelled, whatever a probe does (`Sampler`: one that fails or does not
+    answer within ``probe_timeout_s`` is recorded as missing)."""
+    probes = Sampler(stack, probe_timeout_s)
     while True:
-        samples.append(await asyncio.to_thread(sample, stack, time.perf_counter() - t0))
-        await asyncio.sleep(every_s)
+        started = time.perf_counter()
+        samples.append(await probes.sample(started - t0))
+        await asyncio.sleep(max(0.0, every_s - (time.perf_counter() - started)))
 
 
 async def drain(stack: Stack, timeout_s: float) -> dict[str, float]:
@@ -390,7 +398,7 @@ async def soak(h: Harness) -> dict[str, Any]:
     if len(background) > 1:  # (a hang in progress ends first: its SIGCONT must be sent)
         await background[1]
     idle = await drain(h.stack, args.drain_s)
-    h.samples.append(await asyncio.to_thread(sample, h.stack, h.now()))
+    h.samples.append(await Sampler(h.stack).sample(h.now()))
     resources = soak_verdict.judge_resources(h.samples, traffic_end, args.warmup_s)
     verdict = soak_verdict.judge(
         h.records,
@@ -405,22 +413,59 @@ async def soak(h: Harness) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------- overload
-def _probe(args: argparse.Namespace, index: int) -> Request:
-    """The overload run's request: ``--burst-workload``'s, not streamed."""
-    opts = workload_options(args)
-    spec = seed3img_request(opts, index) if args.burst_workload == "seed3img" else text_request(opts, index)
-    return Request(
-        index,
-        args.burst_workload,
-        _body(spec.messages, args.max_tokens, False, 1, ignore_eos=True),
-        False,
-        1,
-        False,
-        "2xx",
-    )
+VARIANT = "@@variant@@"  # (no base64 data URL and no word of the filler text holds an "@")
+# Below any image's own pixel count (media.MIN_SIDE squared): an image's min_pixels then changes no resize.
+IMAGE_VARIANTS = media.MIN_SIDE**2 - 1
+BODY_POOL_BUILD_S = 60.0  # the most building the pool may take (full-size seed3img bodies, one core)
+SENT_SHARE = 0.9  # a burst sent at less than this share of the rate asked says nothing of the server
 
 
-async def measure_rate(h: Harness, counter: Any) -> float:
+@dataclass
+class BodyPool:
+    """The overload run's request bodies (``--burst-workload``'s, not streamed), built before it starts: building
+    a seed3img body (three full-size images drawn and encoded) on the sending loop capped the sender at about ten
+    requests a second, far below a burst's rate. ``--body-pool`` distinct bodies are sent in turn, each pass as a
+    new variant the server has not seen, so that every request is the cache miss the workload is meant to be: a
+    seed3img body's images carry the variant as their ``min_pixels`` (the fetcher's decoded-image memo and the
+    embedding cache both key on an image's pixel budget too; a budget below the image's pixels changes no resize:
+    the same decode, patches and encoder work), a text body's prompt begins with it (no prefix-cache hit)."""
+
+    workload: str
+    bodies: list[list[bytes]]  # each body split where its variant goes
+
+    @classmethod
+    def build(cls, args: argparse.Namespace) -> BodyPool:
+        opts = workload_options(args)
+        bodies = []
+        for index in range(args.body_pool):
+            if args.burst_workload == "seed3img":
+                messages = seed3img_request(opts, index).messages
+                for part in messages[0]["content"]:
+                    if part["type"] == "image_url":
+                        part["image_url"]["min_pixels"] = VARIANT
+                marker = json.dumps(VARIANT).encode()
+            else:
+                messages = text_request(opts, index).messages
+                messages[0]["content"] = f"{VARIANT} {messages[0]['content']}"
+                marker = VARIANT.encode()
+            bodies.append(_body(messages, args.max_tokens, False, 1, ignore_eos=True).split(marker))
+        return cls(args.burst_workload, bodies)
+
+    @property
+    def distinct(self) -> int:
+        """How many requests differ before they repeat (and the cache may hold one)."""
+        return len(self.bodies) * IMAGE_VARIANTS if self.workload == "seed3img" else 10**9
+
+    def request(self, index: int) -> Request:
+        variant = index // len(self.bodies)
+        if self.workload == "seed3img":
+            fill = str(variant % IMAGE_VARIANTS + 1).encode()
+        else:
+            fill = f"Request {index}.".encode()
+        return Request(index, self.workload, fill.join(self.bodies[index % len(self.bodies)]), False, 1, False, "2xx")
+
+
+async def measure_rate(h: Harness, pool: BodyPool, counter: Any) -> float:
     """Requests completed per second, closed loop at ``--concurrency`` for ``--measure-s``."""
     done = 0
     end = h.now() + h.args.measure_s
@@ -428,7 +473,7 @@ async def measure_rate(h: Harness, counter: Any) -> float:
     async def client() -> None:
         nonlocal done
         while h.now() < end:
-            record = await h.one(_probe(h.args, next(counter)))
+            record = await h.one(pool.request(next(counter)))
             record["phase"] = "measure"
             done += record["error"] is None
 
@@ -437,10 +482,12 @@ async def measure_rate(h: Harness, counter: Any) -> float:
     return done / (h.now() - started)
 
 
-async def one_at_a_time(h: Harness, counter: Any, until_s: float, phase: str, count: int | None = None) -> list[Record]:
+async def one_at_a_time(
+    h: Harness, pool: BodyPool, counter: Any, until_s: float, phase: str, count: int | None = None
+) -> list[Record]:
     out: list[Record] = []
     while h.now() < until_s and (count is None or len(out) < count):
-        record = await h.one(_probe(h.args, next(counter)))
+        record = await h.one(pool.request(next(counter)))
         record["phase"] = phase
         out.append(record)
         if record["error"] is not None:
@@ -448,41 +495,63 @@ async def one_at_a_time(h: Harness, counter: Any, until_s: float, phase: str, co
     return out
 
 
+async def send_burst(h: Harness, pool: BodyPool, counter: Any, rate: float) -> tuple[list[asyncio.Task[Record]], float]:
+    """Poisson arrivals at ``rate`` for ``--burst-s``, each request's body ready (`BodyPool`): the tasks, and the
+    latest a request was begun past its planned arrival."""
+    args = h.args
+    gaps = np.random.default_rng([args.seed, 5]).exponential(1.0 / rate, size=10**6)
+    tasks, late, at, start = [], 0.0, h.now(), h.now()
+    for gap in gaps:
+        at += float(gap)
+        if at >= start + args.burst_s:
+            break
+        await asyncio.sleep(max(0.0, at - h.now()))
+        late = max(late, h.now() - at)
+        tasks.append(asyncio.create_task(h.one(pool.request(next(counter)))))
+    return tasks, late
+
+
+def sent_rate(burst: list[Record], burst_start: float, burst_s: float) -> float:
+    """Requests a second the burst really began: its requests over the time from its start to its last one's
+    start (at least ``burst_s``: a sender on time spreads them over the whole burst)."""
+    if not burst:
+        return 0.0
+    return len(burst) / max(burst_s, max(r["start_s"] for r in burst) - burst_start)
+
+
 async def overload(h: Harness) -> dict[str, Any]:
     args = h.args
     counter = iter(range(10**9))
     background = asyncio.create_task(sampler(h.stack, h.t0, args.sample_every, h.samples))
-    rate = args.sustainable_rate or await measure_rate(h, counter)
-    alone = await one_at_a_time(h, counter, float("inf"), "before", count=BEFORE_BURST)
+    pool = await asyncio.to_thread(BodyPool.build, args)
+    rate = args.sustainable_rate or await measure_rate(h, pool, counter)
+    alone = await one_at_a_time(h, pool, counter, float("inf"), "before", count=BEFORE_BURST)
     baseline = float(np.median([r["end_s"] - r["start_s"] for r in alone if r["error"] is None] or [float("nan")]))
     burst_start = h.now()
-    gaps = np.random.default_rng([args.seed, 5]).exponential(1.0 / (args.burst_factor * rate), size=10**6)
-    tasks, at = [], burst_start
-    for gap in gaps:
-        at += float(gap)
-        if at >= burst_start + args.burst_s:
-            break
-        await asyncio.sleep(max(0.0, at - h.now()))
-        tasks.append(asyncio.create_task(h.one(_probe(args, next(counter)))))
+    tasks, late = await send_burst(h, pool, counter, args.burst_factor * rate)
     burst_end = h.now()
-    after = await one_at_a_time(h, counter, burst_end + args.tail_s, "after")
+    after = await one_at_a_time(h, pool, counter, burst_end + args.tail_s, "after")
     burst = await asyncio.gather(*tasks)
     for record in burst:
         record["phase"] = "burst"
     background.cancel()
     recovered = recovered_at(after, baseline * args.recover_factor)
     resources = soak_verdict.judge_resources(h.samples, h.now(), burst_end + args.recover_within_s)
-    verdict = _overload_verdict(args, h, burst, recovered, burst_end, resources)
+    made = next(counter)  # (requests made, every phase)
     summary = {
         "sustainable_rate": rate,
         "burst_rate": args.burst_factor * rate,
+        "burst_sent_rate": sent_rate(burst, burst_start, args.burst_s),
+        "burst_latest_send_s": late,
         "burst_requests": len(burst),
+        "repeated_requests": max(0, made - pool.distinct),  # (sent again as they were: a cache may have held them)
         "burst_start_s": burst_start,
         "burst_end_s": burst_end,
         "latency_alone_s": baseline,
         "recovered_after_s": None if recovered is None else recovered - burst_end,
         "peak_rss_mib": _peak_rss(h.samples),
     }
+    verdict = _overload_verdict(args, h, burst, recovered, burst_end, resources, summary)
     return {"verdict": verdict, "events": [], "resources": resources, "overload": summary}
 
 
@@ -505,6 +574,7 @@ def _overload_verdict(
     recovered_at: float | None,
     burst_end: float,
     resources: dict[str, dict[str, Any]],
+    summary: dict[str, Any],
 ) -> dict[str, Any]:
     counts: dict[str, int] = {}
     for r in h.records:
@@ -523,8 +593,16 @@ def _overload_verdict(
             "after the burst"
         )
     reasons += [f"{name} still grows after the burst" for name, g in resources.items() if not g["ok"]]
+    sent_ok = summary["burst_sent_rate"] >= SENT_SHARE * summary["burst_rate"]
+    if not sent_ok:  # (first: whatever else it found, the server was not loaded as asked)
+        reasons.insert(
+            0,
+            f"the harness sent {summary['burst_sent_rate']:.1f} requests/s of the {summary['burst_rate']:.1f} asked "
+            f"(under {SENT_SHARE:.0%}): the server was not loaded as asked, so this run judges the harness, not it",
+        )
     return {
         "ok": not reasons,
+        "burst_sent_as_asked": sent_ok,
         "reasons": reasons,
         "outcomes": counts,
         "refused_in_burst": sum(r["status"] == 503 for r in burst),
@@ -608,7 +686,7 @@ def time_bound_s(args: argparse.Namespace) -> float:
     deadline = args.request_timeout + args.deadline_grace
     if args.burst:
         measure = 0.0 if args.sustainable_rate else args.measure_s + deadline
-        traffic = measure + BEFORE_BURST * deadline + args.burst_s + args.tail_s + deadline
+        traffic = BODY_POOL_BUILD_S + measure + BEFORE_BURST * deadline + args.burst_s + args.tail_s + deadline
     else:
         traffic = args.duration + max(deadline, args.hang_s[1] + BACK_WAIT_S) + args.drain_s
     return start + traffic + STOP_WAIT_S + WRITE_S
@@ -648,6 +726,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strict", action="store_true", help="fail on requests that failed with chaos too")
     p.add_argument("--burst", action="store_true", help="the overload run instead of the soak")
     p.add_argument("--burst-workload", choices=["seed3img", "text"], default="seed3img")
+    p.add_argument(
+        "--body-pool", type=int, default=32, help="distinct bodies built before the overload run, sent in turn"
+    )
     p.add_argument("--sustainable-rate", type=float, help="requests/s (default: measured)")
     p.add_argument("--measure-s", type=float, default=30.0)
     p.add_argument("--burst-factor", type=float, default=10.0)

@@ -7,22 +7,29 @@ pids from supervisord's XML-RPC socket; the chaos (``kill -9``, SIGSTOP then SIG
 
 from __future__ import annotations
 
+import asyncio
 import configparser
+import contextlib
+import http.client
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 import xmlrpc.client
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
-from supervisor.xmlrpc import SupervisorTransport
+from supervisor.xmlrpc import SupervisorTransport, UnixStreamHTTPConnection
 
 from common.config import load_config
 
@@ -30,6 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 SHM_DIR = Path("/dev/shm")
 START_WAIT_S = 300.0  # a started stack's wait to be healthy (a 7B checkpoint's stack takes over a minute)
 STOP_WAIT_S = 60.0  # supervisord's wait for its programs to stop, before SIGKILL to its group
+# The longest one probe of a sample (supervisord's XML-RPC, /metrics, nvidia-smi) may take: a hung process must
+# not stop the series (a SIGSTOPped gateway accepts the connection and never answers).
+PROBE_TIMEOUT_S = 5.0
 # The gateway's /metrics gauges a soak samples (summed over their labels: replicas).
 METRIC_GAUGES = {
     "kv_blocks_used": "vlm_decoder_kv_blocks_used",
@@ -67,7 +77,6 @@ class Stack:
     shm_prefix: str = ""  # /dev/shm files of this deployment start with it ("" : not known)
     supervisord: subprocess.Popen[bytes] | None = None  # when this harness started it
     keep_logs_in: Path | None = None  # where stop() copies the run's logs/ (the soak's --stack-dir)
-    _rpc: Any = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, base_url: str, config: Path) -> Stack:
@@ -75,13 +84,11 @@ class Stack:
         return cls(base_url, cfg.run_path / "supervisord.conf", f"vlm-{cfg.deployment_id}-")
 
     def rpc(self) -> Any:
-        if self._rpc is None:
-            if self.conf is None:
-                raise RuntimeError("no supervisord known for this stack (give --config)")
-            self._rpc = xmlrpc.client.ServerProxy(
-                "http://127.0.0.1", transport=SupervisorTransport(None, None, serverurl=_server_url(self.conf))
-            )
-        return self._rpc
+        """A proxy of its own for each call: supervisord's transport keeps one connection, which two threads (the
+        sampler's, the chaos's) must never share, and it has no timeout of its own (`TimedTransport`)."""
+        if self.conf is None:
+            raise RuntimeError("no supervisord known for this stack (give --config)")
+        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=TimedTransport(_server_url(self.conf)))
 
     def processes(self) -> list[StackProcess]:
         """Every program supervisord runs, with its pid (0 while it is down)."""
@@ -116,11 +123,14 @@ class Stack:
     def metrics(self) -> dict[str, float]:
         """The /metrics gauges of ``METRIC_GAUGES``, each summed over its labels; {} when the gateway is down."""
         try:
-            with urllib.request.urlopen(self.base_url + "/metrics", timeout=5) as r:
-                text = r.read().decode()
-        except (OSError, urllib.error.URLError):
+            return self.scrape()
+        except (OSError, http.client.HTTPException, ValueError):
             return {}
-        return gauges(text)
+
+    def scrape(self) -> dict[str, float]:
+        """`metrics`, raising when the gateway does not answer within ``PROBE_TIMEOUT_S`` or answers no exposition."""
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=PROBE_TIMEOUT_S) as r:
+            return gauges(r.read().decode())
 
     def stop(self) -> None:
         """SIGTERM to the supervisord this harness started (it stops its programs), SIGKILL to its group if it
@@ -148,6 +158,31 @@ class Stack:
                 shutil.copy(run / "supervisord.log", kept / "supervisord.log")
         except OSError as exc:  # (a log rotated away while copied: the rest is kept)
             print(f"soak: not every log was kept: {exc}", file=sys.stderr)
+
+
+class _TimedUnixConnection(UnixStreamHTTPConnection):
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socketfile)
+
+
+class TimedTransport(SupervisorTransport):
+    """supervisord's XML-RPC transport (a unix socket or HTTP) whose every socket operation gives up after
+    ``timeout_s``: a supervisord that takes the connection and never answers raises instead of hanging."""
+
+    def __init__(self, serverurl: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+        super().__init__(None, None, serverurl=serverurl)
+        self._get_connection = lambda: _timed_connection(serverurl, timeout_s)
+
+
+def _timed_connection(serverurl: str, timeout_s: float) -> http.client.HTTPConnection:
+    if serverurl.startswith("unix://"):
+        connection = _TimedUnixConnection("localhost", timeout=timeout_s)
+        connection.socketfile = serverurl.removeprefix("unix://")
+        return connection
+    parsed = urlparse(serverurl)
+    return http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=timeout_s)
 
 
 def _server_url(conf: Path) -> str:
@@ -257,19 +292,23 @@ def shm_bytes(prefix: str) -> tuple[int | None, int | None]:
     return total, count
 
 
-def gpu_memory_mib() -> dict[str, float]:
-    """Used memory of each GPU (nvidia-smi), {} without one."""
+def gpu_memory_mib(timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, float]:
+    """Used memory of each GPU (nvidia-smi), {} without one. An nvidia-smi that does not end within ``timeout_s``
+    is killed, and not waited for past that (``subprocess.run`` would wait for it without end once killed)."""
     if shutil.which("nvidia-smi") is None:
         return {}
+    query = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
+        process = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError:
         return {}
+    try:
+        out, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.communicate(timeout=1.0)
+        raise TimeoutError(f"nvidia-smi did not answer within {timeout_s:g} s") from None
     used = {}
     for line in out.splitlines():
         index, _, mib = line.partition(",")
@@ -278,23 +317,89 @@ def gpu_memory_mib() -> dict[str, float]:
     return used
 
 
-def sample(stack: Stack, t: float) -> dict[str, Any]:
-    """One sample at run time ``t``: each process's pid, RSS and fds, the stack's /dev/shm, its gauges, GPUs."""
-    processes: dict[str, dict[str, float]] = {}
-    try:
-        listed = stack.processes()
-    except (OSError, xmlrpc.client.Error):
-        listed = []
-    for p in listed:
+def processes_usage(stack: Stack) -> dict[str, dict[str, float]]:
+    """Each running process's pid, RSS, anonymous RSS and fds (supervisord's list; a process gone meanwhile is left
+    out)."""
+    out: dict[str, dict[str, float]] = {}
+    for p in stack.processes():
         usage = process_usage(p.pid) if p.pid else None
         if usage is not None:
-            processes[p.name] = {"pid": p.pid, "rss_mib": usage[0], "anon_mib": usage[1], "fds": usage[2]}
-    shm, shm_files = shm_bytes(stack.shm_prefix)
-    return {
-        "t": t,
-        "processes": processes,
-        "shm_bytes": shm,
-        "shm_files": shm_files,
-        "metrics": stack.metrics(),
-        "gpu_mib": gpu_memory_mib(),
-    }
+            out[p.name] = {"pid": p.pid, "rss_mib": usage[0], "anon_mib": usage[1], "fds": usage[2]}
+    return out
+
+
+def in_thread(probe: Callable[[], Any]) -> asyncio.Future[Any]:
+    """``probe()`` in a daemon thread of its own, as a future of the running loop: a probe that never returns holds
+    no pool's worker and does not keep the interpreter from exiting."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())  # (a late failure: retrieved, no log noise)
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        try:
+            result, error = probe(), None
+        except Exception as exc:  # (any failure: the sample records it as missing)
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile: nobody waits)
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="soak-probe", daemon=True).start()
+    return future
+
+
+@dataclass
+class Sampler:
+    """The resource samples of a stack, every probe bounded: each runs in a thread of its own and is waited for at
+    most ``timeout_s``; one that fails or does not answer in time is recorded in the sample's ``missing`` (its
+    values absent) and the series goes on. While a probe still hangs, later samples skip it rather than pile up
+    threads behind it."""
+
+    stack: Stack
+    timeout_s: float = PROBE_TIMEOUT_S
+    running: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
+
+    def probes(self) -> dict[str, Callable[[], Any]]:
+        return {
+            "processes": lambda: processes_usage(self.stack),
+            "shm": lambda: shm_bytes(self.stack.shm_prefix),
+            "metrics": self.stack.scrape,
+            "gpu_mib": lambda: gpu_memory_mib(self.timeout_s),
+        }
+
+    async def sample(self, t: float) -> dict[str, Any]:
+        """One sample at run time ``t``: each process's pid, RSS and fds, the stack's /dev/shm, its gauges, GPUs."""
+        probes = self.probes()
+        answers = await asyncio.gather(*(self._probe(name, probe) for name, probe in probes.items()))
+        got = {name: value for name, (value, why) in zip(probes, answers, strict=True) if not why}
+        missing = {name: why for name, (_, why) in zip(probes, answers, strict=True) if why}
+        shm, shm_files = got.get("shm", (None, None))
+        return {
+            "t": t,
+            "processes": got.get("processes", {}),
+            "shm_bytes": shm,
+            "shm_files": shm_files,
+            "metrics": got.get("metrics", {}),
+            "gpu_mib": got.get("gpu_mib", {}),
+            "missing": missing,
+        }
+
+    async def _probe(self, name: str, probe: Callable[[], Any]) -> tuple[Any, str]:
+        """(its value, "") or (None, why it is missing)."""
+        before = self.running.get(name)
+        if before is not None and not before.done():
+            return None, "its last probe has not answered yet"
+        future = self.running[name] = in_thread(probe)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.timeout_s), ""
+        except TimeoutError:
+            return None, f"no answer within {self.timeout_s:g} s"
+        except Exception as exc:
+            return None, f"{type(exc).__name__}: {exc}"

@@ -59,10 +59,12 @@ class ServerConfig:
         1024 * 1024 * 1024, "The bodies of the requests in flight together (one alone may be larger); past it, a 503."
     )
     max_queue_wait_s: float = setting(
-        0.0,
-        "Above 0: while a request admitted this many seconds ago still waits for its first answer (media, encoder or "
-        "decoder queues), new requests get a 503 with Retry-After at once, so that a burst queues no more work than "
-        "the stack serves in about that time. 0: off (only max_requests_in_flight bounds the queue).",
+        5.0,
+        "Load shedding: while a backlog of admitted requests (at least 2, and at least a quarter of those in flight) "
+        "has waited over this many seconds for its first answer (media, encoder or decoder queues), new requests get "
+        "a 503 with Retry-After at once, so that a burst queues no more work than the stack serves in about that "
+        "time. One slow request alone (a large video) never sheds traffic. Keep it above the TTFT the deployment "
+        "sees at its busiest. 0: off (only max_requests_in_flight bounds the queue).",
     )
 
     def validate(self, where: str) -> None:

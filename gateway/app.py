@@ -12,7 +12,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,7 @@ Events = asyncio.Queue[Event]
 
 class AnswerQueue(asyncio.Queue[Event]):
     """A request's events, telling the gateway once when the first arrives: from then on the request no longer
-    waits in a queue (``[server] max_queue_wait_s``)."""
+    waits in a queue (``[server] max_queue_wait_s``, `queue_backlog`)."""
 
     def __init__(self, on_first: Callable[[], object]) -> None:
         super().__init__()
@@ -52,6 +52,22 @@ class AnswerQueue(asyncio.Queue[Event]):
             self.on_first()
             self.on_first = None
         super().put_nowait(item)
+
+
+def queue_backlog(waiting_since: Iterable[float], now: float, wait_s: float, in_flight: int) -> int:
+    """How many admitted requests have waited over ``wait_s`` for their first answer, once they are a backlog:
+    at least max(2, a quarter of the ``in_flight``); else 0, as with ``wait_s`` 0 (off). One straggler (a large
+    video fetched and decoded) is no backlog: it must not turn everyone's traffic away. ``waiting_since`` (when
+    each was admitted) comes in admission order, so the count stops at the first request still young."""
+    if wait_s <= 0:
+        return 0
+    enough = max(2, -(-in_flight // 4))
+    waited = 0
+    for since in waiting_since:
+        if now - since <= wait_s:
+            break
+        waited += 1
+    return waited if waited >= enough else 0
 
 
 class Gateway:
@@ -177,13 +193,16 @@ class Gateway:
         A body sent in chunks, whose size is known only once read, is counted at the most it may be until then."""
         server = self.cfg.server
         size = server.max_request_bytes if request.content_length is None else request.content_length
-        waited = time.monotonic() - min(self.waiting_since.values(), default=time.monotonic())
+        backlog = queue_backlog(self.waiting_since.values(), time.monotonic(), server.max_queue_wait_s, self.in_flight)
         if self.in_flight >= server.max_requests_in_flight:
             busy = f"at its limit of {server.max_requests_in_flight} requests in flight"
         elif self.in_flight and self.in_flight_bytes + size > server.max_request_bytes_in_flight:
             busy = f"holding {self.in_flight_bytes} B of requests, and this one's {size} B would pass its limit"
-        elif server.max_queue_wait_s and waited > server.max_queue_wait_s:
-            busy = f"queueing: a request has waited {waited:.0f} s for its first answer (max_queue_wait_s)"
+        elif backlog:
+            busy = (
+                f"queueing: {backlog} of its {self.in_flight} requests in flight have waited over "
+                f"{server.max_queue_wait_s:g} s for their first answer (max_queue_wait_s)"
+            )
         else:
             busy = ""
         if busy:
