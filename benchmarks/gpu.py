@@ -972,7 +972,7 @@ def run_part(run: Run, part: str) -> None:
         "grammar": part_grammar,
         "fp8": part_fp8,
         "soak": lambda r: part_soak(r, "soak", ["--duration", str(r.args.soak_s), "--chaos-every", "45"]),
-        # (at the defaults, as every part: `--set server.max_queue_wait_s=S` for a run with the queue bound)
+        # (at the defaults, as every part: shedding at max_queue_wait_s 5 s; `--set server.max_queue_wait_s=S` else)
         "overload": lambda r: part_soak(r, "overload", ["--burst", "--burst-workload", "seed3img"]),
     }
     try:
