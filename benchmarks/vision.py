@@ -28,6 +28,7 @@ import io
 import json
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{roof / ms:.0%} of the bf16 FLOP roofline ({roof:.2f} ms)",
                 flush=True,
             )
+        if args.profile and device.type == "cuda":
+            row["profile"] = profile_batches(tower, on_gpu, grid, batches)
         if reference is not None:
             row.update(compare_reference(tower, reference, on_gpu, grid, batches, device))
         if not args.skip_hf:
@@ -205,11 +208,61 @@ def compare_reference(
     return {"embedding_distance": distance, "reference_tower": timed}
 
 
+CATEGORIES = (  # first match wins; names lower-cased
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa", "efficient")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "sm90")),
+    ("rotary", ("rotary",)),
+    ("gelu", ("gelu",)),
+    ("layernorm", ("layer_norm", "layernorm", "_norm_kernel")),  # ours: LayerNorm fused with the residual add
+    ("conv", ("conv", "implicit")),
+    ("copy", ("copy", "cat", "memcpy", "memset")),
+)
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in name for k in keys)), "other")
+
+
+def profile_kernels(fn: Callable[[], object]) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+        if us > 0:
+            kernels[evt.key] += us / 1e3
+    by_category: dict[str, float] = defaultdict(float)
+    for name, ms in kernels.items():
+        by_category[category(name)] += ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    return {"total_ms": sum(kernels.values()), "by_category_ms": dict(by_category), "top_ms": top}
+
+
+def profile_batches(tower: Any, pixels: torch.Tensor, grid: list[int], batches: list[int]) -> list[dict[str, Any]]:
+    """`profile_kernels` of one forward at each batch: where a batch's time goes, by kernel category."""
+    out = []
+    for batch in batches:
+        found = profile_kernels(lambda b=batch: encode_images(tower, [pixels] * b, [grid] * b))
+        cats = ", ".join(f"{k} {v:.2f}" for k, v in sorted(found["by_category_ms"].items(), key=lambda kv: -kv[1]))
+        print(f"  profile batch {batch}: {found['total_ms']:.2f} ms of kernels: {cats}", flush=True)
+        for name, ms in found["top_ms"][:8]:
+            print(f"    {ms:8.2f} ms  {name[:110]}", flush=True)
+        out.append({"batch": batch, **found})
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="also each batch's GPU time by kernel (torch.profiler)")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="images per forward, comma-separated")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
     sizes = [*SIZES, *MORE_SIZES]

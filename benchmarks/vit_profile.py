@@ -20,8 +20,6 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.engine import cuda_time_ms
-from benchmarks.vision import jpeg
+from benchmarks.vision import jpeg, profile_kernels
 from workers.encoder.worker import encode_images
 from workers.fetcher.image import ImageProcessorSpec, decode_image, preprocess_image
 from workers.models.frame_attention import (
@@ -42,40 +40,6 @@ from workers.models.frame_attention import (
 from workers.models.vision import VisionTower
 
 ANCHOR = (768, 1024)
-CATEGORIES = (  # first match wins; names lower-cased
-    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa", "efficient")),
-    ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "sm90")),
-    ("rotary", ("rotary",)),
-    ("gelu", ("gelu",)),
-    ("layernorm", ("layer_norm", "layernorm", "_norm_kernel")),  # ours: LayerNorm fused with the residual add
-    ("conv", ("conv", "implicit")),
-    ("copy", ("copy", "cat", "memcpy", "memset")),
-)
-
-
-def category(kernel: str) -> str:
-    name = kernel.lower()
-    return next((cat for cat, keys in CATEGORIES if any(k in name for k in keys)), "other")
-
-
-def profile_kernels(fn: Callable[[], object]) -> dict[str, Any]:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels: dict[str, float] = defaultdict(float)
-    for evt in prof.key_averages():
-        us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
-        if us > 0:
-            kernels[evt.key] += us / 1e3
-    by_category: dict[str, float] = defaultdict(float)
-    for name, ms in kernels.items():
-        by_category[category(name)] += ms
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
-    return {"total_ms": sum(kernels.values()), "by_category_ms": dict(by_category), "top_ms": top}
 
 
 def attention_rows(heads: int, head_dim: int, frame: int, frames: int) -> list[dict[str, Any]]:
