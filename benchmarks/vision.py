@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     # the unquantized tower, for the embedding distance and the images/s ratio
     reference = load_tower(args.model, device, "none") if args.quantization != "auto" else None
     tune_ms = tower.tune_attention()  # what the encoder does at start-up
-    if reference is not None:  # (the same attention kernel for both, so the ratio is the linear layers')
+    if reference is not None and hasattr(tower, "backends"):  # (one attention kernel for both: the ratio is the GEMMs')
         reference.backends = tower.backends
     for loaded in (tower, reference):
         if loaded is not None:
