@@ -3,9 +3,11 @@ seeded property test that checks, against a model of the KV contents, that reuse
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import random
 import time
+import tracemalloc
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -532,3 +534,34 @@ def test_random_operations_keep_every_invariant(digest: str, monkeypatch: pytest
         assert world.manager.num_free_blocks() == world.manager.num_blocks
         hits += world.manager.counters["prefix_hit_tokens"]
     assert hits > 0  # the workload does exercise the cache
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_filling_the_prefix_cache_allocates_little_per_block() -> None:
+    """Registering a block writes the manager's arrays in place: the heap barely grows while the cache fills (on a
+    GPU's tens of thousands of blocks that takes minutes of traffic, where a Python object per block looked like a
+    leak in the soak), and not at all once every block has been registered and the cache evicts."""
+    num_blocks, block_size = 2048, 64
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 150_000, 16 * block_size + 5).tolist() for _ in range(3 * num_blocks // 17)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        manager = BlockManager(num_blocks, block_size)
+        built = tracemalloc.get_traced_memory()[0]
+        for i, keys in enumerate(prompts):  # unique prompts: 16 full blocks each, then a partial one
+            table = BlockTable()
+            manager.allocate(keys, table)
+            manager.commit(keys, table, len(keys))
+            manager.free(table)
+            if i == num_blocks // 17:
+                full = tracemalloc.get_traced_memory()[0]
+        evicted = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert manager.counters["blocks_evicted_from_cache"] > num_blocks  # the cache filled, then turned over
+    assert (full - built) / num_blocks < 250  # bytes per block (a digest and its index entry)
+    assert abs(evicted - full) / num_blocks < 50
+    manager.check_integrity()

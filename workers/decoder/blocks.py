@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from collections import OrderedDict, deque
-from collections.abc import Sequence
+from array import array
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +62,7 @@ _KEY_BYTES = 8
 # A registered block's identity: (block id, registration generation). Stale once the block is evicted.
 _Identity = tuple[int, int]
 _ROOT: _Identity = (-1, 0)
+_NO_PARENT = -2  # the parent block id stored for a block that is not registered (-1 is the root)
 
 
 def _count(value: int, name: str) -> int:
@@ -153,6 +155,50 @@ class _Live:
     parent: _Identity | None  # registered block standing for our prefix; None once a conflict broke it
 
 
+class _FreeOrder:
+    """Blocks in the order they were freed (least recently first), as a list linked through two arrays made at their
+    full size: adding, removing and taking the oldest allocate nothing."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._end = num_blocks  # the sentinel: its next is the oldest block, its previous the newest
+        self._next = array("q", range(1, num_blocks + 2))
+        self._prev = array("q", range(-1, num_blocks))
+        self._next[self._end] = self._prev[self._end] = self._end
+        self._member = bytearray(num_blocks)
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, block: int) -> bool:
+        return bool(self._member[block])
+
+    def __iter__(self) -> Iterator[int]:
+        """Oldest first."""
+        block = self._next[self._end]
+        while block != self._end:
+            yield block
+            block = self._next[block]
+
+    def add(self, block: int) -> None:
+        """``block`` becomes the most recently freed."""
+        last = self._prev[self._end]
+        self._next[last], self._prev[block], self._next[block], self._prev[self._end] = block, last, self._end, block
+        self._member[block] = 1
+        self._count += 1
+
+    def remove(self, block: int) -> None:
+        before, after = self._prev[block], self._next[block]
+        self._next[before], self._prev[after] = after, before
+        self._member[block] = 0
+        self._count -= 1
+
+    def pop_oldest(self) -> int:
+        block = self._next[self._end]
+        self.remove(block)
+        return block
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -163,14 +209,18 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
         self._ref = [0] * num_blocks
-        # Registration of a block in the prefix cache; all four are None/unset together.
+        # Registration of a block in the prefix cache: its digest (None: not registered), its keys and its parent's
+        # identity. The keys and parents live in arrays made here at their full size, written in place: a Python
+        # object per registered block would grow the process's heap until every block had been registered once,
+        # which on a large GPU cache takes minutes of traffic and looks like a leak.
         self._digest: list[bytes | None] = [None] * num_blocks
-        self._keys: list[bytes | None] = [None] * num_blocks
-        self._parent: list[_Identity | None] = [None] * num_blocks
-        self._generation = [0] * num_blocks
+        self._key_rows = memoryview(bytearray(num_blocks * block_size * _KEY_BYTES))
+        self._parent_block = array("q", [_NO_PARENT]) * num_blocks
+        self._parent_generation = array("q", [0]) * num_blocks
+        self._generation = array("q", [0]) * num_blocks
         self._cache: dict[bytes, int] = {}
         self._plain: deque[int] = deque(range(num_blocks))
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # free cached blocks, least recently freed first
+        self._evictable = _FreeOrder(num_blocks)  # free cached blocks, least recently freed first
         self._live: dict[int, _Live] = {}  # by id(table); holding the table keeps its id from being reused
         # can_allocate then allocate walk the same keys; the walk only changes when registrations do.
         self._cache_version = 0
@@ -258,7 +308,7 @@ class BlockManager:
             chunk = buf[i * stride : (i + 1) * stride]
             digest = _block_hash(match.digest, chunk)
             block = self._cache.get(digest)
-            if block is None or self._keys[block] != chunk or self._parent[block] != match.parent:
+            if block is None or not self._holds(block, chunk, match.parent):
                 break
             match.blocks.append(block)
             match.digest, match.parent = digest, (block, self._generation[block])
@@ -275,7 +325,7 @@ class BlockManager:
 
     def _take_cached(self, block: int) -> None:
         if self._ref[block] == 0:
-            del self._evictable[block]
+            self._evictable.remove(block)
             self.counters["prefix_revived_blocks"] += 1
         self._ref[block] += 1
 
@@ -283,7 +333,7 @@ class BlockManager:
         if self._plain:
             block = self._plain.popleft()
         else:
-            block, _ = self._evictable.popitem(last=False)
+            block = self._evictable.pop_oldest()
             self._unregister(block)
             self.counters["blocks_evicted_from_cache"] += 1
         self._ref[block] = 1
@@ -355,17 +405,31 @@ class BlockManager:
         owner = self._cache.get(digest)
         if owner is None:
             return self._register(block, digest, chunk, parent)
-        if self._keys[owner] == chunk and self._parent[owner] == parent:
+        if self._holds(owner, chunk, parent):
             return owner, self._generation[owner]  # same prefix computed twice; ours stays private
         # A digest collision (or a stale entry): registering anything further from this table could
         # chain onto the wrong KV, so this table stops contributing to the cache.
         self.counters["prefix_conflicts"] += 1
         return None
 
+    def _keys_of(self, block: int) -> memoryview:
+        stride = self.block_size * _KEY_BYTES
+        return self._key_rows[block * stride : (block + 1) * stride]
+
+    def _parent_of(self, block: int) -> _Identity | None:
+        parent = self._parent_block[block]
+        return None if parent == _NO_PARENT else (parent, self._parent_generation[block])
+
+    def _holds(self, block: int, chunk: bytes, parent: _Identity) -> bool:
+        """The registered ``block`` stands for ``chunk``'s keys after the block ``parent``."""
+        return self._parent_of(block) == parent and self._keys_of(block) == chunk
+
     def _register(self, block: int, digest: bytes, chunk: bytes, parent: _Identity) -> _Identity:
         self._generation[block] += 1
         self._cache[digest] = block
-        self._digest[block], self._keys[block], self._parent[block] = digest, chunk, parent
+        self._digest[block] = digest
+        self._keys_of(block)[:] = chunk
+        self._parent_block[block], self._parent_generation[block] = parent
         self._cache_version += 1
         self.counters["blocks_registered"] += 1
         return block, self._generation[block]
@@ -374,7 +438,8 @@ class BlockManager:
         digest = self._digest[block]
         if digest is not None:  # always, for an evictable block; checked rather than asserted
             del self._cache[digest]
-        self._digest[block] = self._keys[block] = self._parent[block] = None
+        self._digest[block] = None
+        self._parent_block[block] = _NO_PARENT
         self._cache_version += 1
 
     # ------------------------------------------------------------------ release
@@ -390,7 +455,7 @@ class BlockManager:
             if self._digest[block] is None:
                 self._plain.append(block)
             else:
-                self._evictable[block] = None
+                self._evictable.add(block)
         table.blocks, table.num_tokens, table.num_cached_tokens = [], 0, 0
         self.counters["tables_freed"] += 1
 
@@ -463,11 +528,9 @@ class BlockManager:
             if not 0 <= block < self.num_blocks or self._digest[block] != digest:
                 problems.append(f"cache entry for block {block} disagrees with the block's digest")
         for block in range(self.num_blocks):
-            digest, keys, parent = self._digest[block], self._keys[block], self._parent[block]
-            if (digest is None) != (keys is None) or (digest is None) != (parent is None):
+            digest = self._digest[block]
+            if (digest is None) != (self._parent_of(block) is None):
                 problems.append(f"block {block} is half registered")
             elif digest is not None and self._cache.get(digest) != block:
                 problems.append(f"block {block} has a digest the cache does not map to it")
-            elif keys is not None and len(keys) != self.block_size * _KEY_BYTES:
-                problems.append(f"block {block} stores {len(keys)} key bytes, not a full block")
         return problems

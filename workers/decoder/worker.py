@@ -95,6 +95,29 @@ def shared_kv_budget(cfg: Config, gpu: int, visible: int, free: int, total: int,
     return max(0, min(int((total * fraction - pool) / max(sharing, 1)) - own, int(free * fraction)))
 
 
+class RecentAborts:
+    """Ids of the requests aborted in the last ``keep_s`` seconds (at most ``limit`` of them). An abort can overtake
+    its request (the fetcher may still be handing it over), so the decoder must know a late request was aborted; but
+    the gateway aborts every request when it ends, so kept for good (or up to a count alone) they would grow with
+    every request served."""
+
+    def __init__(self, keep_s: float, limit: int = 100_000) -> None:
+        self.keep_s, self.limit = keep_s, limit
+        self._since: OrderedDict[str, float] = OrderedDict()  # request id -> when its abort came, oldest first
+
+    def add(self, request_id: str, now: float) -> None:
+        self._since[request_id] = now
+        self._since.move_to_end(request_id)
+        while self._since and (len(self._since) > self.limit or next(iter(self._since.values())) < now - self.keep_s):
+            self._since.popitem(last=False)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._since
+
+    def __len__(self) -> int:
+        return len(self._since)
+
+
 @dataclass
 class Waiting:
     seq: Sequence
@@ -134,7 +157,8 @@ class DecoderWorker:
         self.cache = Channel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
         self.pools = ShmAttachments()
         self.waiting: dict[str, Waiting] = {}
-        self.aborted: OrderedDict[str, None] = OrderedDict()
+        # (a request is never handed over later than its deadline: the gateway has failed it by then)
+        self.aborted = RecentAborts(cfg.server.request_timeout_s)
         self.cache_incarnation = ""
         self.cache_seen = time.monotonic()
         self.loop = EventLoop()
@@ -251,7 +275,7 @@ class DecoderWorker:
             case PreparedRequest(request_id=rid) if not self.known(rid) and rid not in self.aborted:
                 self.admit(msg)
             case Abort(request_id=rid):
-                self.remember_abort(rid)
+                self.aborted.add(rid, time.monotonic())
                 self.engine.abort(rid)
                 if self.waiting.pop(rid, None) is not None:
                     self.cache.send(CacheRelease(rid))
@@ -259,13 +283,6 @@ class DecoderWorker:
                     self.compiles.abort(rid)
             case _:
                 pass
-
-    def remember_abort(self, request_id: str) -> None:
-        """An abort can overtake its request (the fetcher may still be handing it over): remember
-        recent aborts so the late request is dropped, not run for nobody."""
-        self.aborted[request_id] = None
-        while len(self.aborted) > 100_000:
-            self.aborted.popitem(last=False)
 
     def known(self, request_id: str) -> bool:
         """A re-issued request (its fetcher died after handing it over) must not run twice."""
