@@ -67,7 +67,8 @@ class EngineConfig:
         Every family takes the same paths (Qwen3-VL's q/k norm and DeepStack adds are in the fused layers and
         in the graphs)."""
         triton = settings.kernels == "triton" and device.type == "cuda"
-        check_kv_cache_dtype(settings.kv_cache_dtype, device, triton)
+        capability = torch.cuda.get_device_capability(device) if triton else None
+        check_kv_cache_dtype(settings.kv_cache_dtype, capability, str(device))
         return cls(
             max_model_len=max_model_len,
             max_running=settings.max_running,
@@ -88,15 +89,14 @@ class EngineConfig:
 FP8_CACHE_CAPABILITY = (8, 9)  # Triton converts to float8_e4m3fn (float8e4nv) from Ada/Hopper on
 
 
-def check_kv_cache_dtype(setting: str, device: torch.device, triton: bool) -> None:
-    """ValueError for ``kv_cache_dtype = "fp8"`` where no path of this device runs it: the Triton kernels (which
-    quantize and dequantize the cache) on a CUDA GPU older than sm_89."""
-    if setting != "fp8" or not triton:
+def check_kv_cache_dtype(setting: str, capability: tuple[int, int] | None, device: str) -> None:
+    """ValueError for ``kv_cache_dtype = "fp8"`` where no path of the device runs it: the Triton kernels (which
+    quantize and dequantize the cache) on a CUDA GPU older than sm_89. ``capability``: the GPU's where the Triton
+    kernels serve, None where the torch paths do (they run FP8 anywhere)."""
+    if setting != "fp8" or capability is None or capability >= FP8_CACHE_CAPABILITY:
         return
-    capability = torch.cuda.get_device_capability(device)
-    if capability < FP8_CACHE_CAPABILITY:
-        raise ValueError(
-            f'[decoder] kv_cache_dtype = "fp8" needs a GPU of compute capability >= 8.9 (Ada, Hopper, ...) for the '
-            f"Triton kernels; {device} is {capability[0]}.{capability[1]}. Supported: such GPUs, any GPU with "
-            '[decoder] kernels = "torch" (slower), and CPU; or set kv_cache_dtype = "auto"'
-        )
+    raise ValueError(
+        f'[decoder] kv_cache_dtype = "fp8" needs a GPU of compute capability >= 8.9 (Ada, Hopper, ...) for the '
+        f"Triton kernels; {device} is {capability[0]}.{capability[1]}. Supported: such GPUs, any GPU with "
+        '[decoder] kernels = "torch" (slower), and CPU; or set kv_cache_dtype = "auto"'
+    )
