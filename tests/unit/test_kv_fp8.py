@@ -9,7 +9,8 @@ Tolerances:
 - quantization, cache write (reference and kernel): equal (one fp32 amax, IEEE divisions, round to nearest even on
   e4m3's grid); FP8 values compared as values, since the interpreter's cast writes -0 as +0.
 - attention over an FP8 cache: the kernel dequantizes each tile exactly as the reference does (fp32 product, one
-  rounding to q's dtype), so it meets the bounds test_kernels.py holds it to over a 16/32-bit cache.
+  rounding to q's dtype), so it meets the bounds test_kernels.py holds it to over a 16/32-bit cache (fp32: the absolute
+  one relative to the outputs' size, which the V outliers raise).
 - the model over an FP8 cache against the model's dtype: each cached value moves by at most half an e4m3 step
   (2**-4 relative, 2**-10 of the scale below 2**-6 of it); `FP8_LOGITS` bounds what that does to the tiny model's
   logits (a cache without its scales misses it by orders of magnitude).
@@ -300,8 +301,10 @@ def test_attention_kernel_over_an_fp8_cache(
         q, kv.keys[0], kv.values[0], layout, 0.125, num_splits=num_splits, block_n=16, **kv.scales(0)
     )
     expected = paged_attention_reference(q, kv.keys[0], kv.values[0], layout, 0.125, **kv.scales(0))
-    # test_kernels.py's bounds for the kernel over a 16/32-bit cache
-    tolerance = {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1.6e-2, "rtol": 1.6e-2}
+    # test_kernels.py's bounds for the kernel over a 16/32-bit cache, whose values are of unit scale: here the V
+    # outliers make the outputs larger, and the fp32 sums' reordering with them
+    size = expected.abs().amax().item()
+    tolerance = {"atol": 2e-6 * size, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1.6e-2, "rtol": 1.6e-2}
     torch.testing.assert_close(actual, expected, **tolerance)
     unscaled = attention.paged_attention_triton(
         q,
