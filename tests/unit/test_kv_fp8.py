@@ -13,7 +13,7 @@ Tolerances:
   one relative to the outputs' size, which the V outliers raise).
 - the model over an FP8 cache against the model's dtype: each cached value moves by at most half an e4m3 step
   (2**-4 relative, 2**-10 of the scale below 2**-6 of it); `FP8_LOGITS` bounds what that does to the tiny model's
-  logits (a cache without its scales misses it by orders of magnitude).
+  logits (a cache read without its key scales misses it).
 """
 
 from __future__ import annotations
