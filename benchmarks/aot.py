@@ -60,6 +60,13 @@ def attention_launches(
         _, launches = attention_triton.plan(q, cache, cache, metadata, head_dim**-0.5, num_splits=splits)
         for launch in launches:
             yield f"{name} {launch.kernel.__name__.strip('_')} {case}", launch
+        if case in ("decode-balanced", "mixed-block64"):  # over an FP8 cache ([decoder] kv_cache_dtype = "fp8")
+            fp8 = torch.empty((4096 * 16, kv_heads, head_dim), dtype=torch.float8_e4m3fn, device=META)
+            scales = torch.empty((4096 * 16, kv_heads), dtype=torch.float32, device=META)
+            _, launches = attention_triton.plan(
+                q, fp8, fp8, metadata, head_dim**-0.5, num_splits=splits, kv_scales=(scales, scales)
+            )
+            yield f"{name} paged_attention_kernel {case} fp8-kv", launches[0]
 
 
 def other_launches(name: str, heads: int, kv_heads: int, head_dim: int, hidden: int, intermediate: int):
@@ -70,6 +77,9 @@ def other_launches(name: str, heads: int, kv_heads: int, head_dim: int, hidden: 
     cache = torch.empty((4096 * 16, kv_heads, head_dim), dtype=bf16, device=META)
     slots = torch.empty(tokens, dtype=torch.int64, device=META)
     yield f"{name} reshape_and_cache", cache_triton.plan(k, k, cache, cache, slots)
+    fp8 = torch.empty((4096 * 16, kv_heads, head_dim), dtype=torch.float8_e4m3fn, device=META)
+    scales = torch.empty((4096 * 16, kv_heads), dtype=torch.float32, device=META)
+    yield f"{name} reshape_and_cache fp8", cache_triton.plan(k, k, fp8, fp8, slots, scales, scales)
     x = torch.empty((tokens, hidden), dtype=bf16, device=META)
     weight = torch.empty(hidden, dtype=bf16, device=META)
     yield f"{name} rms_norm", norm_triton.plan(x, None, weight, 1e-6)[2]

@@ -297,6 +297,15 @@ class DecoderConfig:
     kv_cache_bytes: int = setting(
         0, "Bytes of KV cache; 0: gpu_memory_fraction of the GPU memory free after loading (256 MiB on CPU)."
     )
+    kv_cache_dtype: str = setting(
+        "auto",
+        '"auto": K/V stored in the model\'s dtype; "fp8": float8_e4m3fn with an fp32 scale per (token, kv head), '
+        "computed as each token is written (amax over head_dim / 448): about twice the blocks in the same bytes. Our "
+        "choice over one static scale per head, which needs calibration data we do not have; dynamic scales follow "
+        "Qwen's large k-bias outliers token by token, for 4 bytes per 128-byte head vector. Runs on CPU (dequantizing "
+        "reference), CUDA GPUs of compute capability >= 8.9 with the Triton kernels, and any GPU with kernels = "
+        '"torch". Moves logits slightly (docs/quantization.md).',
+    )
     gpu_memory_fraction: float = setting(
         0.8,
         "With kv_cache_bytes = 0: the share of free GPU memory the KV cache takes. On the GPU embedding pool's GPU "
@@ -360,6 +369,10 @@ class DecoderConfig:
     def validate(self, where: str) -> None:
         if self.kernels not in ("triton", "torch"):
             raise ValueError(f"{where}.kernels: expected 'triton' or 'torch', got {self.kernels!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(
+                f"{where}.kv_cache_dtype: expected 'auto' (the model's dtype) or 'fp8', got {self.kv_cache_dtype!r}"
+            )
         if self.tensor_parallel < 1:
             raise ValueError(f"{where}.tensor_parallel: expected >= 1, got {self.tensor_parallel}")
         if self.replicas < 1:

@@ -364,9 +364,12 @@ def generate(engine: Engine) -> dict[str, list[int]]:
     return tokens
 
 
-def follower(model: LanguageModel, tp: TensorParallel, attention: PagedAttention, capture: bool) -> RankForward:
+def follower(
+    model: LanguageModel, tp: TensorParallel, attention: PagedAttention, capture: bool, kv_cache_dtype: str = "auto"
+) -> RankForward:
     """A rank K >= 1 shaped like rank 0's `ENGINE` (cache, fused layers, graphs), as `DecoderRank` builds it."""
-    kv = PagedKVCache.for_model(model, ENGINE["num_blocks"] + 1, ENGINE["block_size"])
+    cache_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else model.dtype
+    kv = PagedKVCache.for_model(model, ENGINE["num_blocks"] + 1, ENGINE["block_size"], cache_dtype)
     fused = fuse_layers(model)
     mode = "cuda" if capture else "static"
     config = EngineConfig(**ENGINE, attention=attention, fuse=True, graphs=mode, graph_tokens=GRAPH_TOKENS)
@@ -374,7 +377,9 @@ def follower(model: LanguageModel, tp: TensorParallel, attention: PagedAttention
     return RankForward(model, kv, attention, tp, fused, graphs)
 
 
-def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlaps: list[bool]) -> None:
+def engine_rank(
+    rank: int, world: int, path: str, store: str, out: str, overlaps: list[bool], kv_cache_dtype: str = "auto"
+) -> None:
     """Rank 0 runs the engine (static graphs: the padded, staged path CUDA graphs replay, uncaptured) once per
     entry of ``overlaps``, each run's tokens at ``{out}-{overlap}.json``; the other ranks run rank 0's steps through
     their own graphs, as `DecoderRank` does. Each run starts afresh on every rank: engine or follower, cache, graphs
@@ -387,6 +392,7 @@ def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlaps
         steps = StepBroadcast(tp, spec.hidden_size, model.dtype, torch.device("cpu"))
         if rank == 0:
             options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS, "overlap": overlap}
+            options["kv_cache_dtype"] = kv_cache_dtype
             engine = Engine(model, spec, EngineConfig(**ENGINE, **options), steps)  # type: ignore[arg-type]
             tokens = generate(engine)
             steps.send_stop()
@@ -395,7 +401,7 @@ def engine_rank(rank: int, world: int, path: str, store: str, out: str, overlaps
             assert engine.counters["graph_steps"] > 0
             Path(f"{out}-{overlap}.json").write_text(json.dumps(tokens))
         else:
-            forward = follower(model, tp, paged_attention_reference, capture=False)
+            forward = follower(model, tp, paged_attention_reference, capture=False, kv_cache_dtype=kv_cache_dtype)
             while (payload := steps.receive()) is not None:
                 forward(payload)
     leave_group(None)  # as the decoder ranks leave (no CUDA graphs here)
@@ -442,6 +448,21 @@ def test_an_engine_over_ranks_with_graph_steps_generates_what_one_rank_does(
     chunks beside them): the same greedy tokens as one rank."""
     alone, over_ranks = engine_tokens(family, world)
     assert over_ranks[overlap] == alone
+
+
+def test_an_engine_over_ranks_with_an_fp8_kv_cache_generates_what_one_rank_does(tmp_path: Path) -> None:
+    """``kv_cache_dtype = "fp8"``: each rank quantizes its own kv heads, and a scale is per (token, kv head), so the
+    ranks' caches hold exactly the one rank's values: the same greedy tokens."""
+    path = tiny(tmp_path, "qwen2_vl", 2)
+    out = tmp_path / "tokens"
+    args = (2, str(path), str(tmp_path / "store"), str(out), [True], "fp8")
+    mp.start_processes(engine_rank, args=args, nprocs=2, start_method="spawn")
+    model, spec = checkpoint_family(path).language_model(path, dtype=torch.float32), read_spec(path)
+    options = {"fuse": True, "graphs": "static", "graph_tokens": GRAPH_TOKENS, "kv_cache_dtype": "fp8"}
+    engine = Engine(model, spec, EngineConfig(**ENGINE, **options))  # type: ignore[arg-type]
+    alone = generate(engine)
+    assert engine.runner.kv.fp8
+    assert json.loads(Path(f"{out}-True.json").read_text()) == alone
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])

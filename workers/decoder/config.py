@@ -11,7 +11,7 @@ import torch
 
 from common.config import DecoderConfig
 from workers.kernels import paged_attention, paged_attention_reference
-from workers.models.paged import PagedAttention
+from workers.models.paged import KV_CACHE_DTYPES, PagedAttention
 
 GRAPH_MODES = ("off", "static", "cuda")
 
@@ -37,8 +37,12 @@ class EngineConfig:
     # The host schedules and stages step N+1 (and reads step N-1's tokens) while the device runs step N;
     # off, each step's tokens are read as soon as its sampling is launched.
     overlap: bool = False
+    # "auto": K/V in the model's dtype; "fp8": float8_e4m3fn with per-(token, kv head) scales
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.graphs not in GRAPH_MODES:
             raise ValueError(f"graphs must be 'off', 'static' or 'cuda', got {self.graphs!r}")
         if self.graph_tokens < 0:
@@ -63,6 +67,8 @@ class EngineConfig:
         Every family takes the same paths (Qwen3-VL's q/k norm and DeepStack adds are in the fused layers and
         in the graphs)."""
         triton = settings.kernels == "triton" and device.type == "cuda"
+        capability = torch.cuda.get_device_capability(device) if triton else None
+        check_kv_cache_dtype(settings.kv_cache_dtype, capability, str(device))
         return cls(
             max_model_len=max_model_len,
             max_running=settings.max_running,
@@ -76,4 +82,21 @@ class EngineConfig:
             graphs="cuda" if triton and settings.cuda_graphs else "off",
             graph_tokens=settings.graph_tokens,
             overlap=settings.overlap,
+            kv_cache_dtype=settings.kv_cache_dtype,
         )
+
+
+FP8_CACHE_CAPABILITY = (8, 9)  # Triton converts to float8_e4m3fn (float8e4nv) from Ada/Hopper on
+
+
+def check_kv_cache_dtype(setting: str, capability: tuple[int, int] | None, device: str) -> None:
+    """ValueError for ``kv_cache_dtype = "fp8"`` where no path of the device runs it: the Triton kernels (which
+    quantize and dequantize the cache) on a CUDA GPU older than sm_89. ``capability``: the GPU's where the Triton
+    kernels serve, None where the torch paths do (they run FP8 anywhere)."""
+    if setting != "fp8" or capability is None or capability >= FP8_CACHE_CAPABILITY:
+        return
+    raise ValueError(
+        f'[decoder] kv_cache_dtype = "fp8" needs a GPU of compute capability >= 8.9 (Ada, Hopper, ...) for the '
+        f"Triton kernels; {device} is {capability[0]}.{capability[1]}. Supported: such GPUs, any GPU with "
+        '[decoder] kernels = "torch" (slower), and CPU; or set kv_cache_dtype = "auto"'
+    )

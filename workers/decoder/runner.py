@@ -30,7 +30,7 @@ from workers.decoder.graphs import engine_graphs
 from workers.decoder.sampling import SampleFuture, sample_async
 from workers.decoder.tp import DECODE_GRAPH, EAGER, MIXED_GRAPH, RankForward, StepBroadcast
 from workers.models.language import LanguageModel
-from workers.models.paged import BatchLayout, PagedKVCache, fuse_layers, paged_forward
+from workers.models.paged import BatchLayout, PagedKVCache, fuse_layers, kv_cache_dtype, paged_forward
 from workers.models.spec import ModelSpec
 
 
@@ -51,7 +51,8 @@ class ModelRunner:
         self.fused = fuse_layers(model) if config.fuse else None
         # The graphs' padding tokens need a block that no sequence owns: one more than the manager hands out.
         graphs = config.graphs != "off"
-        self.kv = PagedKVCache.for_model(model, config.num_blocks + graphs, config.block_size)
+        cache_dtype = kv_cache_dtype(config.kv_cache_dtype, model.dtype)
+        self.kv = PagedKVCache.for_model(model, config.num_blocks + graphs, config.block_size, cache_dtype)
         tp = tp_steps.tp if tp_steps is not None else None
         self.graphs = engine_graphs(model, self.kv, config, self.fused, tp) if graphs else None
         self.rank_forward = None

@@ -41,6 +41,7 @@ from workers.models.paged import (
     PagedKVCache,
     StepDeepStack,
     fuse_layers,
+    kv_cache_dtype,
     paged_forward,
 )
 from workers.models.registry import read_spec
@@ -325,7 +326,8 @@ class DecoderRank:
         max_len = cfg.decoder.max_model_len or spec.max_position_embeddings
         config = EngineConfig.from_settings(cfg.decoder, device, setup.num_blocks, max_len)
         graphs = config.graphs != "off"
-        kv = PagedKVCache.for_model(model, setup.num_blocks + graphs, cfg.decoder.block_size)
+        cache_dtype = kv_cache_dtype(config.kv_cache_dtype, model.dtype)
+        kv = PagedKVCache.for_model(model, setup.num_blocks + graphs, cfg.decoder.block_size, cache_dtype)
         fused = fuse_layers(model) if config.fuse else None
         step_graphs = engine_graphs(model, kv, config, fused, tp) if graphs else None
         self.forward = RankForward(model, kv, config.attention, tp, fused, step_graphs)

@@ -47,7 +47,7 @@ from workers.decoder.grammar import GrammarCompiles, Grammars
 from workers.decoder.scheduler import PromptError
 from workers.decoder.tp import StepBroadcast, leader_rendezvous, leave_group
 from workers.models.language import LanguageModel
-from workers.models.paged import PagedKVCache
+from workers.models.paged import PagedKVCache, kv_cache_dtype
 from workers.models.registry import checkpoint_family, read_spec
 from workers.models.runtime import claim_device, resolve_dtype
 from workers.models.tensor_parallel import TensorParallel, load_shard
@@ -62,15 +62,23 @@ def per_step_ms(counters: dict[str, float], seconds_key: str, steps: float) -> f
 
 def kv_cache_blocks(cfg: Config, model: LanguageModel) -> int:
     """KV blocks from ``[decoder] kv_cache_bytes``, or by default a share of what the GPU has free
-    after the weights (the encoder and the embedding pool take the rest), or 256 MiB on a CPU."""
-    per_block = PagedKVCache.bytes_per_block(model.spec, cfg.decoder.block_size, model.dtype)  # (its heads only)
+    after the weights (the encoder and the embedding pool take the rest), or 256 MiB on a CPU. An FP8 cache's
+    block costs a byte an element and its scales, so the same bytes hold about twice the blocks."""
+    cache_dtype = kv_cache_dtype(cfg.decoder.kv_cache_dtype, model.dtype)
+    per_block = PagedKVCache.bytes_per_block(model.spec, cfg.decoder.block_size, cache_dtype)  # (its heads only)
     budget = cfg.decoder.kv_cache_bytes
     if budget <= 0 and model.device.type == "cuda":
         budget = gpu_kv_budget(cfg, model.device)
     elif budget <= 0:
         budget = 256 * 2**20
     blocks = budget // per_block
-    log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", blocks, cfg.decoder.block_size, blocks * per_block / 2**30)
+    log.info(
+        "KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
+        blocks,
+        cfg.decoder.block_size,
+        blocks * per_block / 2**30,
+        str(cache_dtype).removeprefix("torch."),
+    )
     return int(blocks)
 
 

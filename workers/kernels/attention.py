@@ -8,6 +8,10 @@ launches the kernel on any device (Triton's interpreter on CPU tensors), for tes
 The kernel reads per-sequence metadata as int32 tensors (`AttentionMetadata`, in `workers.kernels.layout`);
 they are built from the `BatchLayout` once per forward step and reused by every layer.
 `paged_attention_reference` is the plain-torch contract the kernel is checked against.
+
+An FP8 cache (float8_e4m3fn, see `workers.kernels.cache`) comes with its fp32 scales ``k_scale``/``v_scale``
+[slots, kv_heads]: every K/V vector is dequantized as it is read (``q * scale`` in fp32, rounded to q's dtype), and
+the attention then runs as over a cache of q's dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.kernels._launch import use_triton
+from workers.kernels.cache import KV_FP8, check_scales, dequantize_kv_reference
 from workers.kernels.layout import AttentionMetadata, BatchLayout
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -60,14 +65,18 @@ def paged_attention_reference(
     kv_v: torch.Tensor,
     layout: BatchLayout | AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of every sequence's new queries over its whole context, gathered from slots.
 
     q [T, heads, D] (flat, sequence after sequence); kv_k, kv_v [slots, kv_heads, D] already hold the new
-    tokens' k/v. Query i of sequence s sits at position ``context_len - query_len + i`` and sees
+    tokens' k/v (an FP8 cache: with their scales [slots, kv_heads], dequantized to q's dtype as gathered).
+    Query i of sequence s sits at position ``context_len - query_len + i`` and sees
     positions ``0 ..`` itself. Returns [T, heads, D]. An `AttentionMetadata` is read back to the host first;
     rows of tokens that belong to no sequence (graph padding) are zeros.
     """
+    check_scales(kv_k, k_scale, v_scale)
     if isinstance(layout, AttentionMetadata):
         layout = BatchLayout.from_metadata(layout)
     out = torch.zeros_like(q)
@@ -77,11 +86,17 @@ def paged_attention_reference(
         seq_slots = slots[ctx_start : ctx_start + ctx]
         ctx_start += ctx
         # [kv_heads, S, D] with rows D apart, as in `KVCache`'s views: SDPA takes the same path as there.
-        k = kv_k.index_select(0, seq_slots).transpose(0, 1).contiguous()
-        v = kv_v.index_select(0, seq_slots).transpose(0, 1).contiguous()
+        k = _gather(kv_k, k_scale, seq_slots, q.dtype).transpose(0, 1).contiguous()
+        v = _gather(kv_v, v_scale, seq_slots, q.dtype).transpose(0, 1).contiguous()
         begin, end = q_starts[s], q_starts[s + 1]
         out[begin:end] = _sequence_attention(q[begin:end].transpose(0, 1), k, v, past, scale).transpose(0, 1)
     return out
+
+
+def _gather(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows ``slots`` of a cache, dequantized to ``dtype`` where it is FP8."""
+    rows = cache.index_select(0, slots)
+    return rows if scale is None else dequantize_kv_reference(rows, scale.index_select(0, slots), dtype)
 
 
 def _sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor:
@@ -109,15 +124,22 @@ def causal_mask(t: int, s: int, past_length: int, device: torch.device) -> torch
 
 
 def paged_attention(
-    q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, layout: BatchLayout | AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_k: torch.Tensor,
+    kv_v: torch.Tensor,
+    layout: BatchLayout | AttentionMetadata,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal GQA attention of q [T, heads, D] over each sequence's slots in kv_k/kv_v [slots, kv_heads, D].
+    """Causal GQA attention of q [T, heads, D] over each sequence's slots in kv_k/kv_v [slots, kv_heads, D]
+    (an FP8 cache with its scales k_scale/v_scale [slots, kv_heads]).
 
     Triton on CUDA tensors, the reference otherwise; see `paged_attention_reference` for the contract.
     """
     if use_triton(q, kv_k, kv_v):
-        return paged_attention_triton(q, kv_k, kv_v, layout, scale)
-    return paged_attention_reference(q, kv_k, kv_v, layout, scale)
+        return paged_attention_triton(q, kv_k, kv_v, layout, scale, k_scale=k_scale, v_scale=v_scale)
+    return paged_attention_reference(q, kv_k, kv_v, layout, scale, k_scale, v_scale)
 
 
 def paged_attention_triton(
@@ -131,6 +153,8 @@ def paged_attention_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     tiles: object = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the Triton kernel on q's device (interpreted on CPU). The keywords override the heuristics
     (``tiles``: an `attention_triton.Tiles`, typed loosely here because that module imports triton)."""
@@ -138,7 +162,9 @@ def paged_attention_triton(
 
     metadata = layout if isinstance(layout, AttentionMetadata) else attention_metadata(layout, q.device)
     check_inputs(q, kv_k, kv_v, metadata)
-    return attention_triton.launch(q, kv_k, kv_v, metadata, scale, num_splits, block_m, block_n, tiles)
+    check_scales(kv_k, k_scale, v_scale)
+    scales = None if k_scale is None or v_scale is None else (k_scale, v_scale)
+    return attention_triton.launch(q, kv_k, kv_v, metadata, scale, num_splits, block_m, block_n, tiles, scales)
 
 
 def check_inputs(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, metadata: AttentionMetadata) -> None:
@@ -156,9 +182,10 @@ def check_inputs(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, metada
         raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
     if tokens != metadata.num_tokens:
         raise ValueError(f"q has {tokens} tokens, the layout {metadata.num_tokens}")
-    if not q.dtype == kv_k.dtype == kv_v.dtype or q.dtype not in SUPPORTED_DTYPES:
+    if kv_k.dtype != kv_v.dtype or kv_k.dtype not in (q.dtype, KV_FP8) or q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
-            f"q, kv_k, kv_v must share one of {SUPPORTED_DTYPES}, got {q.dtype}, {kv_k.dtype}, {kv_v.dtype}"
+            f"q, kv_k, kv_v must share one of {SUPPORTED_DTYPES} (or the cache be {KV_FP8}), got {q.dtype}, "
+            f"{kv_k.dtype}, {kv_v.dtype}"
         )
     if not q.device == kv_k.device == kv_v.device == metadata.device:
         raise ValueError(

@@ -18,6 +18,9 @@ scratch, and `_reduce_splits_kernel` merges them.
 Softmax is online, in fp32 and base 2 (the scale is pre-multiplied by log2(e)). As in FlashAttention, the
 probabilities are rounded to the input dtype before the P @ V product so that both products run on tensor
 cores for 16-bit inputs; fp32 inputs use IEEE fp32 products (Triton's default would be TF32).
+
+An FP8 cache (FP8_KV) is read at one byte an element: each K/V tile is widened to fp32 as loaded, multiplied by
+its (slot, kv head) scales and rounded to q's dtype, then the products run as for a cache of that dtype.
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     part_acc_ptr,
     part_max_ptr,
@@ -94,6 +99,7 @@ def _paged_attention_kernel(
     stride_kh,
     stride_vs,
     stride_vh,
+    stride_ss,
     stride_ot,
     stride_oh,
     scale_log2,
@@ -111,6 +117,7 @@ def _paged_attention_kernel(
     ONE_PER_SEQUENCE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -197,6 +204,11 @@ def _paged_attention_kernel(
             mask=k_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
+        if FP8_KV:  # dequantized as loaded: the rest of the loop is the 16/32-bit cache's
+            k_scale = tl.load(k_scale_ptr + slot * stride_ss + kv_head, mask=k_ok, other=0.0)
+            v_scale = tl.load(v_scale_ptr + slot * stride_ss + kv_head, mask=k_ok, other=0.0)
+            k = to_dtype(k.to(tl.float32) * k_scale[None, :], q_ptr.dtype.element_ty, INTERPRETED)
+            v = to_dtype(v.to(tl.float32) * v_scale[:, None], q_ptr.dtype.element_ty, INTERPRETED)
         s = tl.dot(q, k.to(tl.float32)) if INTERPRETED else tl.dot(q, k, input_precision=DOT_PRECISION)
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         s = tl.where(visible, s * scale_log2, float("-inf"))
@@ -318,10 +330,11 @@ def launch(
     block_m: int | None = None,
     block_n: int | None = None,
     tiles: Tiles | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Run the kernel(s); inputs are validated by `attention.check_inputs`."""
+    """Run the kernel(s); inputs are validated by `attention.check_inputs` (the scales by `cache.check_scales`)."""
     check_launchable(q.device)
-    out, launches = plan(q, kv_k, kv_v, metadata, scale, num_splits, block_m, block_n, interpreted(), tiles)
+    out, launches = plan(q, kv_k, kv_v, metadata, scale, num_splits, block_m, block_n, interpreted(), tiles, kv_scales)
     for step in launches:
         step()
     return out
@@ -338,10 +351,13 @@ def plan(
     block_n: int | None = None,
     interpreted_mode: bool = False,
     tiles: Tiles | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output tensor and the launches that fill it (the attention kernel, then the split merge if any).
     ``tiles`` replaces the default tile shape of the batch's kind; ``block_m``/``block_n`` override it.
-    Decode batches with no forced split count get balanced splits."""
+    Decode batches with no forced split count get balanced splits. ``kv_scales``: an FP8 cache's (k, v) scales."""
+    if kv_scales is not None and kv_scales[0].stride() != kv_scales[1].stride():
+        raise ValueError(f"k and v scales must share strides, got {[s.stride() for s in kv_scales]}")
     tokens, heads, head_dim = q.shape
     kv_heads = kv_k.shape[1]
     group = heads // kv_heads
@@ -385,6 +401,8 @@ def plan(
             "q_ptr": q,
             "k_cache_ptr": kv_k,
             "v_cache_ptr": kv_v,
+            "k_scale_ptr": kv_scales[0] if kv_scales else kv_k,  # (not read without FP8_KV: a compile-time False)
+            "v_scale_ptr": kv_scales[1] if kv_scales else kv_v,
             "out_ptr": out,
             "part_acc_ptr": part_acc,
             "part_max_ptr": part_max,
@@ -404,6 +422,7 @@ def plan(
             "stride_kh": kv_k.stride(1),
             "stride_vs": kv_v.stride(0),
             "stride_vh": kv_v.stride(1),
+            "stride_ss": kv_scales[0].stride(0) if kv_scales else 0,
             "stride_ot": out.stride(0),
             "stride_oh": out.stride(1),
             "scale_log2": scale * LOG2E,
@@ -423,6 +442,7 @@ def plan(
             "ONE_PER_SEQUENCE": one_per_seq,
             "INTERPRETED": interpreted_mode,
             "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+            "FP8_KV": kv_scales is not None,
         },
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -24,7 +24,7 @@ import torch
 
 from workers.kernels.activation import silu_and_mul
 from workers.kernels.attention import paged_attention_reference
-from workers.kernels.cache import reshape_and_cache
+from workers.kernels.cache import KV_FP8, quantize_kv_reference, reshape_and_cache
 from workers.kernels.layout import AttentionMetadata, BatchLayout
 from workers.kernels.norm import fused_add_rms_norm, rms_norm
 from workers.kernels.rotary import apply_mrope, apply_qk_norm_mrope
@@ -43,7 +43,8 @@ from workers.models.spec import ModelSpec
 from workers.models.tensor_parallel import TensorParallel
 
 # q [T, heads, D], layer keys and values [slots, kv_heads, D], layout (or the kernels' device-side form of
-# it), scale -> [T, heads, D].
+# it), scale -> [T, heads, D]. Over an FP8 cache it is also given the keywords k_scale and v_scale (the layer's
+# scales, [slots, kv_heads]), as `paged_attention` and `paged_attention_reference` take them.
 PagedAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, "BatchLayout | AttentionMetadata", float], torch.Tensor
 ]
@@ -52,11 +53,25 @@ PagedAttention = Callable[
 # --- cache --------------------------------------------------------------------------------------------
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")  # ``[decoder] kv_cache_dtype``: the model's dtype, or FP8 with scales
+
+
+def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type for ``[decoder] kv_cache_dtype``."""
+    if setting not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {setting!r}")
+    return KV_FP8 if setting == "fp8" else model_dtype
+
+
 class PagedKVCache:
     """K/V for all sequences: per layer one [num_blocks * block_size, kv_heads, head_dim] tensor of slots.
 
     Slots are flat (not [blocks, block_size, ...]) so that writing new tokens is one ``index_copy_``
     with the layout's slot mapping, and gathering a context is one ``index_select``.
+
+    With ``cache_dtype`` FP8 (float8_e4m3fn) every (slot, kv head) vector is stored quantized with its own fp32
+    scale, per layer in ``key_scales``/``value_scales`` [slots, kv_heads] (`workers.kernels.cache`); ``dtype``
+    stays the model's, the one k/v come in and attention reads them back in.
     """
 
     def __init__(
@@ -68,27 +83,63 @@ class PagedKVCache:
         block_size: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+        cache_dtype = cache_dtype or dtype
+        if cache_dtype not in (dtype, KV_FP8):
+            raise ValueError(f"the cache holds {dtype} (the model's) or {KV_FP8}, got {cache_dtype}")
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = dtype
         # zeros, not empty: a kernel that wrongly reads an unwritten slot then sees finite values, so a
         # bug shows up as a wrong answer in the tests rather than as NaNs depending on stale memory.
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [torch.zeros(shape, device=device, dtype=cache_dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=cache_dtype) for _ in range(num_layers)]
+        scales = shape[:2] if cache_dtype == KV_FP8 else (0, num_kv_heads)
+        self.key_scales = [torch.zeros(scales, device=device, dtype=torch.float32) for _ in range(num_layers)]
+        self.value_scales = [torch.zeros(scales, device=device, dtype=torch.float32) for _ in range(num_layers)]
 
     @classmethod
-    def for_model(cls, model: LanguageModel, num_blocks: int, block_size: int) -> PagedKVCache:
+    def for_model(
+        cls, model: LanguageModel, num_blocks: int, block_size: int, cache_dtype: torch.dtype | None = None
+    ) -> PagedKVCache:
         spec = model.spec
-        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, block_size, model.device, model.dtype)
+        return cls(
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            num_blocks,
+            block_size,
+            model.device,
+            model.dtype,
+            cache_dtype,
+        )
 
     @staticmethod
     def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-        """Memory of one block across all layers, k and v: divide a memory budget by this for num_blocks."""
+        """Memory of one block across all layers, k and v, in a cache of element type ``dtype`` (FP8: with its
+        fp32 scale per (slot, kv head)): divide a memory budget by this for num_blocks."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
+        per_slot_head = spec.head_dim * itemsize + (4 if dtype == KV_FP8 else 0)
+        return 2 * spec.num_layers * block_size * spec.num_kv_heads * per_slot_head
+
+    @property
+    def fp8(self) -> bool:
+        return self.cache_dtype == KV_FP8
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The stored element type: the model's dtype, or float8_e4m3fn."""
+        return self.keys[0].dtype
+
+    def scales(self, layer: int) -> dict[str, torch.Tensor]:
+        """The layer's scales as the attention's and the cache write's keywords (none unless FP8)."""
+        if not self.fp8:
+            return {}
+        return {"k_scale": self.key_scales[layer], "v_scale": self.value_scales[layer]}
 
     @property
     def num_layers(self) -> int:
@@ -106,14 +157,16 @@ class PagedKVCache:
     def device(self) -> torch.device:
         return self.keys[0].device
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.keys[0].dtype
-
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new k/v [T, kv_heads, D] at ``slots`` [T]."""
-        self.keys[layer].index_copy_(0, slots, k)
-        self.values[layer].index_copy_(0, slots, v)
+        """Store new k/v [T, kv_heads, D] at ``slots`` [T] (quantized, with their scales, in an FP8 cache)."""
+        if not self.fp8:
+            self.keys[layer].index_copy_(0, slots, k)
+            self.values[layer].index_copy_(0, slots, v)
+            return
+        for x, store, scales in ((k, self.keys, self.key_scales), (v, self.values, self.value_scales)):
+            q, scale = quantize_kv_reference(x)
+            _bytes(store[layer]).index_copy_(0, slots, _bytes(q))  # (torch has no FP8 index_copy_ on CPU)
+            scales[layer].index_copy_(0, slots, scale)
 
     def copy_blocks(self, pairs: Iterable[tuple[int, int]]) -> None:
         """Copy whole blocks (src, dst) in every layer, e.g. copy-on-write of a shared partial block."""
@@ -124,10 +177,16 @@ class PagedKVCache:
         if int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks:
             raise ValueError(f"block ids must lie in [0, {self.num_blocks}), got {pairs}")
         src, dst = ids[:, 0].to(self.device), ids[:, 1].to(self.device)
-        for store in (self.keys, self.values):
+        stores = (self.keys, self.values, self.key_scales, self.value_scales) if self.fp8 else (self.keys, self.values)
+        for store in stores:
             for slots in store:
-                blocks = slots.view(self.num_blocks, self.block_size, *slots.shape[1:])
+                blocks = _bytes(slots).view(self.num_blocks, self.block_size, *slots.shape[1:])
                 blocks.index_copy_(0, dst, blocks.index_select(0, src))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor as its bytes (for the copies torch implements for integers only), others as they are."""
+    return t.view(torch.uint8) if t.dtype == KV_FP8 else t
 
 
 # --- fused projections ----------------------------------------------------------------------------------
@@ -403,12 +462,13 @@ def _fused_attention(
         apply_qk_norm_mrope(q, k, *norm_weights, step.cos, step.sin, inplace=True)
     else:
         apply_mrope(q, k, step.cos, step.sin, inplace=True)
-    reshape_and_cache(k, v, step.kv.keys[index], step.kv.values[index], step.slots)
+    reshape_and_cache(k, v, step.kv.keys[index], step.kv.values[index], step.slots, **step.kv.scales(index))
     return attn.o_proj(_attend(q, index, attn.head_dim, step).reshape(t, -1))
 
 
 def _attend(q: torch.Tensor, index: int, head_dim: int, step: StepContext) -> torch.Tensor:
-    return step.attention(q, step.kv.keys[index], step.kv.values[index], step.attn_layout, head_dim**-0.5)
+    kv, scale = step.kv, head_dim**-0.5
+    return step.attention(q, kv.keys[index], kv.values[index], step.attn_layout, scale, **kv.scales(index))
 
 
 def _validate(
