@@ -121,7 +121,7 @@ def blockwise_gemm(
 
 def blockwise_gemm_us(x: torch.Tensor, w8: list[tuple[torch.Tensor, torch.Tensor]], call: fp8.BlockwiseCall) -> float:
     x_q, x_s = fp8.quantize_triton(x, fp8.GROUP, "column-major")
-    padded = [(w, fp8.padded_rows(s) if call.padded else s) for w, s in w8]
+    padded = [(w, fp8.blockwise_weight_scales(s, call)) for w, s in w8]
     return per_copy_us(len(padded), lambda i: blockwise_gemm(x_q, x_s, *padded[i], call))
 
 

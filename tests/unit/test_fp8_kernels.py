@@ -343,6 +343,18 @@ def test_weight_scales_padded_to_a_row_stride_of_four() -> None:
     assert fp8.padded_rows(whole) is whole  # already a multiple of 4: no copy
 
 
+def test_weight_scales_padded_to_whole_fours_of_k_blocks_in_shape() -> None:
+    scale = torch.arange(1.0, 31.0).view(3, 10)
+    padded = fp8.padded_columns(scale)
+    assert padded.shape == (3, 12) and torch.equal(padded[:, :10], scale) and not padded[:, 10:].any()
+    whole = torch.arange(24.0).view(3, 8)
+    assert fp8.padded_columns(whole) is whole
+    calls = {call.padding: call for call in fp8.BLOCKWISE_CALLS if call.api == "_scaled_mm"}
+    assert fp8.blockwise_weight_scales(scale, calls["none"]) is scale
+    assert fp8.blockwise_weight_scales(scale, calls["stride"]).stride() == (12, 1)
+    assert fp8.blockwise_weight_scales(scale, calls["shape"]).shape == (3, 12)
+
+
 def test_the_blockwise_path_waits_for_its_probe_and_falls_back_without_one() -> None:
     """Without a probe answer for the tensors' device (none on CPU) the path is the Triton block GEMM's: the
     interpreter's, or compiled, a clear refusal of CPU tensors; never torch's block-scaled call."""

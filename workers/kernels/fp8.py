@@ -177,14 +177,22 @@ def scaled_mm_blockwise(
 @dataclass(frozen=True)
 class BlockwiseCall:
     """How this torch takes a 1 x 128 by 128 x 128 block-scaled GEMM: through ``torch.nn.functional.scaled_mm`` (its
-    scaling recipes named) or ``torch._scaled_mm`` (the recipe read from the scales' shapes and strides), with the
-    weight scales' row stride as it is or rounded up to a multiple of 4 (newer torch checks for that padding)."""
+    scaling recipes named) or ``torch._scaled_mm`` (the recipe read from the scales' shapes and strides), the scales
+    as they are (``padding`` "none"), the weight scales' row stride rounded up to a multiple of 4 ("stride"), or the
+    weight scales' K blocks and the activations' rows zero-padded to multiples of 4 in shape ("shape": the 16-byte
+    leading dimensions cuBLASLt's scale layouts are said to need, the padded rows' outputs dropped)."""
 
     api: str  # "scaled_mm" or "_scaled_mm"
-    padded: bool
+    padding: str  # "none", "stride" or "shape"
+
+    @property
+    def name(self) -> str:
+        return f"torch.{self.api} (scale padding: {self.padding})"
 
 
-BLOCKWISE_CALLS = tuple(BlockwiseCall(api, padded) for api in ("scaled_mm", "_scaled_mm") for padded in (False, True))
+BLOCKWISE_CALLS = tuple(
+    BlockwiseCall(api, padding) for api in ("scaled_mm", "_scaled_mm") for padding in ("none", "stride", "shape")
+)
 # (M, K, N) of the probe's GEMMs: whole blocks, then ragged rows, a partial last weight block and K / 128 = 3 (where
 # the padded and unpadded scale layouts differ).
 PROBE_SHAPES = ((128, 256, 256), (37, 384, 176))
@@ -204,7 +212,7 @@ def blockwise_support(device: torch.device) -> BlockwiseCall | None:
             "FP8 128x128-block GEMMs with more than %d rows on cuda:%d: %s",
             DECODE_ROWS,
             index,
-            f"cuBLASLt block-scaled through torch.{found.api} (padded weight scales: {found.padded})"
+            f"cuBLASLt block-scaled through {found.name}"
             if found
             else "the Triton block-scaled GEMM (this torch's cuBLASLt block-scaled GEMM failed its probe)",
         )
@@ -226,8 +234,8 @@ def probe_blockwise(device: torch.device) -> BlockwiseCall | None:
             mismatch = f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if mismatch is None:
             return call
-        failures.append(f"torch.{call.api} (padded weight scales: {call.padded}): {mismatch}")
-        log.info("cuBLASLt block-scaled GEMM through %s failed its probe: %s", call, mismatch)
+        failures.append(f"{call.name}: {mismatch}")
+        log.info("cuBLASLt block-scaled GEMM through %s failed its probe: %s", call.name, mismatch)
     return None
 
 
@@ -264,8 +272,11 @@ def blockwise_mm(
     with w_scale [N / 128, K / 128] row-major, as ``call`` passes them to torch."""
     from workers.kernels import fp8_triton
 
+    rows = x.shape[0]
+    if call.padding == "shape" and rows % 4:
+        x = torch.nn.functional.pad(x, (0, 0, 0, -rows % 4))
     x_q, x_s = fp8_triton.quantize(x, GROUP, scale_layout="column-major")
-    w_s = padded_rows(w_scale) if call.padded else w_scale
+    w_s = blockwise_weight_scales(w_scale, call)
     if call.api == "scaled_mm":
         functional = torch.nn.functional
         recipes = functional.ScalingType
@@ -274,7 +285,20 @@ def blockwise_mm(
         )
     else:
         out = torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=w_s.t(), out_dtype=x.dtype)
+    out = out[:rows]
     return out if bias is None else out + bias
+
+
+def blockwise_weight_scales(w_scale: torch.Tensor, call: BlockwiseCall) -> torch.Tensor:
+    """``w_scale`` [N / 128, K / 128] laid out as ``call`` passes it."""
+    if call.padding == "stride":
+        return padded_rows(w_scale)
+    return padded_columns(w_scale) if call.padding == "shape" else w_scale
+
+
+def padded_columns(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` [R, C] zero-padded to [R, C rounded up to a multiple of 4] (itself where C is one already)."""
+    return scale if scale.shape[1] % 4 == 0 else torch.nn.functional.pad(scale, (0, -scale.shape[1] % 4))
 
 
 def padded_rows(scale: torch.Tensor) -> torch.Tensor:
