@@ -8,6 +8,7 @@ import http.server
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -118,11 +119,28 @@ def serve(
         process = subprocess.Popen([str(REPO / "ops/serve")], env=env, stdout=log, stderr=subprocess.STDOUT)
     stack = Stack(f"http://127.0.0.1:{port}", config, process)
     try:
+        wake_supervisord(stack)
         stack.wait_healthy()
         yield stack
     finally:
         process.send_signal(signal.SIGTERM)
         STOPPING.add(name, port, process)
+
+
+def wake_supervisord(stack: Stack, timeout_s: float = 60.0) -> None:
+    """Connect once to the stack's supervisord socket as soon as it listens. supervisord spawns its programs only after
+    its main loop's first poll, which waits up to a second for an event when none comes: a connection is one, so the
+    programs start that second sooner. Returns without one if ops/serve exits first (`Stack.wait_healthy` says why)."""
+    path = str(stack.run_dir / "supervisor.sock")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and stack.process.poll() is None:
+        with socket.socket(socket.AF_UNIX) as probe:
+            try:
+                probe.connect(path)
+                return
+            except OSError:  # (not there yet, or a stopped stack's leftover file that no one listens on)
+                pass
+        time.sleep(0.02)
 
 
 @dataclass
