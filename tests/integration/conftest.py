@@ -15,7 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from openai import OpenAI
 from benchmarks.gateway_load import free_port
 from benchmarks.hf_chat import HfChat
 from common.config import load_config
+from workers.models.synth import generate_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -194,6 +195,20 @@ def stack_config(directory: Path, port: int, extra_toml: str = "", server_toml: 
         "[fetcher]\nallow_private_addresses = true\nhttp_timeout_s = 5.0\nencode_timeout_s = 30.0\n" + extra_toml
     )
     return config
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_checkpoint(family)``: that family's tiny seed-0 synthetic checkpoint, generated once a session for the
+    modules that serve or read it as it is (one that changes its files makes its own)."""
+    made: dict[str, Path] = {}
+
+    def checkpoint(family: str) -> Path:
+        if family not in made:
+            made[family] = generate_checkpoint(tmp_path_factory.mktemp(family) / "tiny", "tiny", 0, family=family)
+        return made[family]
+
+    return checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,8 @@ the timestamps its processor writes (test_video's reference builds them from tra
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,16 +37,16 @@ from tests.integration.test_video import (  # noqa: F401 (collected here, on thi
     video_part,
 )
 from tests.media import data_url, make_image
-from workers.models.synth import generate_checkpoint
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Callable[[str], Path]
+) -> Iterator[Stack]:
     family: str = request.param
-    model = generate_checkpoint(tmp_path_factory.mktemp(family) / "tiny", "tiny", 0, family=family)
-    yield from serve(tmp_path_factory, family, f'[model]\npath = "{model}"\n')
+    yield from serve(tmp_path_factory, family, f'[model]\npath = "{tiny_checkpoint(family)}"\n')
 
 
 @pytest.fixture(scope="module")

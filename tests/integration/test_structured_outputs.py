@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -21,7 +22,6 @@ from benchmarks.hf_chat import HfChat
 from common.config import load_config
 from tests.integration.conftest import Stack, serve
 from tests.integration.test_chat_parity import check_parity
-from workers.models.synth import generate_checkpoint
 
 FAMILIES = ["qwen2_vl", "qwen3_vl"]
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -70,10 +70,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Callable[[str], Path]
+) -> Iterator[Stack]:
     family: str = request.param
-    model = generate_checkpoint(tmp_path_factory.mktemp(family) / "tiny", "tiny", 0, family=family)
-    yield from serve(tmp_path_factory, f"structured-{family}", f'[model]\npath = "{model}"\n')
+    yield from serve(tmp_path_factory, f"structured-{family}", f'[model]\npath = "{tiny_checkpoint(family)}"\n')
 
 
 @pytest.fixture(scope="module")
