@@ -32,11 +32,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every stack test is slow (each starts real processes): ``./ops/test --fast`` leaves them out."""
+    """Every stack test is slow (each starts real processes): ``./ops/test --fast`` leaves them out. The tests on
+    `family_stack` run one after another, grouped by family, where the first of them was: so that no family's stack
+    waits idle, beside the other tests' stacks, for the last module that takes it (pytest's own order, applied after
+    this, keeps each family's tests together and so this order)."""
     here = Path(__file__).parent
     for item in items:
         if here in item.path.parents:
             item.add_marker(pytest.mark.slow)
+    on_family_stack = [item for item in items if "family_stack" in getattr(item, "fixturenames", ())]
+    if on_family_stack:
+        first = items.index(on_family_stack[0])
+        families = {id(item): item.callspec.params["family_stack"] for item in on_family_stack}  # type: ignore[attr-defined]
+        order = list(dict.fromkeys(families.values()))
+        on_family_stack.sort(key=lambda item: order.index(families[id(item)]))
+        rest = [item for item in items if id(item) not in families]
+        items[:] = rest[:first] + on_family_stack + rest[first:]
 
 
 @dataclass
@@ -209,6 +220,18 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
         return made[family]
 
     return checkpoint
+
+
+@pytest.fixture(scope="session")
+def family_stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Callable[[str], Path]
+) -> Iterator[Stack]:
+    """The whole stack on a family's tiny checkpoint (`tiny_checkpoint`), with the test settings: one for every module
+    that serves that checkpoint as it is. A module takes it with ``pytest.mark.parametrize("family_stack", FAMILIES,
+    indirect=True, scope="session")``; pytest then runs those modules' tests of one family one after another, on one
+    stack, and stops it before it starts the next family's."""
+    family: str = request.param
+    yield from serve(tmp_path_factory, family, f'[model]\npath = "{tiny_checkpoint(family)}"\n')
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -20,7 +18,7 @@ from transformers import AutoTokenizer
 
 from benchmarks.hf_chat import HfChat
 from common.config import load_config
-from tests.integration.conftest import Stack, serve
+from tests.integration.conftest import Stack
 from tests.integration.test_chat_parity import check_parity
 
 FAMILIES = ["qwen2_vl", "qwen3_vl"]
@@ -69,12 +67,13 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def stack(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Callable[[str], Path]
-) -> Iterator[Stack]:
-    family: str = request.param
-    yield from serve(tmp_path_factory, f"structured-{family}", f'[model]\npath = "{tiny_checkpoint(family)}"\n')
+pytestmark = pytest.mark.parametrize("family_stack", FAMILIES, indirect=True, scope="session")
+
+
+@pytest.fixture(scope="module")
+def stack(family_stack: Stack) -> Stack:
+    """conftest's stack of the family (shared with the other modules that serve its tiny checkpoint as it is)."""
+    return family_stack
 
 
 @pytest.fixture(scope="module")
