@@ -894,7 +894,8 @@ def part_grammar(run: Run) -> None:
     up (its llguidance and xgrammar), on the checkpoint's tokenizer."""
     model = checkpoint(run.args)
     out = run.raw / "grammar_cost.json"
-    argv = ["--checkpoint", str(model), "--out", str(out)]
+    extra = shlex.split(run.args.grammar_args)
+    argv = ["--checkpoint", str(model), "--out", str(out), *extra]
     run.python("grammar_cost", "benchmarks.grammar_cost", *argv, timeout=run.args.timeout, cwd=HERE)
     run.keep("grammar_cost", out)
     if not Path(peer_script(run)).exists():
@@ -905,7 +906,7 @@ def part_grammar(run: Run) -> None:
         run.rows.append({"name": "vllm-grammar_cost", "note": f"the peer is not set up: {setup.stdout[-300:]}"})
         return
     out = run.raw / "vllm-grammar_cost.json"
-    command = ["python3", "-m", "benchmarks.grammar_cost", "--checkpoint", str(model), "--out", str(out)]
+    command = ["python3", "-m", "benchmarks.grammar_cost", "--checkpoint", str(model), "--out", str(out), *extra]
     script = f'source {shlex.quote(peer_script(run))} && PYTHONPATH="$P/site:{HERE}" {shlex.join(command)}'
     log(f"vllm-grammar_cost: {script}")
     with open(run.raw / "vllm-grammar_cost.log", "w") as log_file:
@@ -1043,6 +1044,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--url", help="serve: a server already running; no stack is started")
     p.add_argument("--client-args", default="", help="serve/vllm: more arguments for benchmarks.serve (--small)")
     p.add_argument("--engine-args", default="", help="engine: more arguments for benchmarks.engine, one string")
+    p.add_argument(
+        "--grammar-args", default="", help="grammar: more arguments for benchmarks.grammar_cost (ours and the peer's)"
+    )
     p.add_argument("--peer-dir", type=Path, default=Path(".vllm-peer"), help="vllm: the copy of vllm-peer/")
     p.add_argument(
         "--timeout",

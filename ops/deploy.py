@@ -207,14 +207,19 @@ def preflight(cfg: Config) -> None:
     """What would otherwise fail only inside the workers, after supervisord has started them (and would restart
     them for ever): a model directory that is no checkpoint of a supported family (or lacks a file), a backend or
     tensor_parallel the model cannot run with, and a port another program holds. The demo
-    checkpoint, if it is the model, is made here: once, before the processes start (they would race to make it)."""
-    from workers.encoder.backends import check_backend
-    from workers.models.registry import read_spec
-    from workers.models.tensor_parallel import check_tensor_parallel
+    checkpoint, if it is the model, is made here: once, before the processes start (they would race to make it).
+    The checks that need the checkpoint's spec import torch with its family's module (a second of every start): they
+    run where they can refuse, a vision backend other than torch's (which runs every tower) and a tensor_parallel
+    other than 1."""
+    model = prepared_model(cfg)
+    if cfg.encoder.backend != "torch" or cfg.decoder.tensor_parallel != 1:
+        from workers.encoder.backends import check_backend
+        from workers.models.registry import read_spec
+        from workers.models.tensor_parallel import check_tensor_parallel
 
-    spec = read_spec(prepared_model(cfg), cfg.model.quantization)
-    check_backend(cfg, spec.vision)
-    check_tensor_parallel(spec, cfg.decoder.tensor_parallel)
+        spec = read_spec(model, cfg.model.quantization)
+        check_backend(cfg, spec.vision)
+        check_tensor_parallel(spec, cfg.decoder.tensor_parallel)
     host, port = cfg.server.host, cfg.server.port
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
         # SO_REUSEADDR as aiohttp binds: a port in TIME_WAIT after the last stop is free to it

@@ -6,7 +6,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import re
+import subprocess
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -64,3 +68,36 @@ def fix_interpreter_scalar_index() -> None:
 
     patched.scalar_index_fixed = True  # type: ignore[attr-defined]
     interpreter._patch_lang_tensor = patched
+
+
+def run_sharded(test_file: str, env: Mapping[str, str], *pytest_args: str) -> None:
+    """Run ``test_file`` under pytest in processes of their own with ``env`` added, one per core (up to 4), each
+    taking every n-th selected test (``VLM_TEST_SHARD``, tests/unit/conftest.py): under Triton's interpreter a test
+    is CPU-bound on one core. Fails unless every process passed with nothing skipped (the kernels ran) and all of
+    them collected the same tests (so each selected test ran in exactly one)."""
+    shards = max(1, min(4, len(os.sched_getaffinity(0))))
+    command = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-x", *pytest_args]
+    runs = [
+        subprocess.Popen(
+            command,
+            env={**os.environ, **env, "VLM_TEST_SHARD": f"{k}/{shards}"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        for k in range(shards)
+    ]
+    try:  # (a bound for a hang, not a speed check)
+        outputs = [run.communicate(timeout=600) for run in runs]
+    finally:
+        for run in runs:
+            run.kill()  # (a no-op for those that ended)
+    totals = set()
+    for run, (stdout, stderr) in zip(runs, outputs, strict=True):
+        tail = "\n".join(stdout.splitlines()[-15:])
+        assert run.returncode == 0, tail + stderr[-3000:]
+        found = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|deselected)", tail.splitlines()[-1])}
+        assert not found.get("skipped") and found.get("passed"), tail
+        totals.add(found["passed"] + found.get("deselected", 0))
+    assert len(totals) == 1, f"the processes collected different tests: {totals}"

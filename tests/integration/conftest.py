@@ -8,13 +8,14 @@ import http.server
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,16 +26,28 @@ from openai import OpenAI
 from benchmarks.gateway_load import free_port
 from benchmarks.hf_chat import HfChat
 from common.config import load_config
+from workers.models.synth import generate_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every stack test is slow (each starts real processes): ``./ops/test --fast`` leaves them out."""
+    """Every stack test is slow (each starts real processes): ``./ops/test --fast`` leaves them out. The tests on
+    `family_stack` run one after another, grouped by family, where the first of them was: so that no family's stack
+    waits idle, beside the other tests' stacks, for the last module that takes it (pytest's own order, applied after
+    this, keeps each family's tests together and so this order)."""
     here = Path(__file__).parent
     for item in items:
         if here in item.path.parents:
             item.add_marker(pytest.mark.slow)
+    on_family_stack = [item for item in items if "family_stack" in getattr(item, "fixturenames", ())]
+    if on_family_stack:
+        first = items.index(on_family_stack[0])
+        families = {id(item): item.callspec.params["family_stack"] for item in on_family_stack}  # type: ignore[attr-defined]
+        order = list(dict.fromkeys(families.values()))
+        on_family_stack.sort(key=lambda item: order.index(families[id(item)]))
+        rest = [item for item in items if id(item) not in families]
+        items[:] = rest[:first] + on_family_stack + rest[first:]
 
 
 @dataclass
@@ -118,11 +131,28 @@ def serve(
         process = subprocess.Popen([str(REPO / "ops/serve")], env=env, stdout=log, stderr=subprocess.STDOUT)
     stack = Stack(f"http://127.0.0.1:{port}", config, process)
     try:
+        wake_supervisord(stack)
         stack.wait_healthy()
         yield stack
     finally:
         process.send_signal(signal.SIGTERM)
         STOPPING.add(name, port, process)
+
+
+def wake_supervisord(stack: Stack, timeout_s: float = 60.0) -> None:
+    """Connect once to the stack's supervisord socket as soon as it listens. supervisord spawns its programs only after
+    its main loop's first poll, which waits up to a second for an event when none comes: a connection is one, so the
+    programs start that second sooner. Returns without one if ops/serve exits first (`Stack.wait_healthy` says why)."""
+    path = str(stack.run_dir / "supervisor.sock")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and stack.process.poll() is None:
+        with socket.socket(socket.AF_UNIX) as probe:
+            try:
+                probe.connect(path)
+                return
+            except OSError:  # (not there yet, or a stopped stack's leftover file that no one listens on)
+                pass
+        time.sleep(0.02)
 
 
 @dataclass
@@ -176,6 +206,32 @@ def stack_config(directory: Path, port: int, extra_toml: str = "", server_toml: 
         "[fetcher]\nallow_private_addresses = true\nhttp_timeout_s = 5.0\nencode_timeout_s = 30.0\n" + extra_toml
     )
     return config
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_checkpoint(family)``: that family's tiny seed-0 synthetic checkpoint, generated once a session for the
+    modules that serve or read it as it is (one that changes its files makes its own)."""
+    made: dict[str, Path] = {}
+
+    def checkpoint(family: str) -> Path:
+        if family not in made:
+            made[family] = generate_checkpoint(tmp_path_factory.mktemp(family) / "tiny", "tiny", 0, family=family)
+        return made[family]
+
+    return checkpoint
+
+
+@pytest.fixture(scope="session")
+def family_stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Callable[[str], Path]
+) -> Iterator[Stack]:
+    """The whole stack on a family's tiny checkpoint (`tiny_checkpoint`), with the test settings: one for every module
+    that serves that checkpoint as it is. A module takes it with ``pytest.mark.parametrize("family_stack", FAMILIES,
+    indirect=True, scope="session")``; pytest then runs those modules' tests of one family one after another, on one
+    stack, and stops it before it starts the next family's."""
+    family: str = request.param
+    yield from serve(tmp_path_factory, family, f'[model]\npath = "{tiny_checkpoint(family)}"\n')
 
 
 @pytest.fixture(scope="session")

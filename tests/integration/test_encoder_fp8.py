@@ -6,7 +6,7 @@ dequantized (on CPU an FP8 layer computes exactly that: `workers.models.fp8.fp8_
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +20,13 @@ from tests.integration.conftest import Stack, serve
 from tests.integration.test_chat_parity import check_parity, image_part
 from tests.media import data_url, make_image
 from workers.models.registry import checkpoint_family
-from workers.models.synth import generate_checkpoint
 from workers.models.vision_fp8 import serve_linears
 from workers.models.weights import VISION_PREFIX, canonical_key
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return generate_checkpoint(tmp_path_factory.mktemp("encoder-fp8") / "qwen2_5_vl", "tiny", 0, family="qwen2_5_vl")
+def model(tiny_checkpoint: Callable[[str], Path]) -> Path:
+    return tiny_checkpoint("qwen2_5_vl")
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
@@ -39,10 +40,10 @@ def onnx_encoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 @pytest.fixture
-def onnx_encoder_qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    from workers.models.synth import generate_checkpoint
-
-    model = generate_checkpoint(tmp_path_factory.mktemp("qwen3_vl") / "tiny", "tiny", 0, family="qwen3_vl")
+def onnx_encoder_qwen3_vl(
+    tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Callable[[str], Path]
+) -> Iterator[Stack]:
+    model = tiny_checkpoint("qwen3_vl")
     yield from serve(
         tmp_path_factory, "onnx-qwen3_vl", f'[model]\npath = "{model}"\n[encoder]\nbackend = "onnxruntime"\n'
     )

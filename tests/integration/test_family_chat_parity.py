@@ -6,7 +6,6 @@ the timestamps its processor writes (test_video's reference builds them from tra
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,7 +13,7 @@ from openai import OpenAI
 
 from benchmarks.hf_chat import HfChat
 from common.config import load_config
-from tests.integration.conftest import Stack, serve
+from tests.integration.conftest import Stack
 from tests.integration.test_chat_parity import (  # noqa: F401 (collected here, on this module's stack)
     check_parity,
     image_part,
@@ -36,16 +35,17 @@ from tests.integration.test_video import (  # noqa: F401 (collected here, on thi
     video_part,
 )
 from tests.media import data_url, make_image
-from workers.models.synth import generate_checkpoint
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    family: str = request.param
-    model = generate_checkpoint(tmp_path_factory.mktemp(family) / "tiny", "tiny", 0, family=family)
-    yield from serve(tmp_path_factory, family, f'[model]\npath = "{model}"\n')
+pytestmark = pytest.mark.parametrize("family_stack", FAMILIES, indirect=True, scope="session")
+
+
+@pytest.fixture(scope="module")
+def stack(family_stack: Stack) -> Stack:
+    """conftest's stack of the family (shared with the other modules that serve its tiny checkpoint as it is)."""
+    return family_stack
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,9 +18,8 @@ from transformers import AutoTokenizer
 
 from benchmarks.hf_chat import HfChat
 from common.config import load_config
-from tests.integration.conftest import Stack, serve
+from tests.integration.conftest import Stack
 from tests.integration.test_chat_parity import check_parity
-from workers.models.synth import generate_checkpoint
 
 FAMILIES = ["qwen2_vl", "qwen3_vl"]
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -69,11 +67,13 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    family: str = request.param
-    model = generate_checkpoint(tmp_path_factory.mktemp(family) / "tiny", "tiny", 0, family=family)
-    yield from serve(tmp_path_factory, f"structured-{family}", f'[model]\npath = "{model}"\n')
+pytestmark = pytest.mark.parametrize("family_stack", FAMILIES, indirect=True, scope="session")
+
+
+@pytest.fixture(scope="module")
+def stack(family_stack: Stack) -> Stack:
+    """conftest's stack of the family (shared with the other modules that serve its tiny checkpoint as it is)."""
+    return family_stack
 
 
 @pytest.fixture(scope="module")

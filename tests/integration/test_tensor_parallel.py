@@ -6,7 +6,8 @@ Qwen2-VL demo checkpoint and on the tiny Qwen2.5-VL and Qwen3-VL ones."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
@@ -17,7 +18,6 @@ from tests.integration.conftest import Stack, serve
 from tests.integration.test_chat_parity import check_parity, image_part
 from tests.integration.test_faults import ANSWER_BOUND_S, one_request, requests_through_a_kill, wait_restarted
 from tests.media import data_url, make_image
-from workers.models.synth import generate_checkpoint
 
 TP2 = "[decoder]\ntensor_parallel = 2\ntp_timeout_s = 30.0\n"
 
@@ -29,10 +29,11 @@ def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 # (function-scoped: up and down before the module's Qwen2-VL stack starts, one stack at a time)
 @pytest.fixture(params=["qwen2_5_vl", "qwen3_vl"])
-def tp2_family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def tp2_family(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Callable[[str], Path]
+) -> Iterator[Stack]:
     family: str = request.param
-    model = generate_checkpoint(tmp_path_factory.mktemp(family) / "tiny", "tiny", 0, family=family)
-    yield from serve(tmp_path_factory, f"tp2-{family}", f'[model]\npath = "{model}"\n{TP2}')
+    yield from serve(tmp_path_factory, f"tp2-{family}", f'[model]\npath = "{tiny_checkpoint(family)}"\n{TP2}')
 
 
 def test_tensor_parallel_2_answers_like_transformers_on_each_family(

@@ -12,15 +12,10 @@ interpreter's cast writes -0 as +0) and the same residual sums.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.triton_setup import FP8_INTERPRETER_CHILD, interpreted_in_child
+from tests.triton_setup import FP8_INTERPRETER_CHILD, interpreted_in_child, run_sharded
 from workers.kernels import fp8, fp8_norm
 from workers.kernels.fp8 import FP8, quantize_reference
 from workers.models.fp8 import Fp8Weight, quantize_per_channel
@@ -214,17 +209,8 @@ def test_the_cpu_norms_write_their_rows_as_before_for_an_fp8_linear() -> None:
 
 @pytest.mark.slow
 def test_norm_kernels_in_interpreter() -> None:
-    """This module in a process of its own, where triton can still be imported under the interpreter."""
+    """This module in processes of their own (`run_sharded`), where triton can still be imported under the
+    interpreter."""
     if INTERPRETED:
         pytest.skip("the kernels run in this process")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x", "-k", "not in_interpreter"],
-        env={**os.environ, CHILD: "1", "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,  # (a bound for a hang, not a speed check)
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    tail = "\n".join(result.stdout.splitlines()[-15:])
-    assert result.returncode == 0, tail + result.stderr[-3000:]
-    assert " skipped" not in tail.splitlines()[-1], tail
+    run_sharded(__file__, {CHILD: "1", "TRITON_INTERPRET": "1"}, "-k", "not in_interpreter")

@@ -252,9 +252,15 @@ def test_tiles_within_one_block(
     check_attention(*decode, block_n=block_n)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [3, 8])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [GEOMETRIES[0], GEOMETRIES[3]])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "num_splits", "dtype"),
+    [
+        pytest.param(*GEOMETRIES[0].values, 3, DTYPES[1].values[0], id="tiny-4x2x16-3-bf16"),
+        pytest.param(*GEOMETRIES[0].values, 8, DTYPES[0].values[0], id="tiny-4x2x16-8-fp32"),
+        pytest.param(*GEOMETRIES[3].values, 3, DTYPES[0].values[0], id="gqa7-7x1x64-3-fp32"),
+        pytest.param(*GEOMETRIES[3].values, 8, DTYPES[1].values[0], id="gqa7-7x1x64-8-bf16"),
+    ],  # (each geometry with each split count and each dtype: the interpreter's slowest tests, not every triple)
+)
 def test_split_k(heads: int, kv_heads: int, head_dim: int, num_splits: int, dtype: torch.dtype) -> None:
     """Forced splits on the mixed batch: split edges fall mid-block (block size 7), some splits are empty
     (context 1 or 9 split 8 ways), and the chunk's early queries see nothing in the later splits."""
@@ -278,8 +284,13 @@ def test_decode_batch_splits_by_itself(heads: int, kv_heads: int, head_dim: int,
 SKEWED_CONTEXT_LENS = [1200, 40, 300, 1, 200, 64, 65, 129]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [GEOMETRIES[0], GEOMETRIES[2]])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "dtype"),
+    [
+        pytest.param(*GEOMETRIES[0].values, DTYPES[0].values[0], id="tiny-4x2x16-fp32"),
+        pytest.param(*GEOMETRIES[2].values, DTYPES[1].values[0], id="gqa7-14x2x128-bf16"),
+    ],  # (each geometry and each dtype, not every pair: the interpreter's slowest test, a 1200-key context)
+)
 def test_balanced_decode_splits(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
     """Splits of one length for the whole batch: the long context uses many splits, the short ones few or
     one, and the merge reads only those that were written (a stray read of another split's scratch would

@@ -153,9 +153,12 @@ def test_gpu_driver_grammar_part_runs_ours_and_the_peers_python(tmp_path: Path) 
         'case "$1" in setup) echo "vllm 0.22.0 (stand-in)";; *) exit 2;; esac\n'
     )
     result = tmp_path / "result"
-    gpu.main(["grammar", "--result-dir", str(result), "--model", str(demo_checkpoint()), "--peer-dir", str(peer)])
-    assert json.loads((result / "grammar_cost.json").read_text())["llguidance"]["ready_ms"]["n"] > 0
-    assert json.loads((result / "vllm-grammar_cost.json").read_text())["llguidance"]["ready_ms"]["n"] > 0
+    few = "--repetitions 2 --steps 5"  # (the part's plumbing is under test here, not the figures' spread)
+    argv = ["grammar", "--result-dir", str(result), "--model", str(demo_checkpoint()), "--peer-dir", str(peer)]
+    gpu.main([*argv, "--grammar-args", few])
+    for name in ("grammar_cost.json", "vllm-grammar_cost.json"):  # (both runs were given --grammar-args)
+        per_schema = json.loads((result / name).read_text())["llguidance"]["per_schema"]
+        assert per_schema and all(figures["ready_ms"]["n"] == 2 for figures in per_schema.values()), name
     assert f"PYTHONPATH={tmp_path}/peer-tmp/site:" in (result / "raw" / "vllm-grammar_cost.log").read_text()
     record = (result / "summary.md").read_text()
     assert "| grammar_cost |" in record and "| vllm-grammar_cost |" in record and "ready_p99_ms" in record

@@ -41,7 +41,7 @@ from tokenizers.trainers import BpeTrainer
 
 from common.checkpoint import DEMO_SEED, DEMO_SIZE, demo_checkpoint_path
 from common.config import Config
-from common.model_files import SUPPORTED_MODEL_TYPES
+from common.model_files import SUPPORTED_MODEL_TYPES, check_model_files
 from workers.models.registry import SynthTables
 
 if TYPE_CHECKING:  # torch is imported where weights are made: finding the demo checkpoint made needs none of it
@@ -952,11 +952,10 @@ def prepared_model(cfg: Config) -> Path:
     is the one configured: every process that loads the model calls this at start-up, so that each one started
     alone with the default config still finds it (one generates, the others wait on its lock). Raises ValueError
     naming the model type or the file at fault where the checkpoint is of no supported family or lacks a file
-    (`workers.models.registry.checkpoint_family`)."""
-    from workers.models.registry import checkpoint_family  # (the family modules import this one)
-
+    (`common.model_files.check_model_files`: what `workers.models.registry.checkpoint_family` checks, without
+    importing the family's module, and so torch, in the launcher)."""
     path = cfg.model_path() if cfg.model.path else demo_checkpoint()
-    checkpoint_family(path, cfg.model.quantization)
+    check_model_files(path, cfg.model.quantization)
     return path
 
 
