@@ -67,8 +67,8 @@ class EngineConfig:
         Every family takes the same paths (Qwen3-VL's q/k norm and DeepStack adds are in the fused layers and
         in the graphs)."""
         triton = settings.kernels == "triton" and device.type == "cuda"
-        capability = torch.cuda.get_device_capability(device) if triton else None
-        check_kv_cache_dtype(settings.kv_cache_dtype, capability, str(device))
+        if triton and settings.kv_cache_dtype == "fp8":  # (the only setting a GPU's capability can refuse)
+            check_kv_cache_dtype(settings.kv_cache_dtype, torch.cuda.get_device_capability(device), str(device))
         return cls(
             max_model_len=max_model_len,
             max_running=settings.max_running,
