@@ -99,19 +99,28 @@ class Fp8Linear(nn.Module):
         return fp8_linear(x, self.fp8_weight(), self.bias)
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def channel_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The per-channel scale of rows whose largest magnitudes are ``amax`` [out, 1]: ``amax / 448`` (a row of zeros
+    keeps a tiny scale, so its values stay 0)."""
+    return (amax.float() / FP8_MAX).clamp(min=1e-12)
+
+
+def quantize_per_channel(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 weight, scale [out, 1]) of a weight [out, in]: ``scale = amax / 448`` per row, as vLLM's and
-    compressed-tensors' per-channel FP8 do (a row of zeros keeps a tiny scale, so its values stay 0)."""
-    amax = weight.float().abs().amax(dim=1, keepdim=True)
-    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    compressed-tensors' per-channel FP8 do. ``scale``: the rows' scale where it was found from more of each row than
+    ``weight`` holds (a tensor-parallel rank's columns of a row-parallel weight, `workers.models.tensor_parallel`)."""
+    if scale is None:
+        scale = channel_scale(weight.float().abs().amax(dim=1, keepdim=True))
     return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def quantize_state(state: Mapping[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """``state`` with the weights ``names`` (each ``<module>.weight``) in FP8 beside their ``weight_scale``."""
+    """``state`` with the weights ``names`` (each ``<module>.weight``) in FP8 beside their ``weight_scale``: the one
+    ``state`` holds beside a weight already (the whole rows' scale of a tensor-parallel shard), else its rows'."""
     out = dict(state)
     for name in names:
-        out[name], out[name.removesuffix("weight") + CHANNEL_SCALE] = quantize_per_channel(state[name])
+        scale_name = name.removesuffix("weight") + CHANNEL_SCALE
+        out[name], out[scale_name] = quantize_per_channel(state[name], state.get(scale_name))
     return out
 
 

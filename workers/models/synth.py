@@ -106,6 +106,17 @@ SIZES: dict[str, SizeSpec] = {
     "tiny": _TINY,
     # The tiny shape with a kv head per rank at tensor parallel 4 (as Qwen2-VL-7B's 4 kv heads on 4 GPUs).
     "tiny-4kv": {**_TINY, "num_key_value_heads": 4},
+    # The tiny shape with 128-wide heads and a 512-column MLP: at tensor parallel 2 every rank's shard of every
+    # projection is whole 128 x 128 blocks, as block-wise FP8 checkpoints' sharding needs (Qwen2.5-VL-7B's 128-wide
+    # heads); stored in bfloat16, as such checkpoints' unquantized tensors are.
+    "tiny-128": {
+        **_TINY,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 2,
+        "mrope_section": [16, 24, 24],
+        "dtype": "bfloat16",
+    },
     # Shapes of Qwen/Qwen2-VL-2B-Instruct.
     "2b": {
         "hidden_size": 1536,
