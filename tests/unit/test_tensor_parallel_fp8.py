@@ -98,8 +98,9 @@ def test_two_ranks_on_fp8_weights_give_one_ranks_logits_and_tokens(tmp_path: Pat
         got = torch.from_numpy(np.load(f"{out}-{rank}.npy"))
         assert got.shape == expected_logits.shape
         # fp32: only the sum order differs; tiny-128's 4x wider sums and larger logits take the 1e-5 of
-        # tests/unit/test_tensor_parallel.py to a few times that (a wrong scale or slice is off by far more)
-        torch.testing.assert_close(got, expected_logits, rtol=1e-5, atol=4e-5)
+        # tests/unit/test_tensor_parallel.py past 4e-5 on some runs (the ranks' all-reduce order is not fixed), so
+        # twice the 1e-4 its engine test allows (a wrong scale or slice is off by orders of magnitude more)
+        torch.testing.assert_close(got, expected_logits, rtol=1e-5, atol=2e-4)
     assert json.loads(Path(f"{out}.json").read_text()) == expected_tokens
 
 
