@@ -26,9 +26,10 @@ from workers.kernels.activation import silu_and_mul
 from workers.kernels.attention import paged_attention_reference
 from workers.kernels.cache import KV_FP8, quantize_kv_reference, reshape_and_cache
 from workers.kernels.layout import AttentionMetadata, BatchLayout
-from workers.kernels.norm import fused_add_rms_norm, rms_norm
+from workers.kernels.norm import fused_add_rms_norm
 from workers.kernels.rotary import apply_mrope, apply_qk_norm_mrope
-from workers.models.fp8 import Fp8Linear, Fp8Weight, fuse_weights, linear
+from workers.models.fp8 import Fp8Linear, Fp8Weight, fuse_weights
+from workers.models.fp8_rows import Rows, add_and_rms_norm, fp8_of, fused_linear
 from workers.models.language import (
     DecoderLayer,
     LanguageModel,
@@ -421,39 +422,34 @@ def _fused_layers(
     fused into the next RMSNorm. Returns (last MLP output, residual before it); their sum is the hidden.
 
     After a layer with a DeepStack set the sum is formed first, the set added to it, then normed: the eager
-    layer's order of additions, so both paths round alike (the first K layers only; the others stay fused)."""
+    layer's order of additions, so both paths round alike (the first K layers only; the others stay fused).
+
+    A norm that feeds a per-channel FP8 qkv or gate_up which would quantize its rows per token writes them in FP8
+    with their scales instead (`workers.models.fp8_rows`: `add_and_rms_norm`, `quantizes_for`), and the projection
+    takes them as they are; everywhere else (decode rows, block-wise or bf16 weights, the CPU) its rows are bf16."""
     layers = model.layers
-    residual = x
-    h = _input_norm(layers[0], x)
+    residual, h = add_and_rms_norm(None, x, layers[0].input_layernorm, fp8_of(fused[0].qkv_weight))
     for index, (layer, weights) in enumerate(zip(layers, fused, strict=True)):
-        h = step.reduce(_fused_attention(layer, weights, index, h, step))
+        update = step.reduce(_fused_attention(layer, weights, index, h, step))
         norm = layer.post_attention_layernorm
-        h, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        residual, h = add_and_rms_norm(update, residual, norm, fp8_of(weights.gate_up_weight))
         intermediate = weights.gate_up_weight.shape[0] // 2
-        gate_up = linear(h, weights.gate_up_weight)
+        gate_up = fused_linear(h, weights.gate_up_weight)
         activated = silu_and_mul(gate_up[:, :intermediate], gate_up[:, intermediate:])
-        h = step.reduce(layer.mlp.down_proj(activated))
-        last = index + 1 == len(layers)
+        out: torch.Tensor | None = step.reduce(layer.mlp.down_proj(activated))
         if step.deepstack is not None and index < step.deepstack.num_sets:
-            residual = step.add_deepstack(index, h + residual)
-            # (after the last layer the final add-and-norm takes (0, hidden): its sum is that hidden exactly)
-            h = torch.zeros_like(residual) if last else _input_norm(layers[index + 1], residual)
-        elif not last:
-            norm = layers[index + 1].input_layernorm
-            h, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
-    return h, residual
+            residual, out = step.add_deepstack(index, out + residual), None
+        if index + 1 == len(layers):  # (after a DeepStack add the final add-and-norm takes (0, hidden): exact)
+            return (torch.zeros_like(residual) if out is None else out), residual
+        norm, qkv = layers[index + 1].input_layernorm, fp8_of(fused[index + 1].qkv_weight)
+        residual, h = add_and_rms_norm(out, residual, norm, qkv)
+    raise ValueError("a language model without layers")
 
 
-def _input_norm(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
-    return rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
-
-
-def _fused_attention(
-    layer: DecoderLayer, weights: FusedLayer, index: int, h: torch.Tensor, step: StepContext
-) -> torch.Tensor:
+def _fused_attention(layer: DecoderLayer, weights: FusedLayer, index: int, h: Rows, step: StepContext) -> torch.Tensor:
     attn, t = layer.self_attn, h.shape[0]
     heads, kv_heads = attn.num_heads, attn.num_kv_heads
-    qkv = linear(h, weights.qkv_weight, weights.qkv_bias).view(t, heads + 2 * kv_heads, attn.head_dim)
+    qkv = fused_linear(h, weights.qkv_weight, weights.qkv_bias).view(t, heads + 2 * kv_heads, attn.head_dim)
     q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
     if isinstance(attn, Qwen3SelfAttention):  # Qwen3: each head RMS-normalised, then rotated, in one pass
         if attn.q_norm.eps != attn.k_norm.eps:

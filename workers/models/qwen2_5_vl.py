@@ -22,9 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.kernels.activation import silu_and_mul
-from workers.kernels.fp8_norm import norm_quantize
-from workers.kernels.norm import fused_add_rms_norm, rms_norm
 from workers.models.fp8 import Fp8Linear, Fp8Weight, fp8_linear, fuse_weights
+from workers.models.fp8_rows import QuantizedRows, Rows, add_and_rms_norm, fp8_weight_of, quantized_linear
 from workers.models.frame_attention import FrameAttention, SegmentFrames, VarlenSegments, varlen_runs
 from workers.models.language import LanguageModel, RMSNorm
 from workers.models.mrope import rope_positions
@@ -39,7 +38,6 @@ from workers.models.vision import (
     vision_rotary_positions,
     warm_up_forward,
 )
-from workers.models.vision_fp8 import QuantizedRows, Rows, fp8_weight_of, quantized_linear, quantizes_for
 from workers.models.weights import CheckpointWeights, assign_state, built_and_loaded, checkpoint_root, load_vision_state
 
 # The reference's RMSNorms in the tower and the merger, fixed in code, not in the config.
@@ -196,23 +194,6 @@ class WindowBlock(nn.Module):
         update = self.attn(normed, cos, sin, attend)
         x, normed = add_and_rms_norm(update, x, self.norm2, self.mlp.fused_fp8_weight())
         return add_and_rms_norm(self.mlp.fused(normed), x, next_norm, fp8_weight_of(next_linear))
-
-
-def add_and_rms_norm(
-    update: torch.Tensor | None, stream: torch.Tensor, norm: RMSNorm, consumer: Fp8Weight | None
-) -> tuple[torch.Tensor, Rows]:
-    """(stream + update, its RMSNorm), or (stream, its RMSNorm) without an update: one Triton kernel on CUDA. Where
-    the norm feeds an FP8 per-channel ``consumer`` that would quantize its rows per token (`quantizes_for`), the kernel
-    writes them quantized (`QuantizedRows`) instead."""
-    if quantizes_for(consumer, stream):
-        q, scale, summed = norm_quantize(
-            stream if update is None else update, None if update is None else stream, norm.weight, norm.eps
-        )
-        return (stream if summed is None else summed), QuantizedRows(q, scale, stream.dtype)
-    if update is None:
-        return stream, rms_norm(stream, norm.weight, norm.eps)
-    normed, summed = fused_add_rms_norm(update, stream, norm.weight, norm.eps)
-    return summed, normed
 
 
 class RmsPatchMerger(nn.Module):

@@ -16,23 +16,25 @@ Biases stay in the model dtype either way.
 On CUDA, where a block's norm feeds an FP8 per-channel linear that `workers.kernels.fp8.fp8_matmul` would run on its
 ``scaled_mm`` path (more than `fp8.DECODE_ROWS` rows), the norm kernel writes its rows in FP8 with their per-token
 scales (`workers.kernels.fp8_norm`) and the linear takes them as they are (`QuantizedRows`, `linear_on`): one kernel
-less per such linear, the same numbers (`quantized_norms(False)` turns it off, for a comparison).
+less per such linear, the same numbers (`quantized_norms(False)` turns it off, for a comparison). Those helpers live in
+`workers.models.fp8_rows`, which the language model's fused layers share; they are re-exported here.
 """
 
 from __future__ import annotations
-
-import contextlib
-import functools
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from common.quantization import QUANTIZATION_SETTINGS
-from workers.kernels import fp8
-from workers.kernels._launch import triton_available
-from workers.models.fp8 import CHANNEL_SCALE, Fp8Linear, Fp8Weight, quantize_per_channel
+from workers.models.fp8 import CHANNEL_SCALE, Fp8Linear, quantize_per_channel
+from workers.models.fp8_rows import QuantizedRows as QuantizedRows
+from workers.models.fp8_rows import Rows as Rows
+from workers.models.fp8_rows import fp8_weight_of as fp8_weight_of
+from workers.models.fp8_rows import linear_on as linear_on
+from workers.models.fp8_rows import quantized_linear as quantized_linear
+from workers.models.fp8_rows import quantized_norms as quantized_norms
+from workers.models.fp8_rows import quantizes_for as quantizes_for
+from workers.models.fp8_rows import takes_quantized_rows as takes_quantized_rows
 
 
 def serve_linears(tower: nn.Module, setting: str, dtype: torch.dtype) -> nn.Module:
@@ -79,86 +81,3 @@ def fp8_linear_names(tower: nn.Module) -> list[str]:
 def _replace(root: nn.Module, name: str, layer: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, layer)
-
-
-# --- activations quantized by the norm before the linear -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class QuantizedRows:
-    """Normalised rows in FP8 with one scale per row (``data`` [M, K] float8_e4m3fn, ``scale`` [M, 1] fp32), as a
-    norm kernel writes them for the per-channel FP8 linear after it; ``dtype``: the rows' own (the product's)."""
-
-    data: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
-
-Rows = torch.Tensor | QuantizedRows
-
-_FUSED = [True]  # whether the norms quantize for the linear after them where they can (`quantized_norms`)
-
-
-@contextlib.contextmanager
-def quantized_norms(enabled: bool) -> Iterator[None]:
-    """Within it, the towers' norms quantize for the FP8 linear after them (True, the default) or write their rows
-    in the model dtype for the linear's own quantization (False: the unfused path, which tests and benchmarks compare
-    with)."""
-    before = _FUSED[0]
-    _FUSED[0] = enabled
-    try:
-        yield
-    finally:
-        _FUSED[0] = before
-
-
-def takes_quantized_rows(weight: Fp8Weight | None, rows: int, capability: tuple[int, int] | None) -> bool:
-    """Whether the norm before a linear of ``weight`` (None: not FP8) over ``rows`` rows should write them in FP8: where
-    `fp8.fp8_matmul` would quantize them per token itself, i.e. a per-channel weight past the decode rows (its
-    ``scaled_mm`` path, ``torch._scaled_mm``; or its ``block`` path where N or K is not a multiple of 16, as
-    Qwen2.5-VL-7B's gate|up, the Triton GEMM on the same per-token scales); ``capability``: the CUDA device's, None
-    off CUDA (the CPU runs the reference's ops unchanged)."""
-    if weight is None or capability is None or not _FUSED[0]:
-        return False
-    n, k = weight.shape
-    per_channel = weight.block[0] == 1 and weight.block[1] >= k
-    return per_channel and fp8.choose_path(rows, n, k, weight.block, capability) in ("scaled_mm", "block")
-
-
-def quantizes_for(weight: Fp8Weight | None, x: torch.Tensor) -> bool:
-    """`takes_quantized_rows` for the rows of ``x`` [M, K] on its device."""
-    if weight is None or not (x.is_cuda and weight.data.is_cuda and triton_available()):
-        return False
-    if x.dtype not in (torch.bfloat16, torch.float16):  # (the norm kernels' FP8 outputs are for these)
-        return False
-    return takes_quantized_rows(weight, x.shape[0], _capability(x.device))
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    major, minor = torch.cuda.get_device_capability(device)
-    return major, minor
-
-
-def fp8_weight_of(layer: nn.Module | None) -> Fp8Weight | None:
-    """``layer``'s FP8 weight, None where it is not an `Fp8Linear` (or there is no layer)."""
-    return layer.fp8_weight() if isinstance(layer, Fp8Linear) else None
-
-
-def linear_on(layer: nn.Module, x: Rows) -> torch.Tensor:
-    """``layer(x)``, for rows in the model dtype or already quantized for the layer (`QuantizedRows`)."""
-    if isinstance(x, torch.Tensor):
-        result: torch.Tensor = layer(x)
-        return result
-    weight = fp8_weight_of(layer)
-    if weight is None:
-        raise ValueError(f"rows quantized to FP8 reach a {type(layer).__name__}, which takes them in the model dtype")
-    return quantized_linear(x, weight, layer.bias)
-
-
-def quantized_linear(x: QuantizedRows, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    return fp8.fp8_matmul_quantized(x.data, x.scale, weight.data, weight.scale, weight.block, bias, x.dtype)
