@@ -3,12 +3,19 @@ attention, the FP8 kernels `fp8_matmul` chooses), against the same model with ev
 dequantizing reference on the activations those kernels see: the prefill's rounded per 1 x 128 group, the decode's
 as they are. Whatever separates the two is the kernels' arithmetic (their accumulation order, Hopper's FP8 tensor
 cores), never FP8's own rounding, so a wrong scale, a misplaced block of a fused projection or a kernel bug shows
-as a large distance or lost argmax agreement. The 2b shape: several 128 x 128 blocks in every projection."""
+as a large distance or lost argmax agreement. The 2b shape: several 128 x 128 blocks in every projection.
+
+The per-channel model (``[model] quantization = "fp8"``, quantized at load) with its fused norms writing the prefill's
+rows in FP8 for the qkv and gate_up after them (`workers.models.fp8_rows`) against the same model with the norms
+writing bf16 rows that the GEMM's own kernel quantizes (`quantized_norms(False)`): the same quantized activations into
+the same GEMMs, so equal where the compiled norm+quantize kernel is the unfused pair bit for bit
+(tests/gpu/test_vision_fp8_gpu.py checks it); the bound is one bf16 rounding of the logits."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,8 +24,11 @@ from tests.gpu.test_engine_gpu import paged_logits
 from tests.triton_setup import compiled_kernels_skip_reason
 from workers.kernels import fp8, paged_attention
 from workers.kernels.fp8 import dequantize_reference, fp8_matmul_reference, quantize_reference
+from workers.models import fp8_rows
+from workers.models.fp8_rows import quantized_norms, quantizes_for
 from workers.models.language import LanguageModel
 from workers.models.paged import FusedLayer, fuse_layers
+from workers.models.registry import checkpoint_family, read_spec
 from workers.models.synth import generate_checkpoint
 
 _SKIP_REASON = compiled_kernels_skip_reason()
@@ -91,3 +101,40 @@ def test_2b_block_fp8_logits_through_the_engine_match_the_references(
     # on both sides, so it is not what is measured.
     assert worst <= 2 * base_worst + 1e-3
     assert agree >= base_agree - 0.03
+
+
+# The fused norms' logits against the unfused FP8 path's: max |diff| / the row's largest logit within one bf16 rounding
+# (2^-8); a wrong scale, row or residual moves them by O(1), a flipped e4m3 rounding carried through 28 layers by more.
+FUSED_BOUND = 2**-8
+
+
+def test_2b_per_channel_fp8_prefill_with_the_fused_norm_quantization_equals_the_unfused_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = generate_checkpoint(tmp_path / "2b", "2b", seed=0)
+    ids = [(37 * j) % 30000 + 100 for j in range(308)]  # a 300-token prefill, then 8 decode steps
+    spec = read_spec(path, "fp8")
+    model = checkpoint_family(path).language_model(path, device=CUDA, dtype=torch.bfloat16, spec=spec)
+    layers = fuse_layers(model)
+    prefill_rows = torch.empty(300, 1, device=CUDA, dtype=torch.bfloat16)
+    consumers = [w for layer in layers for w in (layer.qkv_weight, layer.gate_up_weight)]
+    assert all(quantizes_for(fp8_rows.fp8_of(w), prefill_rows) for w in consumers), "the fused path is not taken"
+    calls: list[int] = []
+    norm_quantize = fp8_rows.norm_quantize
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return norm_quantize(*args)
+
+    monkeypatch.setattr(fp8_rows, "norm_quantize", counted)
+    fused = paged_logits(model, ids, layers, paged_attention, 64)
+    assert len(calls) == 2 * spec.num_layers  # the prefill's qkv and gate_up in every layer; no decode step
+    with quantized_norms(False):
+        unfused = paged_logits(model, ids, layers, paged_attention, 64)
+    assert len(calls) == 2 * spec.num_layers
+    worst, agree = distance(fused, unfused)
+    print(
+        f"2b per-channel FP8, fused norm quantization vs unfused: worst |diff| / row max {worst:.2e}, "
+        f"argmax agreement {agree:.3f}, equal {torch.equal(fused, unfused)}"
+    )
+    assert fused.shape == unfused.shape and worst <= FUSED_BOUND and agree >= 0.99
