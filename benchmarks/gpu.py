@@ -482,7 +482,12 @@ def part_vision(run: Run) -> None:
         run.keep(name, run.raw / f"{name}.json")
 
 
-FP8_TESTS = ["tests/gpu/test_fp8_gpu.py", "tests/gpu/test_vision_fp8_gpu.py"]
+FP8_TESTS = [
+    "tests/gpu/test_fp8_gpu.py",
+    "tests/gpu/test_vision_fp8_gpu.py",
+    "tests/gpu/test_fp8_engine_gpu.py",
+    "tests/gpu/test_kv_fp8_gpu.py",
+]
 
 
 def fp8_checkpoint(args: argparse.Namespace) -> Path | None:
