@@ -33,7 +33,6 @@ import importlib
 import importlib.util
 import os
 import random
-import re
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -42,7 +41,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.triton_setup import fix_interpreter_scalar_index
+from tests.triton_setup import fix_interpreter_scalar_index, run_sharded
 from workers.kernels import (
     activation,
     attention,
@@ -765,32 +764,4 @@ def test_interpreter_in_subprocess() -> None:
     triton can still be imported under the interpreter."""
     if _IN_PROCESS:
         pytest.skip("the kernels run in this process")
-    shards = max(1, min(4, len(os.sched_getaffinity(0))))
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"]
-    runs = [
-        subprocess.Popen(
-            command,
-            env={**os.environ, "TRITON_INTERPRET": "1", "VLM_TEST_SHARD": f"{k}/{shards}"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=Path(__file__).resolve().parents[2],
-        )
-        for k in range(shards)
-    ]
-    try:  # (a bound for a hang, not a speed check)
-        outputs = [run.communicate(timeout=600) for run in runs]
-    finally:
-        for run in runs:
-            run.kill()  # (a no-op for those that ended)
-    counts = []
-    for run, (stdout, stderr) in zip(runs, outputs, strict=True):
-        tail = "\n".join(stdout.splitlines()[-15:])
-        assert run.returncode == 0, tail + stderr[-3000:]
-        found = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|deselected)", tail.splitlines()[-1])}
-        counts.append(found)
-    # Every test ran and passed in exactly one shard, but this one, which skips itself there.
-    collected = {c.get("passed", 0) + c.get("skipped", 0) + c.get("deselected", 0) for c in counts}
-    assert len(collected) == 1, counts
-    assert sum(c.get("skipped", 0) for c in counts) == 1, counts
-    assert sum(c.get("passed", 0) for c in counts) == collected.pop() - 1, counts
+    run_sharded(__file__, {"TRITON_INTERPRET": "1"}, "-k", "not test_interpreter_in_subprocess")
