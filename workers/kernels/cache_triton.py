@@ -8,7 +8,7 @@ import triton.language as tl
 
 from workers.kernels._launch import check_launchable, interpreted, next_power_of_2
 from workers.kernels._triton_common import Launch
-from workers.kernels.fp8_triton import FP8_MAX, FP8_MIN_SCALE_AMAX, _to_e4m3
+from workers.kernels.fp8_triton import _to_e4m3, quantize_tile_rows
 
 
 @triton.jit
@@ -45,8 +45,8 @@ def _reshape_and_cache_kernel(
     v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
     if FP8:
         heads = tl.arange(0, KV_HEADS_PAD)
-        k, k_scale = _quantize_heads(k)
-        v, v_scale = _quantize_heads(v)
+        k, k_scale = quantize_tile_rows(k.to(tl.float32))  # (per head: `cache.quantize_kv_reference`)
+        v, v_scale = quantize_tile_rows(v.to(tl.float32))
         k = _to_e4m3(k, INTERPRETED)
         v = _to_e4m3(v, INTERPRETED)
         tl.store(k_scale_ptr + slot * stride_ss + heads, k_scale, mask=heads < KV_HEADS)
@@ -54,15 +54,6 @@ def _reshape_and_cache_kernel(
     # (else a plain copy: no arithmetic, so bf16 needs no care even in the interpreter)
     tl.store(kv_k_ptr + slot * stride_cks + h * stride_ckh + d, k, mask=mask)
     tl.store(kv_v_ptr + slot * stride_cvs + h * stride_cvh + d, v, mask=mask)
-
-
-@triton.jit
-def _quantize_heads(x):
-    """x [heads, D] (padding zeros) as fp32 values on e4m3's range and its scales [heads]: amax / 448 per head, IEEE
-    divisions as torch's (`cache.quantize_kv_reference`)."""
-    x = x.to(tl.float32)
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), FP8_MIN_SCALE_AMAX), FP8_MAX)
-    return tl.clamp(tl.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX), scale
 
 
 def launch(

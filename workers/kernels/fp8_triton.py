@@ -43,6 +43,14 @@ def _to_e4m3(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def quantize_tile_rows(x):
+    """x [R, C] fp32 (masked lanes 0) as values on e4m3's range and their scales [R]: amax / 448 per row, q = x / scale,
+    IEEE divisions as torch's (compiled Triton's ``/`` is an approximate fp32 division)."""
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), FP8_MIN_SCALE_AMAX), FP8_MAX)
+    return tl.clamp(tl.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX), scale
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr,
     q_ptr,
@@ -74,9 +82,7 @@ def _quantize_kernel(
         offs = tl.arange(0, BLOCK)
         cols = groups[:, None] * group + offs[None, :]
         mask = (offs[None, :] < group) & (cols < n_cols) & (groups[:, None] < n_groups)
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), FP8_MIN_SCALE_AMAX), FP8_MAX)
-        q = tl.clamp(tl.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+        q, scale = quantize_tile_rows(tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32))
         tl.store(q_row + cols, _to_e4m3(q, INTERPRETED), mask=mask)
         tl.store(s_ptr + row * stride_s + groups * stride_sg, scale, mask=groups < n_groups)
     else:
