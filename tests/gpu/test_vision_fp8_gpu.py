@@ -13,7 +13,7 @@ scale or a row mixed up is off by O(1), and the floor shows the layers were quan
 the encoder does at start-up) must give each image what it gets alone: per-token activation scales keep rows
 independent, so only the GEMMs' tiling may differ (`BATCH_BOUND`).
 
-The norms quantize for the FP8 linears after them (`workers.kernels.fp8_norm`, `vision_fp8.QuantizedRows`): the
+The norms quantize for the FP8 linears after them (`workers.kernels.fp8_norm`, `fp8_rows.QuantizedRows`): the
 kernel is the unfused norm kernel then the quantize kernel bit for bit (checked in Triton's interpreter by
 tests/unit/test_fp8_norm_kernels.py; here compiled, at the ViT's widths), and the towers' embeddings with it are the
 unfused FP8 path's (`quantized_norms(False)`) within bf16 rounding (`FUSED_BOUND`)."""
@@ -30,13 +30,8 @@ from tests.gpu.test_kernels_gpu import _SKIP_REASON
 from workers.encoder.worker import encode_images
 from workers.kernels import fp8, fp8_norm, norm
 from workers.models.fp8 import Fp8Linear
-from workers.models.vision_fp8 import (
-    fp8_linear_names,
-    fp8_weight_of,
-    quantized_norms,
-    quantizes_for,
-    serve_linears,
-)
+from workers.models.fp8_rows import fp8_weight_of, quantized_norms, quantizes_for
+from workers.models.vision_fp8 import fp8_linear_names, serve_linears
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")]
 CUDA = torch.device("cuda")

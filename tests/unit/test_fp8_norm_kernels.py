@@ -1,5 +1,5 @@
 """The vision tower's norms with FP8 activation quantization fused in (`workers.kernels.fp8_norm`), and when the
-towers take that path (`workers.models.vision_fp8.takes_quantized_rows`).
+towers take that path (`workers.models.fp8_rows.takes_quantized_rows`).
 
 The kernel's reference is the unfused FP8 path, exactly: `workers.kernels.norm`'s Triton kernel (the same launch the
 tower makes on CUDA: `fused_add_layer_norm_triton`, `fused_add_rms_norm_triton`, `rms_norm_triton`), whose rows are
@@ -19,7 +19,7 @@ from tests.triton_setup import FP8_INTERPRETER_CHILD, interpreted_in_child, run_
 from workers.kernels import fp8, fp8_norm
 from workers.kernels.fp8 import FP8, quantize_reference
 from workers.models.fp8 import Fp8Weight, quantize_per_channel
-from workers.models.vision_fp8 import QuantizedRows, linear_on, quantized_norms, takes_quantized_rows
+from workers.models.fp8_rows import QuantizedRows, linear_on, quantized_norms, takes_quantized_rows
 
 CHILD = FP8_INTERPRETER_CHILD
 INTERPRETED = interpreted_in_child(CHILD, "workers.kernels.fp8_norm_triton")
@@ -187,8 +187,8 @@ def test_the_cpu_norms_write_their_rows_as_before_for_an_fp8_linear() -> None:
     """On CPU a norm that feeds an FP8 per-channel linear writes its rows in the model dtype, as the reference's: the
     towers' CPU path (which tests compare with transformers) is unchanged."""
     from workers.kernels.norm import fused_add_layer_norm, fused_add_rms_norm
+    from workers.models.fp8_rows import add_and_rms_norm
     from workers.models.language import RMSNorm
-    from workers.models.qwen2_5_vl import add_and_rms_norm
     from workers.models.vision import add_and_norm
     from workers.models.vision_fp8 import quantized
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.models.fp8_rows import Rows, linear_on
 from workers.models.frame_attention import attention_for, grouped_item_order
 from workers.models.qwen3_vl_spec import VISION_LAYER_NORM_EPS, Qwen3VisionSpec, Qwen3VLSpec
 from workers.models.runtime import upload
@@ -26,7 +27,6 @@ from workers.models.vision import (
     vision_rotary_cos_sin,
     vision_rotary_positions,
 )
-from workers.models.vision_fp8 import Rows, linear_on
 from workers.models.weights import CheckpointWeights, assign_state, built_and_loaded, checkpoint_root, load_vision_state
 
 

@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend
 from workers.kernels.fp8_norm import norm_quantize
 from workers.kernels.norm import fused_add_layer_norm
 from workers.kernels.vision import quick_gelu
+from workers.models.fp8_rows import QuantizedRows, Rows, fp8_weight_of, linear_on, quantizes_for
 from workers.models.frame_attention import (
     ATTENTION_CANDIDATES,
     FrameAttention,
@@ -31,7 +32,6 @@ from workers.models.frame_attention import (
 )
 from workers.models.runtime import upload
 from workers.models.spec import ModelSpec, VisionSpec
-from workers.models.vision_fp8 import QuantizedRows, Rows, fp8_weight_of, linear_on, quantizes_for
 from workers.models.weights import CheckpointWeights, assign_state, built_and_loaded, checkpoint_root, load_vision_state
 
 log = logging.getLogger(__name__)

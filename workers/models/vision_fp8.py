@@ -17,7 +17,7 @@ On CUDA, where a block's norm feeds an FP8 per-channel linear that `workers.kern
 ``scaled_mm`` path (more than `fp8.DECODE_ROWS` rows), the norm kernel writes its rows in FP8 with their per-token
 scales (`workers.kernels.fp8_norm`) and the linear takes them as they are (`QuantizedRows`, `linear_on`): one kernel
 less per such linear, the same numbers (`quantized_norms(False)` turns it off, for a comparison). Those helpers live in
-`workers.models.fp8_rows`, which the language model's fused layers share; they are re-exported here.
+`workers.models.fp8_rows`, which the language model's fused layers share.
 """
 
 from __future__ import annotations
@@ -27,14 +27,6 @@ from torch import nn
 
 from common.quantization import QUANTIZATION_SETTINGS
 from workers.models.fp8 import CHANNEL_SCALE, Fp8Linear, quantize_per_channel
-from workers.models.fp8_rows import QuantizedRows as QuantizedRows
-from workers.models.fp8_rows import Rows as Rows
-from workers.models.fp8_rows import fp8_weight_of as fp8_weight_of
-from workers.models.fp8_rows import linear_on as linear_on
-from workers.models.fp8_rows import quantized_linear as quantized_linear
-from workers.models.fp8_rows import quantized_norms as quantized_norms
-from workers.models.fp8_rows import quantizes_for as quantizes_for
-from workers.models.fp8_rows import takes_quantized_rows as takes_quantized_rows
 
 
 def serve_linears(tower: nn.Module, setting: str, dtype: torch.dtype) -> nn.Module:
