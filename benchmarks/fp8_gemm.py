@@ -71,7 +71,8 @@ def time_case(m: int, k: int, n: int, layout: str) -> dict[str, Any]:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w8 = weights(n, k, block, copies)
     bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(1, copies // 2))]
-    row: dict[str, Any] = {"path": fp8.choose_path(m, n, k, block, torch.cuda.get_device_capability())}
+    blockwise = tuple(block) == fp8.BLOCKWISE and fp8.blockwise_support(x.device) is not None
+    row: dict[str, Any] = {"path": fp8.choose_path(m, n, k, block, torch.cuda.get_device_capability(), blockwise)}
     row["bf16_us"] = per_copy_us(len(bf16), lambda i: x @ bf16[i].T)
     row["fp8_matmul_us"] = per_copy_us(copies, lambda i: fp8.fp8_matmul(x, *w8[i], block))
     if m <= fp8.DECODE_ROWS:

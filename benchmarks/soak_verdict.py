@@ -20,9 +20,12 @@ warm-up and in the run's second half (a process may grow while its pools, caches
 plateau: only the later half says whether it keeps growing). A least-squares line through them gives a slope; the
 growth it means over the whole run, ``slope x duration``, must stay within the series' tolerance:
 ``max(absolute, relative x the window's median)``. A process restarted by chaos starts a new series (its pid
-changes); its first ``warmup_s`` seconds are left out like the run's. Fewer than ``MIN_POINTS`` samples in a window:
-not judged (said so). Load gauges (KV blocks, leases, pending entries) swing with traffic: a leak shows also in what
-is left once traffic stops, so the run drains and they must come back to zero (``idle``).
+changes); its first ``warmup_s`` seconds are left out like the run's. Fewer than ``MIN_POINTS`` samples in a window,
+or a window under ``MIN_WINDOW_SHARE`` of the run (a process restarted late): not judged (said so). A process's RSS
+is judged through its anonymous part where that is sampled (RSS also grows as the shared pool's pages are first
+touched, bounded by /dev/shm's bytes, judged themselves). Load gauges (KV blocks, leases, pending entries) swing
+with traffic: a leak shows also in what is left once traffic stops, so the run drains and they must come back to
+zero (``idle``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 import numpy as np
 
 MIN_POINTS = 4
+MIN_WINDOW_SHARE = 0.25  # of the run: the shortest window a series is judged on
 
 
 @dataclass(frozen=True)
@@ -85,10 +89,13 @@ def series(samples: list[dict[str, Any]]) -> dict[str, list[Point]]:
 
 def growth(points: list[Point], window_start: float, duration_s: float, tolerance: Tolerance) -> dict[str, Any]:
     """Whether ``points`` grow without bound: the fitted slope over those at or after ``window_start``, the growth it
-    means over ``duration_s``, and the allowance it is held to."""
+    means over ``duration_s``, and the allowance it is held to. A window shorter than ``MIN_WINDOW_SHARE`` of the
+    run is not judged: a slope fitted over a minute of a young process is its warm-up's tail, and multiplied by
+    the whole run it would call that a leak."""
     window = [(t, v) for t, v in points if t >= window_start]
-    if len(window) < MIN_POINTS or window[-1][0] - window[0][0] <= 0:
-        return {"judged": False, "points": len(window), "ok": True}
+    span = window[-1][0] - window[0][0] if window else 0.0
+    if len(window) < MIN_POINTS or span <= 0 or span < MIN_WINDOW_SHARE * duration_s:
+        return {"judged": False, "points": len(window), "window_s": span, "ok": True}
     times = np.array([t for t, _ in window])
     values = np.array([v for _, v in window])
     slope = float(np.polyfit(times, values, 1)[0])
@@ -112,7 +119,13 @@ def judge_resources(
     tolerances = tolerances or TOLERANCES
     second_half = max(warmup_s, duration_s / 2)
     out = {}
-    for name, points in series(samples).items():
+    judged = series(samples)
+    for name, points in judged.items():
+        if name.startswith("rss_mib:") and "anon_mib:" + name.removeprefix("rss_mib:") in judged:
+            # RSS also counts the shared pool's and mapped files' pages as they are first touched: bounded by
+            # /dev/shm (judged as shm_bytes) and by the files. The anonymous part is what a leak grows.
+            out[name] = {"judged": False, "points": len(points), "why": "its anon_mib is judged", "ok": True}
+            continue
         born = points[0][0]
         # A series that began after the first samples is a restarted process: it warms up again.
         start = max(second_half, born + warmup_s) if born > (samples[0]["t"] if samples else 0.0) else second_half

@@ -12,7 +12,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from common.config import Config
 from common.protocol import GenerateRequest, RequestError, SamplingParams
+from gateway.admission import FirstAnswerRate, foreseen_wait, queue_backlog
 from gateway.choice import ChoiceStream, ChoiceUpdate
 from gateway.defaults import sampling_defaults, with_defaults
 from gateway.errors import ApiError, internal_error
@@ -54,22 +55,6 @@ class AnswerQueue(asyncio.Queue[Event]):
         super().put_nowait(item)
 
 
-def queue_backlog(waiting_since: Iterable[float], now: float, wait_s: float, in_flight: int) -> int:
-    """How many admitted requests have waited over ``wait_s`` for their first answer, once they are a backlog:
-    at least max(2, a quarter of the ``in_flight``); else 0, as with ``wait_s`` 0 (off). One straggler (a large
-    video fetched and decoded) is no backlog: it must not turn everyone's traffic away. ``waiting_since`` (when
-    each was admitted) comes in admission order, so the count stops at the first request still young."""
-    if wait_s <= 0:
-        return 0
-    enough = max(2, -(-in_flight // 4))
-    waited = 0
-    for since in waiting_since:
-        if now - since <= wait_s:
-            break
-        waited += 1
-    return waited if waited >= enough else 0
-
-
 class Gateway:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -92,6 +77,7 @@ class Gateway:
         self.in_flight_bytes = 0  # their bodies' sizes (declared, or read)
         self.counted_bytes: dict[int, int] = {}  # what each request (by id) counts in in_flight_bytes
         self.waiting_since: dict[int, float] = {}  # admitted requests (by id) with no answer yet: when admitted
+        self.first_answers = FirstAnswerRate()
 
     def app(self) -> web.Application:
         middlewares = [error_shapes(self.cfg.server.max_request_bytes)]
@@ -155,6 +141,8 @@ class Gateway:
             "requests_restarted": pipeline.restarted,
             "requests_held": len(pipeline.held),
             "replicas_lost": sum(r.lost for r in pipeline.replicas.all),
+            "requests_waiting_first_answer": len(self.waiting_since),
+            "first_answers_per_s_best": self.first_answers.best(time.monotonic()),
         }
         reported = [Reported("vlm_gateway", gateway)]
         workers = await pipeline.worker_stats()
@@ -187,24 +175,19 @@ class Gateway:
 
     async def _admitted(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """A request past ``[server] max_requests_in_flight``, or whose body would take the bodies in flight
-        past ``max_request_bytes_in_flight``, is answered 503 at once, before its body is read: a flood
-        must not queue (and hold bodies of up to max_request_bytes each) without end. OpenAI's clients
-        retry a 503 after the Retry-After. (One request alone is always let in, up to max_request_bytes.)
-        A body sent in chunks, whose size is known only once read, is counted at the most it may be until then."""
+        past ``max_request_bytes_in_flight``, or that would wait past ``max_queue_wait_s`` for its first answer
+        (`_queueing`), is answered 503 at once, before its body is read: a flood must not queue (and hold bodies
+        of up to max_request_bytes each) without end. OpenAI's clients retry a 503 after the Retry-After. (One
+        request alone is always let in, up to max_request_bytes.) A body sent in chunks, whose size is known only
+        once read, is counted at the most it may be until then."""
         server = self.cfg.server
         size = server.max_request_bytes if request.content_length is None else request.content_length
-        backlog = queue_backlog(self.waiting_since.values(), time.monotonic(), server.max_queue_wait_s, self.in_flight)
         if self.in_flight >= server.max_requests_in_flight:
             busy = f"at its limit of {server.max_requests_in_flight} requests in flight"
         elif self.in_flight and self.in_flight_bytes + size > server.max_request_bytes_in_flight:
             busy = f"holding {self.in_flight_bytes} B of requests, and this one's {size} B would pass its limit"
-        elif backlog:
-            busy = (
-                f"queueing: {backlog} of its {self.in_flight} requests in flight have waited over "
-                f"{server.max_queue_wait_s:g} s for their first answer (max_queue_wait_s)"
-            )
         else:
-            busy = ""
+            busy = self._queueing(server.max_queue_wait_s)
         if busy:
             self.counters["requests_refused_busy"] += 1
             return ApiError(503, f"the server is {busy}; retry shortly", code="server_busy", retry_after_s=1).response()
@@ -218,6 +201,32 @@ class Gateway:
             self.in_flight -= 1
             self.in_flight_bytes -= self.counted_bytes.pop(id(request))
             self.waiting_since.pop(id(request), None)
+
+    def _queueing(self, wait_s: float) -> str:
+        """Why a new request would wait past ``wait_s`` for its first answer (`gateway.admission`), or ""."""
+        if wait_s <= 0:
+            return ""
+        now = time.monotonic()
+        line = len(self.waiting_since)
+        rate = self.first_answers.best(now)
+        foreseen = foreseen_wait(line, rate)
+        if foreseen is not None and foreseen > wait_s:
+            return (
+                f"queueing: {line} requests are waiting for their first answer, about {foreseen:.1f} s of work at "
+                f"the {rate:.1f} a second it serves, over max_queue_wait_s ({wait_s:g} s)"
+            )
+        backlog = queue_backlog(self.waiting_since.values(), now, wait_s, self.in_flight)
+        if backlog:
+            return (
+                f"queueing: {backlog} of its {self.in_flight} requests in flight have waited over "
+                f"{wait_s:g} s for their first answer (max_queue_wait_s)"
+            )
+        return ""
+
+    def _answered(self, request_key: int) -> None:
+        """A request's first answer: it leaves the line, and counts towards the rate the line is served at."""
+        if self.waiting_since.pop(request_key, None) is not None:
+            self.first_answers.record(time.monotonic())
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -259,7 +268,7 @@ class Gateway:
     ) -> web.StreamResponse:
         self.counters["requests_total"] += 1
         completion_id = f"{flavor.id_prefix}-{request[REQUEST_ID]}"  # (the id the workers log it under)
-        events: Events = AnswerQueue(lambda: self.waiting_since.pop(id(request), None))
+        events: Events = AnswerQueue(lambda: self._answered(id(request)))
         choices: list[ChoiceStream] = []
         try:
             # (503 where no replica is live)

@@ -29,7 +29,10 @@ CATALOGUE: dict[str, tuple[str, str]] = {
     "vlm_gateway_requests": ("counter", "Completion requests that passed validation (one per HTTP request)."),
     "vlm_gateway_requests_failed": ("counter", "Of those, requests answered with an error."),
     "vlm_gateway_requests_disconnected": ("counter", "Requests whose client went away before the answer ended."),
-    "vlm_gateway_requests_refused_busy": ("counter", "Requests refused at once (503) past the in-flight limits."),
+    "vlm_gateway_requests_refused_busy": (
+        "counter",
+        "Requests refused at once (503) past the in-flight limits or the queue wait (max_queue_wait_s).",
+    ),
     "vlm_gateway_tokens_generated": ("counter", "Tokens sent to clients."),
     "vlm_gateway_requests_in_flight": ("gauge", "Prompts and choices in the pipeline (fetcher or decoder)."),
     "vlm_gateway_requests_reissued": (
@@ -41,6 +44,14 @@ CATALOGUE: dict[str, tuple[str, str]] = {
         "Of the requests sent again, non-streamed ones whose tokens had begun to come (dropped, never sent).",
     ),
     "vlm_gateway_requests_held": ("gauge", "Requests lost with their replica, waiting for a live one."),
+    "vlm_gateway_requests_waiting_first_answer": (
+        "gauge",
+        "Admitted requests with no first answer yet: the line that load shedding (max_queue_wait_s) judges.",
+    ),
+    "vlm_gateway_first_answers_per_s_best": (
+        "gauge",
+        "The best first-answer rate of any 5 s of the last minute: what load shedding rates the stack at.",
+    ),
     "vlm_gateway_replicas_lost": (
         "counter",
         "Times a decoder replica was taken for lost: silent for [liveness] dead_after_s, or back as a new process.",

@@ -142,7 +142,8 @@ def test_fp8_linear_chooses_the_path_by_rows_and_layout(layout: str) -> None:
     weight = Fp8Weight(w, scale, block)
     blockwise = fp8.blockwise_support(CUDA) is not None
     prefill = {"channel": "scaled_mm", "block128": "scaled_mm_blockwise" if blockwise else "block", "row128": "block"}
-    for rows, path in {1: "gemv", 64: "gemv", 65: prefill[layout], 512: prefill[layout]}.items():
+    last = fp8.DECODE_ROWS  # (the GEMV takes up to it; the GEMMs take larger batches)
+    for rows, path in {1: "gemv", last: "gemv", last + 1: prefill[layout], 512: prefill[layout]}.items():
         x = activations(rows, k, seed=rows)
         assert fp8.choose_path(rows, n, k, block, torch.cuda.get_device_capability(), blockwise) == path
         # The kernels are deterministic: the chosen path's own output, bit for bit.

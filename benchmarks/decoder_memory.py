@@ -1,0 +1,118 @@
+"""Where a decoder's host memory goes under traffic: the real engine in this process (the decoder's settings for
+the device, prefix cache on), fed requests of random prompt lengths and output lengths for ``--seconds``, with the
+process's anonymous memory sampled beside what Python's allocator holds (`sys.getallocatedblocks`) and what
+glibc's malloc has handed out (``mallinfo2``). A leak in Python objects grows the first two together; one in a
+native library (CUDA, cuBLAS, Triton's launcher) grows malloc's bytes or, mapped past malloc, the anonymous memory
+alone. An H200 soak's decoder grew without bound where the CPU's did not; this tells which kind it is.
+
+    python -m benchmarks.decoder_memory --model CKPT --seconds 90 --out decoder-memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.config import DecoderConfig
+from common.protocol import PreparedRequest, SamplingParams
+from workers.decoder.config import EngineConfig
+from workers.decoder.engine import Engine
+from workers.models.registry import checkpoint_family, read_spec
+
+MIB = 2**20
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+def malloc_in_use_mib() -> float | None:
+    """Bytes glibc's malloc has handed out and not had back (small blocks plus mmapped ones); None off glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+    info = libc.mallinfo2()
+    return (info.uordblks + info.hblkhd) / MIB
+
+
+def anon_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def sample(t: float, requests: int, tokens: int) -> dict[str, Any]:
+    return {
+        "t": round(t, 2),
+        "requests": requests,
+        "tokens": tokens,
+        "anon_mib": anon_mib(),
+        "python_blocks": sys.getallocatedblocks(),
+        "malloc_mib": malloc_in_use_mib(),
+        "gc_objects": len(gc.get_objects()),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    spec = read_spec(args.model, "auto")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = checkpoint_family(args.model, "auto").language_model(args.model, device=device, dtype=dtype, spec=spec)
+    settings = DecoderConfig()
+    config = EngineConfig.from_settings(settings, device, args.blocks, args.max_prompt + args.max_tokens + 1)
+    engine = Engine(model, spec, config)
+    rng = random.Random(0)
+    vocab = min(spec.vocab_size, 30000)
+    samples, made, tokens, t0 = [], 0, 0, time.perf_counter()
+    next_sample = 0.0
+    while (now := time.perf_counter() - t0) < args.seconds:
+        while len(engine.scheduler.running) + len(engine.scheduler.waiting) < args.concurrency:
+            length = rng.randint(args.min_prompt, args.max_prompt)
+            ids = [rng.randrange(10, vocab) for _ in range(length)]
+            params = SamplingParams(max_tokens=rng.randint(1, args.max_tokens), temperature=0.0, ignore_eos=True)
+            engine.add(engine.prepare(PreparedRequest(f"r{made}", ids, [], params)))
+            made += 1
+        tokens += sum(len(delta.token_ids) for delta in engine.step())
+        if now >= next_sample:
+            samples.append(sample(now, made, tokens))
+            print(json.dumps(samples[-1]), flush=True)
+            next_sample += args.sample_every
+    config_out = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    return {"device": str(device), "config": config_out, "samples": samples}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seconds", type=float, default=90.0)
+    p.add_argument("--sample-every", type=float, default=5.0)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--min-prompt", type=int, default=100)
+    p.add_argument("--max-prompt", type=int, default=3000)
+    p.add_argument("--max-tokens", type=int, default=120)
+    p.add_argument("--blocks", type=int, default=20000, help="KV blocks of the engine's cache")
+    args = p.parse_args(argv)
+    result = run(args)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
