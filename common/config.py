@@ -60,11 +60,12 @@ class ServerConfig:
     )
     max_queue_wait_s: float = setting(
         5.0,
-        "Load shedding: while a backlog of admitted requests (at least 2, and at least a quarter of those in flight) "
-        "has waited over this many seconds for its first answer (media, encoder or decoder queues), new requests get "
-        "a 503 with Retry-After at once, so that a burst queues no more work than the stack serves in about that "
-        "time. One slow request alone (a large video) never sheds traffic. Keep it above the TTFT the deployment "
-        "sees at its busiest. 0: off (only max_requests_in_flight bounds the queue).",
+        "Load shedding: a new request gets a 503 with Retry-After at once when it would wait longer than this for "
+        "its first answer: foreseen from the line of admitted requests still waiting for theirs (at least 8) and "
+        "the best rate the stack gave first answers at in the last minute, or seen in a backlog (at least 2, and a "
+        "quarter of those in flight) that has already waited this long. A burst thus queues about this much work "
+        "from its start. A few slow requests (large videos) never shed traffic. Keep it above the TTFT the "
+        "deployment sees at its busiest. 0: off (only max_requests_in_flight bounds the queue).",
     )
 
     def validate(self, where: str) -> None:
