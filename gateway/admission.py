@@ -7,8 +7,9 @@ Two rules, either one refuses:
   a second, makes a newcomer wait about ``L / rate`` (Little's law). Refusing on this foresight bounds what a burst
   queues from its start: a rule that waits for the line to have *waited* too long admits the whole first
   ``max_queue_wait_s`` of a burst, which then takes many times that to drain. ``rate`` is the best first-answer
-  rate the gateway saw over its recent past (`FirstAnswerRate`): what the stack has shown it can serve. Rating the
-  stack by its best recent seconds errs towards admitting; the second rule catches what that lets through. The
+  rate the gateway saw over its recent busy seconds (`FirstAnswerRate`): what the stack has shown it can serve.
+  Rating the stack by its best recent seconds errs towards admitting; the second rule catches what that lets
+  through. With too few busy seconds seen (a stack just started or long idle) there is no foresight. The
   line must be at least ``MIN_LINE`` long: a few slow requests (videos) served side by side are no queue, though
   ``L / rate`` over them would be their service time.
 - *Seen* (`queue_backlog`): a backlog of admitted requests has already waited past the bound. Needs no rate, so it
@@ -22,6 +23,7 @@ from collections.abc import Iterable
 MIN_LINE = 8  # waiting requests below which the foreseen rule never refuses
 RATE_WINDOW_S = 5  # seconds over which a first-answer rate is counted
 RATE_HISTORY_S = 60  # how far back the best rate is looked for
+RATE_EVIDENCE_S = 10  # busy seconds in that history before the rate is trusted
 
 
 def queue_backlog(waiting_since: Iterable[float], now: float, wait_s: float, in_flight: int) -> int:
@@ -41,34 +43,54 @@ def queue_backlog(waiting_since: Iterable[float], now: float, wait_s: float, in_
 
 
 class FirstAnswerRate:
-    """First answers counted per whole second over the last ``RATE_HISTORY_S``; `best` is the highest rate of any
-    ``RATE_WINDOW_S`` consecutive whole seconds among them. A ring of counters: nothing grows with traffic."""
+    """First answers counted per whole second over the last ``RATE_HISTORY_S``, with whether the line of waiting
+    requests stayed non-empty all through each second (`line` is told every change). `best` is the highest rate of
+    any ``RATE_WINDOW_S`` consecutive such busy seconds: an idle second says nothing of what the stack can serve.
+    Until ``RATE_EVIDENCE_S`` busy seconds have been seen it is 0 (no foresight): a busy period's first seconds
+    rate a stack below what it serves once its pipeline is full and warm, and foresight on that rate would turn
+    away ordinary traffic. A ring of counters: nothing grows with traffic."""
 
     def __init__(self) -> None:
         self._counts = [0] * RATE_HISTORY_S
-        self._second = 0  # the whole second the newest counter is for
+        self._busy = [False] * RATE_HISTORY_S
+        self._second = 0  # the whole second the newest counters are for
+        self._line = 0  # the line's length now
 
     def _advance(self, now: float) -> None:
         second = int(now)
-        if second - self._second >= RATE_HISTORY_S:
-            self._counts = [0] * RATE_HISTORY_S
-        else:
-            for s in range(self._second + 1, second + 1):
-                self._counts[s % RATE_HISTORY_S] = 0
-        self._second = max(self._second, second)
+        if second <= self._second:
+            return
+        for s in range(max(self._second + 1, second - RATE_HISTORY_S + 1), second + 1):
+            self._counts[s % RATE_HISTORY_S] = 0
+            self._busy[s % RATE_HISTORY_S] = self._line > 0  # (the line as it was when the second began)
+        self._second = second
+
+    def line(self, now: float, length: int) -> None:
+        """The line of requests waiting for a first answer is ``length`` long from ``now`` (monotonic seconds)."""
+        self._advance(now)
+        self._line = length
+        if length == 0:
+            self._busy[self._second % RATE_HISTORY_S] = False
 
     def record(self, now: float) -> None:
-        """A request got its first answer at ``now`` (monotonic seconds)."""
+        """A request got its first answer at ``now``."""
         self._advance(now)
-        self._counts[int(now) % RATE_HISTORY_S] += 1
+        self._counts[self._second % RATE_HISTORY_S] += 1
 
     def best(self, now: float) -> float:
-        """First answers a second: the best ``RATE_WINDOW_S``-second window of the history, the second in progress
-        left out (it is not whole yet); 0 with none seen."""
+        """First answers a second: the best window of ``RATE_WINDOW_S`` consecutive busy whole seconds of the
+        history (the second in progress is not whole yet); 0 before ``RATE_EVIDENCE_S`` busy seconds."""
         self._advance(now)
-        whole = [self._counts[(self._second - age) % RATE_HISTORY_S] for age in range(1, RATE_HISTORY_S)]
-        windows = (sum(whole[i : i + RATE_WINDOW_S]) for i in range(len(whole) - RATE_WINDOW_S + 1))
-        return max(windows, default=0) / RATE_WINDOW_S
+        ages = range(1, RATE_HISTORY_S)
+        busy = [self._busy[(self._second - age) % RATE_HISTORY_S] for age in ages]
+        if sum(busy) < RATE_EVIDENCE_S:
+            return 0.0
+        counts = [self._counts[(self._second - age) % RATE_HISTORY_S] for age in ages]
+        best = 0
+        for i in range(len(ages) - RATE_WINDOW_S + 1):
+            if all(busy[i : i + RATE_WINDOW_S]):
+                best = max(best, sum(counts[i : i + RATE_WINDOW_S]))
+        return best / RATE_WINDOW_S
 
 
 def foreseen_wait(line: int, rate: float) -> float | None:

@@ -195,12 +195,14 @@ class Gateway:
         self.in_flight_bytes += size
         self.counted_bytes[id(request)] = size
         self.waiting_since[id(request)] = time.monotonic()
+        self.first_answers.line(time.monotonic(), len(self.waiting_since))
         try:
             return await handler(request)
         finally:
             self.in_flight -= 1
             self.in_flight_bytes -= self.counted_bytes.pop(id(request))
-            self.waiting_since.pop(id(request), None)
+            if self.waiting_since.pop(id(request), None) is not None:  # (ended with no answer: an error, a hang-up)
+                self.first_answers.line(time.monotonic(), len(self.waiting_since))
 
     def _queueing(self, wait_s: float) -> str:
         """Why a new request would wait past ``wait_s`` for its first answer (`gateway.admission`), or ""."""
@@ -226,7 +228,9 @@ class Gateway:
     def _answered(self, request_key: int) -> None:
         """A request's first answer: it leaves the line, and counts towards the rate the line is served at."""
         if self.waiting_since.pop(request_key, None) is not None:
-            self.first_answers.record(time.monotonic())
+            now = time.monotonic()
+            self.first_answers.record(now)
+            self.first_answers.line(now, len(self.waiting_since))
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:

@@ -50,7 +50,8 @@ CATALOGUE: dict[str, tuple[str, str]] = {
     ),
     "vlm_gateway_first_answers_per_s_best": (
         "gauge",
-        "The best first-answer rate of any 5 s of the last minute: what load shedding rates the stack at.",
+        "The best first-answer rate of any 5 busy seconds of the last minute (0 before 10 busy seconds): what load "
+        "shedding rates the stack at.",
     ),
     "vlm_gateway_replicas_lost": (
         "counter",

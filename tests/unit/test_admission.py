@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from collections import deque
 
-from gateway.admission import MIN_LINE, RATE_HISTORY_S, RATE_WINDOW_S, FirstAnswerRate, foreseen_wait, queue_backlog
+from gateway.admission import (
+    MIN_LINE,
+    RATE_EVIDENCE_S,
+    RATE_HISTORY_S,
+    RATE_WINDOW_S,
+    FirstAnswerRate,
+    foreseen_wait,
+    queue_backlog,
+)
 
 
 def test_one_straggler_is_no_backlog() -> None:
@@ -32,8 +40,9 @@ def test_zero_is_off() -> None:
     assert queue_backlog([0.0, 0.0, 0.0], now=10.0, wait_s=0.0, in_flight=3) == 0
 
 
-def test_the_best_rate_is_the_best_whole_window_of_the_last_minute() -> None:
+def test_the_best_rate_is_the_best_busy_window_of_the_last_minute() -> None:
     rate = FirstAnswerRate()
+    rate.line(99.5, 20)  # busy from here on
     assert rate.best(100.0) == 0.0
     for second in range(100, 110):  # 10 a second for 10 s, then 2 a second
         for i in range(10):
@@ -49,14 +58,35 @@ def test_the_best_rate_is_the_best_whole_window_of_the_last_minute() -> None:
     assert rate.best(131.0) == (50 + 4 * 2) / RATE_WINDOW_S
 
 
+def test_idle_seconds_and_a_short_busy_past_give_no_rate() -> None:
+    """A stack just started: its first busy seconds (a pipeline filling, kernels warming) are no evidence of what
+    it serves; nor is a window with a second in which nobody waited."""
+    rate = FirstAnswerRate()
+    rate.line(3.1, 32)  # 32 clients start together
+    for i in range(20):
+        rate.record(4.5 + i * 0.15)
+    assert rate.best(3.1 + RATE_EVIDENCE_S - 1) == 0.0
+    rate = FirstAnswerRate()
+    for second in range(0, 30):  # answers every second, the line emptied once in each
+        rate.line(second + 0.1, 12)
+        for i in range(10):
+            rate.record(second + 0.2 + i / 100)
+        rate.line(second + 0.5, 0)
+    assert rate.best(30.0) == 0.0
+
+
 def test_the_best_rate_forgets_what_is_older_than_its_history() -> None:
     rate = FirstAnswerRate()
-    for i in range(100):
-        rate.record(10.0 + i / 100)
-    assert rate.best(12.0) == 100 / RATE_WINDOW_S
-    assert rate.best(10.0 + RATE_HISTORY_S + 1) == 0.0
-    rate.record(500.0)  # (after a long silence: the old counters are gone, not wrapped around)
-    assert rate.best(501.0) == 1 / RATE_WINDOW_S
+    rate.line(0.0, 10)
+    for i in range(2000):
+        rate.record(1.0 + i / 100)
+    assert rate.best(21.0) == 100.0
+    rate.line(21.0, 0)
+    assert rate.best(21.0 + RATE_HISTORY_S) == 0.0
+    rate.line(499.5, 10)  # (after a long silence: the old counters are gone, not wrapped around)
+    for second in range(500, 500 + RATE_EVIDENCE_S):
+        rate.record(second + 0.5)
+    assert rate.best(500.0 + RATE_EVIDENCE_S) == 1.0
 
 
 def test_no_foresight_for_a_short_line_or_without_a_rate() -> None:
@@ -66,32 +96,37 @@ def test_no_foresight_for_a_short_line_or_without_a_rate() -> None:
 
 
 def simulate_burst(wait_s: float, capacity: float, burst_factor: float, foresee: bool = True) -> tuple[int, float]:
-    """A stack giving ``capacity`` first answers a second in admission order (FIFO), loaded at its capacity for
-    20 s, then at ``burst_factor`` times it for 30 s, then not at all, admitting with both rules as the gateway does
-    (``foresee`` False: the seen rule alone). The longest line admitted, and how long after the burst the line took
-    to fall back under ``MIN_LINE``."""
+    """A stack giving ``capacity`` first answers a second in admission order (FIFO), none sooner than ``LATENCY_S``
+    after its request came (the pipeline's own time), loaded at 90% of its capacity for 20 s, then at
+    ``burst_factor`` times it for 30 s, then not at all, admitting with both rules as the gateway does (``foresee``
+    False: the seen rule alone). The longest line admitted, and how long after the burst the line took to fall back
+    under ``MIN_LINE``."""
     rate, line, served_credit = FirstAnswerRate(), deque[float](), 0.0
     step, longest, drained_at = 0.01, 0, None
     for tick in range(int(120 / step)):
         now = tick * step
-        load = 1.0 if now < 20.0 else burst_factor if now < 50.0 else 0.0
+        load = 0.9 if now < 20.0 else burst_factor if now < 50.0 else 0.0
         arrivals = capacity * load * step
         for _ in range(int((tick + 1) * arrivals) - int(tick * arrivals)):
             foreseen = foreseen_wait(len(line), rate.best(now)) if foresee else None
             refused = (foreseen is not None and foreseen > wait_s) or queue_backlog(line, now, wait_s, len(line))
             if not refused:
                 line.append(now)
-        served_credit += capacity * step
-        while line and served_credit >= 1:
+                rate.line(now, len(line))
+        served_credit = min(served_credit + capacity * step, 1.0)  # (an idle stack banks no answers)
+        while line and served_credit >= 1 and now - line[0] >= LATENCY_S:
             line.popleft()
             rate.record(now)
+            rate.line(now, len(line))
             served_credit -= 1
-        served_credit = min(served_credit, 1.0)  # (an idle stack banks no answers)
         longest = max(longest, len(line))
         if now >= 50.0 and drained_at is None and len(line) < MIN_LINE:
             drained_at = now
     assert drained_at is not None
     return longest, drained_at - 50.0
+
+
+LATENCY_S = 1.5
 
 
 def test_a_burst_queues_about_the_bound_of_work_and_drains_soon_after() -> None:
