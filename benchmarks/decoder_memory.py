@@ -6,6 +6,7 @@ native library (CUDA, cuBLAS, Triton's launcher) grows malloc's bytes or, mapped
 alone. An H200 soak's decoder grew without bound where the CPU's did not; this tells which kind it is.
 
     python -m benchmarks.decoder_memory --model CKPT --seconds 90 --out decoder-memory.json
+    python -m benchmarks.decoder_memory --model CKPT --seconds 60 --tracemalloc 8 --out traced.json  # which lines
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import json
 import random
 import sys
 import time
+import tracemalloc
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -75,14 +78,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = checkpoint_family(args.model, "auto").language_model(args.model, device=device, dtype=dtype, spec=spec)
     settings = DecoderConfig()
     config = EngineConfig.from_settings(settings, device, args.blocks, args.max_prompt + args.max_tokens + 1)
+    if args.no_prefix_cache:
+        config = replace(config, prefix_cache=False)
     engine = Engine(model, spec, config)
     rng = random.Random(0)
     vocab = min(spec.vocab_size, 30000)
     samples, made, tokens, t0 = [], 0, 0, time.perf_counter()
-    next_sample = 0.0
+    next_sample, traced, growth = 0.0, None, []
     while (now := time.perf_counter() - t0) < args.seconds:
+        if args.tracemalloc and traced is None and now >= args.warmup:
+            tracemalloc.start(args.tracemalloc)
+            traced = tracemalloc.take_snapshot()
         while len(engine.scheduler.running) + len(engine.scheduler.waiting) < args.concurrency:
-            length = rng.randint(args.min_prompt, args.max_prompt)
+            length = args.fixed_prompt or rng.randint(args.min_prompt, args.max_prompt)
             ids = [rng.randrange(10, vocab) for _ in range(length)]
             params = SamplingParams(max_tokens=rng.randint(1, args.max_tokens), temperature=0.0, ignore_eos=True)
             engine.add(engine.prepare(PreparedRequest(f"r{made}", ids, [], params)))
@@ -92,8 +100,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             samples.append(sample(now, made, tokens))
             print(json.dumps(samples[-1]), flush=True)
             next_sample += args.sample_every
+    if traced is not None:
+        diff = tracemalloc.take_snapshot().compare_to(traced, "traceback")
+        growth = [{"kib": d.size_diff / 1024, "count": d.count_diff, "where": d.traceback.format()} for d in diff[:20]]
+        for g in growth[:10]:
+            print(f"{g['kib']:10.1f} KiB {g['count']:+7d}  {g['where'][-2:]}", flush=True)
     config_out = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    return {"device": str(device), "config": config_out, "samples": samples}
+    return {"device": str(device), "config": config_out, "samples": samples, "python_growth": growth}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,6 +121,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-prompt", type=int, default=3000)
     p.add_argument("--max-tokens", type=int, default=120)
     p.add_argument("--blocks", type=int, default=20000, help="KV blocks of the engine's cache")
+    p.add_argument("--fixed-prompt", type=int, default=0, help="every prompt this long (0: uniform in min..max)")
+    p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument(
+        "--tracemalloc",
+        type=int,
+        default=0,
+        metavar="FRAMES",
+        help="trace Python's allocations (this many frames) from --warmup on; the 20 lines grown most: in the JSON",
+    )
+    p.add_argument("--warmup", type=float, default=10.0, help="seconds before --tracemalloc starts")
     args = p.parse_args(argv)
     result = run(args)
     args.out.write_text(json.dumps(result, indent=1))
