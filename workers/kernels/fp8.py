@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.kernels import fp8_bias
 from workers.kernels._launch import use_triton
 
 FP8 = torch.float8_e4m3fn
@@ -159,8 +160,7 @@ def scaled_mm_torch(
     from workers.kernels import fp8_triton
 
     x_q, x_s = fp8_triton.quantize(x, x.shape[1])
-    out = torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
-    return out if bias is None else out + bias
+    return fp8_bias.rowwise_mm(x_q, x_s, w, w_scale, bias, x.dtype)
 
 
 def scaled_mm_blockwise(
@@ -396,5 +396,4 @@ def fp8_matmul_quantized(
         from workers.kernels import fp8_triton
 
         return fp8_triton.scaled_mm(x_q, x_s, k, w, w_scale, _scale_block(block, k), bias, out_dtype)
-    out = torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=w_scale.view(1, -1), out_dtype=out_dtype)
-    return out if bias is None else out + bias
+    return fp8_bias.rowwise_mm(x_q, x_s, w, w_scale, bias, out_dtype)
