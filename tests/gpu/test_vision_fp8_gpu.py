@@ -195,6 +195,22 @@ def test_norm_quantize_on_the_gpu_is_the_norm_kernel_then_the_quantize_kernel(hi
     assert (got_summed is None and summed is None) or torch.equal(got_summed, summed)
 
 
+@pytest.mark.parametrize("width", [5120, 4304])  # Qwen2-VL's ViT MLP, Qwen3-VL's
+def test_quick_gelu_quantize_on_the_gpu_is_the_gelu_kernel_then_the_quantize_kernel(width: int) -> None:
+    """Compiled, the fused activation+quantization writes what quick_gelu's kernel then the quantize kernel write,
+    bit for bit."""
+    from workers.kernels import fp8_act
+    from workers.kernels.vision import quick_gelu
+
+    g = torch.Generator(device=CUDA).manual_seed(width)
+    scales = 10.0 ** torch.empty(4133, 1, device=CUDA).uniform_(-2, 1.5, generator=g)
+    hidden = (torch.randn(4133, width, device=CUDA, generator=g) * scales).bfloat16()
+    q_ref, s_ref = fp8.quantize_triton(quick_gelu(hidden), width)
+    q, s = fp8_act.quick_gelu_quantize(hidden)
+    assert torch.equal(s, s_ref), f"{int((s != s_ref).sum())} scales differ"
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), f"{int((q != q_ref).sum())} FP8 values differ"
+
+
 @pytest.mark.parametrize("n", [3840, 6840])  # the ViT's qkv (torch._scaled_mm); Qwen2.5-VL-7B's gate|up (Triton GEMM)
 def test_the_gemm_on_prequantized_rows_is_fp8_matmuls(n: int) -> None:
     """`fp8_matmul_quantized` on the quantize kernel's output is `fp8_matmul` on the bf16 rows, exactly."""

@@ -17,7 +17,10 @@ On CUDA, where a block's norm feeds an FP8 per-channel linear that `workers.kern
 ``scaled_mm`` path (more than `fp8.DECODE_ROWS` rows), the norm kernel writes its rows in FP8 with their per-token
 scales (`workers.kernels.fp8_norm`) and the linear takes them as they are (`QuantizedRows`, `linear_on`): one kernel
 less per such linear, the same numbers (`quantized_norms(False)` turns it off, for a comparison). Those helpers live in
-`workers.models.fp8_rows`, which the language model's fused layers share.
+`workers.models.fp8_rows`, which the language model's fused layers share. Likewise Qwen2-VL's MLP: its quick_gelu
+writes fc2's rows in FP8 (`workers.kernels.fp8_act`), so its widest activation is neither written in bf16 nor read
+back. The per-channel GEMMs add their biases in cuBLASLt's epilogue where this torch does that right
+(`workers.kernels.fp8_bias`).
 """
 
 from __future__ import annotations
