@@ -41,15 +41,16 @@ class _MallInfo2(ctypes.Structure):
     ] + [("keepcost", ctypes.c_size_t)]
 
 
-def malloc_in_use_mib() -> float | None:
-    """Bytes glibc's malloc has handed out and not had back (small blocks plus mmapped ones); None off glibc."""
+def malloc_mib() -> tuple[float, float] | None:
+    """(bytes glibc's malloc has handed out and not had back, small blocks plus mmapped ones; bytes it holds free in
+    its arenas, which RSS counts once touched) in MiB; None off glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = _MallInfo2
     except (OSError, AttributeError):
         return None
     info = libc.mallinfo2()
-    return (info.uordblks + info.hblkhd) / MIB
+    return (info.uordblks + info.hblkhd) / MIB, info.fordblks / MIB
 
 
 def anon_mib() -> float:
@@ -60,13 +61,15 @@ def anon_mib() -> float:
 
 
 def sample(t: float, requests: int, tokens: int) -> dict[str, Any]:
+    malloc = malloc_mib()
     return {
         "t": round(t, 2),
         "requests": requests,
         "tokens": tokens,
         "anon_mib": anon_mib(),
         "python_blocks": sys.getallocatedblocks(),
-        "malloc_mib": malloc_in_use_mib(),
+        "malloc_mib": None if malloc is None else malloc[0],
+        "malloc_free_mib": None if malloc is None else malloc[1],
         "gc_objects": len(gc.get_objects()),
     }
 
@@ -80,6 +83,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = EngineConfig.from_settings(settings, device, args.blocks, args.max_prompt + args.max_tokens + 1)
     if args.no_prefix_cache:
         config = replace(config, prefix_cache=False)
+    if args.graphs != "auto":  # ("static": the graphs' staging and static buffers without capture, as on the GPU)
+        config = replace(config, graphs=args.graphs, fuse=args.graphs != "off" or config.fuse)
     engine = Engine(model, spec, config)
     rng = random.Random(0)
     vocab = min(spec.vocab_size, 30000)
@@ -123,6 +128,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--blocks", type=int, default=20000, help="KV blocks of the engine's cache")
     p.add_argument("--fixed-prompt", type=int, default=0, help="every prompt this long (0: uniform in min..max)")
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument(
+        "--graphs",
+        choices=("auto", "off", "static"),
+        default="auto",
+        help="the engine's step graphs: the device's default, none, or staged uncaptured (the GPU's path on a CPU)",
+    )
     p.add_argument(
         "--tracemalloc",
         type=int,
