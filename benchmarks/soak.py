@@ -466,7 +466,9 @@ class BodyPool:
 
 
 async def measure_rate(h: Harness, pool: BodyPool, counter: Any) -> float:
-    """Requests completed per second, closed loop at ``--concurrency`` for ``--measure-s``."""
+    """Requests completed per second, closed loop at ``--concurrency`` for ``--measure-s``; a client refused waits out
+    the Retry-After, as OpenAI's clients do (the summary counts such refusals: at its own closed-loop load a server
+    should refuse none)."""
     done = 0
     end = h.now() + h.args.measure_s
 
@@ -476,6 +478,7 @@ async def measure_rate(h: Harness, pool: BodyPool, counter: Any) -> float:
             record = await h.one(pool.request(next(counter)))
             record["phase"] = "measure"
             done += record["error"] is None
+            await asyncio.sleep(retry_after_s(record))
 
     started = h.now()
     await asyncio.gather(*(client() for _ in range(h.args.concurrency)))
@@ -548,6 +551,7 @@ async def overload(h: Harness) -> dict[str, Any]:
         "burst_start_s": burst_start,
         "burst_end_s": burst_end,
         "latency_alone_s": baseline,
+        "refused_while_measuring": sum(r["status"] == 503 for r in h.records if r.get("phase") == "measure"),
         "recovered_after_s": None if recovered is None else recovered - burst_end,
         "peak_rss_mib": _peak_rss(h.samples),
     }
