@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import gc
 import json
 import random
@@ -41,15 +42,24 @@ class _MallInfo2(ctypes.Structure):
     ] + [("keepcost", ctypes.c_size_t)]
 
 
-def malloc_mib() -> tuple[float, float] | None:
-    """(bytes glibc's malloc has handed out and not had back, small blocks plus mmapped ones; bytes it holds free in
-    its arenas, which RSS counts once touched) in MiB; None off glibc."""
+@functools.cache
+def _mallinfo2() -> Any:
+    """glibc's ``mallinfo2``, loaded once (each load makes ctypes classes of its own); None off glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = _MallInfo2
     except (OSError, AttributeError):
         return None
-    info = libc.mallinfo2()
+    return libc.mallinfo2
+
+
+def malloc_mib() -> tuple[float, float] | None:
+    """(bytes glibc's malloc has handed out and not had back, small blocks plus mmapped ones; bytes it holds free in
+    its arenas, which RSS counts once touched) in MiB; None off glibc."""
+    mallinfo2 = _mallinfo2()
+    if mallinfo2 is None:
+        return None
+    info = mallinfo2()
     return (info.uordblks + info.hblkhd) / MIB, info.fordblks / MIB
 
 

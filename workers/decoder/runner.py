@@ -47,6 +47,9 @@ class ModelRunner:
         """``tp_steps``: this is rank 0 of a tensor-parallel group; each step is broadcast, then run.
         ``grammars``: the structured-output matchers' tokenizer and bitmask filler."""
         self.model, self.spec, self.config, self.counters, self.tp_steps = model, spec, config, counters, tp_steps
+        # (served, never trained: a parameter requiring grad would chain every step's inputs copied into the step
+        # graphs' static buffers into one autograd graph, kept alive without end; the loaders already turn it off)
+        model.requires_grad_(False)
         self.grammars = grammars
         self.fused = fuse_layers(model) if config.fuse else None
         # The graphs' padding tokens need a block that no sequence owns: one more than the manager hands out.

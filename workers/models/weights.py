@@ -158,13 +158,18 @@ Built = TypeVar("Built", bound=Loadable)
 
 def built_and_loaded(make: Callable[[], Built], state: Mapping[str, torch.Tensor]) -> Built:
     """``make()`` built on the meta device (no random init of weights the load overwrites at once), then
-    ``load_state(state)``, in eval mode: every family's towers and language models come this way. The linear layers
-    whose weights ``state`` holds in FP8 (with their scales) become `workers.models.fp8.Fp8Linear` first."""
+    ``load_state(state)``, in eval mode, no parameter requiring grad: every family's towers and language models come
+    this way. The linear layers whose weights ``state`` holds in FP8 (with their scales) become
+    `workers.models.fp8.Fp8Linear` first."""
     with torch.device("meta"), _parameters_left_uninitialised():
         module = make()
         adopt_fp8_layers(module, state)
     module.load_state(state)
     module.eval()
+    # Served, never trained: with a parameter that requires grad, a step's input copied into a static buffer (the
+    # decoder's step graphs) chains an autograd graph that keeps every step's inputs alive, and the host's memory
+    # grows without end.
+    module.requires_grad_(False)
     return module
 
 
