@@ -1,9 +1,8 @@
 """Triton kernel behind `workers.kernels.fp8_act` (imports triton): quick_gelu of a row, quantized per token to FP8.
 
-One program per row, the row in registers: the activation is `vision_triton._quick_gelu_kernel`'s arithmetic (each
-of torch's three ops rounded to the rows' dtype), so the value it rounds to is the one the unfused path writes; the
-quantization is `fp8_triton._quantize_kernel`'s per-token one on that value (amax, ``scale = amax / 448`` and
-``q = x / scale`` as IEEE divisions, `_to_e4m3`).
+One program per row, the row in registers: the activation is `vision_triton._quick_gelu_kernel`'s own
+(`quick_gelu_unrounded`, rounded to the rows' dtype), so the value is the one the unfused path writes; the
+quantization is the per-token one of `fp8_triton` (`quantize_row`, `_to_e4m3`) on that value.
 """
 
 from __future__ import annotations
@@ -14,7 +13,8 @@ import triton.language as tl
 
 from workers.kernels._launch import check_launchable, interpreted, next_power_of_2
 from workers.kernels._triton_common import Launch, round_to
-from workers.kernels.fp8_triton import FP8_MAX, FP8_MIN_SCALE_AMAX, _to_e4m3
+from workers.kernels.fp8_triton import _to_e4m3, quantize_row
+from workers.kernels.vision_triton import quick_gelu_unrounded
 
 
 @triton.jit
@@ -26,11 +26,8 @@ def _quick_gelu_quantize_kernel(
     mask = cols < n_cols
     dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scaled = round_to(x * 1.702, dtype, INTERPRETED)
-    gate = round_to(1.0 / (1.0 + tl.exp(-scaled)), dtype, INTERPRETED)
-    act = tl.where(mask, round_to(x * gate, dtype, INTERPRETED), 0.0)
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(act), 0), FP8_MIN_SCALE_AMAX), FP8_MAX)
-    q = tl.clamp(tl.div_rn(act, scale), -FP8_MAX, FP8_MAX)
+    act = tl.where(mask, round_to(quick_gelu_unrounded(x, dtype, INTERPRETED), dtype, INTERPRETED), 0.0)
+    q, scale = quantize_row(act)
     tl.store(q_ptr + row * stride_q + cols, _to_e4m3(q, INTERPRETED), mask=mask)
     tl.store(s_ptr + row, scale)
 

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from workers.kernels._launch import check_launchable, interpreted, next_power_of_2
 from workers.kernels._triton_common import Launch, round_to
-from workers.kernels.fp8_triton import FP8_MAX, FP8_MIN_SCALE_AMAX, _to_e4m3
+from workers.kernels.fp8_triton import _to_e4m3, quantize_row
 from workers.kernels.norm_triton import residual_norm_row
 
 
@@ -49,8 +49,7 @@ def _norm_quantize_kernel(
     )  # fmt: skip
     # Rounded to the rows' dtype, as the unfused norm stores it and the quantize kernel reads it back.
     normed = tl.where(mask, round_to(out, x_ptr.dtype.element_ty, INTERPRETED), 0.0)
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(normed), 0), FP8_MIN_SCALE_AMAX), FP8_MAX)
-    q = tl.clamp(tl.div_rn(normed, scale), -FP8_MAX, FP8_MAX)
+    q, scale = quantize_row(normed)
     tl.store(q_ptr + row * stride_q + cols, _to_e4m3(q, INTERPRETED), mask=mask)
     tl.store(s_ptr + row, scale)
 

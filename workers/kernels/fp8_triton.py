@@ -51,6 +51,13 @@ def quantize_tile_rows(x):
 
 
 @triton.jit
+def quantize_row(x):
+    """`quantize_tile_rows` of one row: x [C] fp32 (masked lanes 0) on e4m3's range and its scale (a scalar)."""
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_SCALE_AMAX), FP8_MAX)
+    return tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX), scale
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr,
     q_ptr,

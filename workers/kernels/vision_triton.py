@@ -75,15 +75,22 @@ def _rotary_qk_kernel(
 
 
 @triton.jit
+def quick_gelu_unrounded(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """x * sigmoid(1.702 x) in fp32 for fp32 ``x`` holding ``dtype`` values: torch's first two ops rounded to
+    ``dtype``, the last product left for the caller to round (or store)."""
+    scaled = round_to(x * 1.702, dtype, INTERPRETED)
+    gate = round_to(1.0 / (1.0 + tl.exp(-scaled)), dtype, INTERPRETED)
+    return x * gate
+
+
+@triton.jit
 def _quick_gelu_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """x * sigmoid(1.702 x), rounding to x's dtype after each of torch's three ops."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    scaled = round_to(x * 1.702, dtype, INTERPRETED)
-    gate = round_to(1.0 / (1.0 + tl.exp(-scaled)), dtype, INTERPRETED)
-    tl.store(out_ptr + offsets, to_dtype(x * gate, dtype, INTERPRETED), mask=mask)
+    tl.store(out_ptr + offsets, to_dtype(quick_gelu_unrounded(x, dtype, INTERPRETED), dtype, INTERPRETED), mask=mask)
 
 
 def launch_rotary(
