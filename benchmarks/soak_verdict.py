@@ -119,9 +119,9 @@ def judge_resources(
     tolerances = tolerances or TOLERANCES
     second_half = max(warmup_s, duration_s / 2)
     out = {}
-    judged = series(samples)
-    for name, points in judged.items():
-        if name.startswith("rss_mib:") and "anon_mib:" + name.removeprefix("rss_mib:") in judged:
+    every = series(samples)
+    for name, points in every.items():
+        if name.startswith("rss_mib:") and "anon_mib:" + name.removeprefix("rss_mib:") in every:
             # RSS also counts the shared pool's and mapped files' pages as they are first touched: bounded by
             # /dev/shm (judged as shm_bytes) and by the files. The anonymous part is what a leak grows.
             out[name] = {"judged": False, "points": len(points), "why": "its anon_mib is judged", "ok": True}

@@ -194,8 +194,9 @@ class Gateway:
         self.in_flight += 1
         self.in_flight_bytes += size
         self.counted_bytes[id(request)] = size
-        self.waiting_since[id(request)] = time.monotonic()
-        self.first_answers.line(time.monotonic(), len(self.waiting_since))
+        admitted = time.monotonic()
+        self.waiting_since[id(request)] = admitted
+        self.first_answers.line(admitted, len(self.waiting_since))
         try:
             return await handler(request)
         finally:
