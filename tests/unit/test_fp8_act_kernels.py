@@ -22,7 +22,7 @@ CHILD = FP8_INTERPRETER_CHILD
 INTERPRETED = interpreted_in_child(CHILD, "workers.kernels.fp8_act_triton")
 kernel = pytest.mark.skipif(not INTERPRETED, reason="runs in test_act_kernels_in_interpreter's child process")
 
-WIDTHS = (5120, 4304, 200)  # Qwen2-VL's ViT MLP, Qwen3-VL's, and one not a power of 2
+WIDTHS = (5120, 4304, 200, 256)  # Qwen2-VL's ViT MLP, Qwen3-VL's, one not a power of 2, one that is (no tail)
 DTYPES = (torch.bfloat16, torch.float16)
 
 

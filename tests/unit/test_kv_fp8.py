@@ -77,7 +77,7 @@ def test_quantization_is_the_definition(dtype: torch.dtype) -> None:
     amax = x.float().abs().amax(-1)
     nonzero = amax > 0
     assert torch.equal(scale[nonzero], amax[nonzero] / torch.full_like(amax[nonzero], 448.0))
-    expected = (x.float() / scale[..., None]).clamp(-448, 448).to(KV_FP8)
+    expected = (x.float() * (torch.ones_like(scale) / scale)[..., None]).clamp(-448, 448).to(KV_FP8)
     assert torch.equal(q.float(), expected.float())
     assert (q.float().abs().amax(-1)[nonzero] == 448).all()  # each vector's largest value lands on e4m3's max
     deq = dequantize_kv_reference(q, scale, torch.float32)

@@ -2,7 +2,7 @@
 
 An FP8 cache (``kv_k``/``kv_v`` in float8_e4m3fn) stores each (token, kv head) vector quantized with its own
 fp32 scale, kept beside the cache in ``k_scale``/``v_scale`` [slots, kv_heads]: ``scale = amax / 448`` over the
-head_dim values, ``q = x / scale`` rounded to e4m3 (`quantize_kv_reference`; the per-token dynamic quantization of
+head_dim values, ``q = x * (1 / scale)`` rounded to e4m3 (`quantize_kv_reference`; the per-token dynamic quantization of
 `workers.kernels.fp8`). Dynamic scales need no calibration data, which a static per-head scale would, and follow
 Qwen's large k-bias outliers token by token; they cost 4 bytes per head vector (128 bytes at head_dim 128).
 """

@@ -49,17 +49,20 @@ log = logging.getLogger(__name__)
 
 def quantize_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales [M, ceil(K / group)]) of x [M, K]: per group of ``group`` columns, ``scale = amax / 448`` and
-    ``q = x / scale`` rounded to e4m3 (as vLLM's and SGLang's dynamic FP8 quantization). ``group = K``: per token."""
+    ``q = x * (1 / scale)`` rounded to e4m3. ``group = K``: per token. A product with the reciprocal, not a quotient,
+    as vLLM's `scaled_fp8_quant_kernel` does: an IEEE division per element made the kernels compute-bound on the
+    H200 (`benchmarks/results/2026-12-02-h200-fp8-quantize-kernels-a967776`)."""
     rows, cols = x.shape
     groups = -(-cols // group)
     padded = torch.zeros(rows, groups * group, dtype=torch.float32, device=x.device)
     padded[:, :cols] = x.float()
     tiles = padded.view(rows, groups, group)
     amax = tiles.abs().amax(-1).clamp_min(MIN_SCALE_AMAX)
-    # A tensor divisor: CUDA torch divides by a Python number as a product with its reciprocal, an ulp off the
-    # IEEE quotient that the kernels (and vLLM's) compute.
+    # Tensor operands: CUDA torch divides by a Python number as a product with its reciprocal, an ulp off the
+    # IEEE quotients (div_rn) that the kernels compute.
     scale = amax / torch.full_like(amax, FP8_MAX)
-    q = (tiles / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    inverse = torch.ones_like(scale) / scale
+    q = (tiles * inverse[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(rows, -1)[:, :cols].contiguous(), scale
 
 

@@ -5,7 +5,7 @@ per-channel FP8 GEMM that follows it.
 One program per row, the row in registers, as `norm_triton._norm_kernel`: its norm is that kernel's own
 (`norm_triton.residual_norm_row`), so the normalised row rounded to the rows' dtype is the value the
 unfused path would have written; its quantization is `fp8_triton._quantize_kernel`'s per-token one on that rounded
-row (amax, ``scale = amax / 448`` and ``q = x / scale`` as IEEE divisions, `_to_e4m3`).
+row (amax, ``scale = amax / 448`` and ``q = x * (1 / scale)``, `_to_e4m3`).
 """
 
 from __future__ import annotations

@@ -44,17 +44,30 @@ def _to_e4m3(x, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def quantize_tile_rows(x):
-    """x [R, C] fp32 (masked lanes 0) as values on e4m3's range and their scales [R]: amax / 448 per row, q = x / scale,
-    IEEE divisions as torch's (compiled Triton's ``/`` is an approximate fp32 division)."""
+    """x [R, C] fp32 (masked lanes 0) as values on e4m3's range and their scales [R]: amax / 448 per row,
+    q = x * (1 / scale) (`fp8.quantize_reference`); the two divisions a row are IEEE ones (div_rn), as torch's
+    (compiled Triton's ``/`` is an approximate fp32 division)."""
     scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), FP8_MIN_SCALE_AMAX), FP8_MAX)
-    return tl.clamp(tl.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX), scale
+    return tl.clamp(x * tl.div_rn(1.0, scale)[:, None], -FP8_MAX, FP8_MAX), scale
 
 
 @triton.jit
 def quantize_row(x):
     """`quantize_tile_rows` of one row: x [C] fp32 (masked lanes 0) on e4m3's range and its scale (a scalar)."""
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 0), FP8_MIN_SCALE_AMAX), FP8_MAX)
-    return tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX), scale
+    scale, inverse = row_scale(tl.max(tl.abs(x), 0))
+    return to_e4m3_range(x, inverse), scale
+
+
+@triton.jit
+def row_scale(amax):
+    """(scale, its reciprocal) of a row's amax, as `quantize_row` takes them: for a row held in pieces."""
+    scale = tl.div_rn(tl.maximum(amax, FP8_MIN_SCALE_AMAX), FP8_MAX)
+    return scale, tl.div_rn(1.0, scale)
+
+
+@triton.jit
+def to_e4m3_range(x, inverse):
+    return tl.clamp(x * inverse, -FP8_MAX, FP8_MAX)
 
 
 @triton.jit
@@ -74,11 +87,11 @@ def _quantize_kernel(
     ONE_BLOCK: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """One program per (row, GROUPS groups of ``group`` columns): amax, scale = amax / 448, q = x / scale. Narrow
+    """One program per (row, GROUPS groups of ``group`` columns): amax, scale = amax / 448, q = x * (1 / scale). Narrow
     groups (1 x 128) go many to a program, as a [GROUPS, BLOCK] tile, so a program has a useful amount to load; a
     group wider than BLOCK (a whole row, per token) is read twice in BLOCK chunks: once for its amax, once to
-    quantize. Divisions are IEEE-rounded (div_rn; compiled Triton's ``/`` is an approximate fp32 division), as torch's
-    tensor division is. Scale ``[row, g]`` goes to ``s_ptr + row * stride_s + g * stride_sg``: row-major, or the
+    quantize. The two divisions a group are IEEE-rounded (div_rn; compiled Triton's ``/`` is an approximate fp32
+    division), as torch's tensor division is. Scale ``[row, g]`` goes to ``s_ptr + row * stride_s + g * stride_sg``: row-major, or the
     column-major layout cuBLASLt's 1 x 128 scaling reads."""
     row = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * GROUPS
@@ -101,10 +114,11 @@ def _quantize_kernel(
             x = tl.load(x_row + c + offs, mask=c + offs < end, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         scale = tl.div_rn(tl.maximum(tl.max(amax, 0), FP8_MIN_SCALE_AMAX), FP8_MAX)
+        inverse = tl.div_rn(1.0, scale)
         for c in range(start, end, BLOCK):
             mask = c + offs < end
             x = tl.load(x_row + c + offs, mask=mask, other=0.0).to(tl.float32)
-            q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+            q = tl.clamp(x * inverse, -FP8_MAX, FP8_MAX)
             tl.store(q_row + c + offs, _to_e4m3(q, INTERPRETED), mask=mask)
         tl.store(s_ptr + row * stride_s + first * stride_sg, scale)
 
