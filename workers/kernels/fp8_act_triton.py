@@ -6,8 +6,9 @@ quantization is the per-token one of `fp8_triton` (`row_scale`, `_to_e4m3`) on t
 
 A row is held as two power-of-two pieces, ``HEAD`` (the largest power of two not over its width) and ``TAIL`` (what
 is left, rounded up), not as one block of the next power of two: the towers' MLP widths are not powers of two
-(5,120 = 4,096 + 1,024), and a block of 8,192 left 37% of the lanes computing masked-out values. On the H200 that and
-a division per element made the kernel compute-bound (`benchmarks/results/2026-12-02-h200-fp8-quantize-kernels-a967776`).
+(5,120 = 4,096 + 1,024), and a block of 8,192 left 37% of the lanes computing masked-out values. On the H200 that
+and a division per element made the kernel compute-bound
+(`benchmarks/results/2026-12-02-h200-fp8-quantize-kernels-a967776`).
 """
 
 from __future__ import annotations

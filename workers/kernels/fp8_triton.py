@@ -91,7 +91,8 @@ def _quantize_kernel(
     groups (1 x 128) go many to a program, as a [GROUPS, BLOCK] tile, so a program has a useful amount to load; a
     group wider than BLOCK (a whole row, per token) is read twice in BLOCK chunks: once for its amax, once to
     quantize. The two divisions a group are IEEE-rounded (div_rn; compiled Triton's ``/`` is an approximate fp32
-    division), as torch's tensor division is. Scale ``[row, g]`` goes to ``s_ptr + row * stride_s + g * stride_sg``: row-major, or the
+    division), as torch's tensor division is. Scale ``[row, g]`` goes to
+    ``s_ptr + row * stride_s + g * stride_sg``: row-major, or the
     column-major layout cuBLASLt's 1 x 128 scaling reads."""
     row = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * GROUPS
