@@ -435,6 +435,33 @@ class LivenessConfig:
             raise ValueError(f"{where}.hold_lost_requests_s: expected >= 0 (0: none held), got {hold}")
 
 
+@dataclass
+class SecurityConfig:
+    mode: str = setting(
+        "curve",
+        'How tcp:// endpoints are guarded (ipc:// ones are left to file modes). "curve": CurveZMQ, encrypted and '
+        "admitting only the deployment's roles' keys; a process with a tcp:// endpoint and no keys refuses to start. "
+        '"isolated-network": plaintext, for a network nothing else can reach (logged at start).',
+    )
+    keys_dir: str = setting(
+        "",
+        "Where ./ops/keys writes the roles' CurveZMQ keys: public/<role>.key (every host needs all of them) and "
+        "private/<role>.key_secret (each host the roles it runs). Empty: <run directory>/keys.",
+    )
+
+    def validate(self, where: str) -> None:
+        if self.mode not in SECURITY_MODES:
+            raise ValueError(f"{where}.mode: expected one of {SECURITY_MODES}, got {self.mode!r}")
+
+
+SECURITY_MODES = ("curve", "isolated-network")
+
+
+def decoder_hub(replica: int, hub: str = "decoder") -> str:
+    """The hub name (`Config.endpoint`) of a decoder replica's request socket or tensor-parallel rendezvous."""
+    return hub if replica == 0 else f"{hub}-{replica}"
+
+
 def decoder_name(replica: int) -> str:
     """A decoder replica's name: its program's under supervisord, its heartbeat's, its sockets' (``decoder``
     for replica 0, so that one-replica deployments keep their names; ``decoder-1`` ...)."""
@@ -450,6 +477,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     run_dir: str = setting(
         "", "Where the sockets, logs and supervisord files of this deployment go (VLM_RUN_DIR); empty: run/<port>."
     )
@@ -472,6 +500,10 @@ class Config:
         return Path(self.run_dir) if self.run_dir else REPO_ROOT / "run" / str(self.server.port)
 
     @property
+    def keys_path(self) -> Path:
+        return Path(self.security.keys_dir) if self.security.keys_dir else self.run_path / "keys"
+
+    @property
     def deployment_id(self) -> str:
         """Short, host-unique name for shared-memory segments of this deployment."""
         return hashlib.sha1(str(self.run_path.resolve()).encode()).hexdigest()[:10]
@@ -487,7 +519,7 @@ class Config:
     def decoder_endpoint(self, replica: int, hub: str = "decoder") -> str:
         """The address of a decoder replica's request socket (``hub`` "decoder") or its tensor-parallel
         rendezvous (``hub`` "decoder-tp")."""
-        return self.endpoint(hub if replica == 0 else f"{hub}-{replica}")
+        return self.endpoint(decoder_hub(replica, hub))
 
     def decoder_gpu(self, replica: int, rank: int = 0) -> int:
         """The GPU of a decoder replica's rank: ``tensor_parallel`` GPUs from ``replica_gpus[replica]``, or by

@@ -12,20 +12,32 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
 
+from common.config import Config
 from common.lifecycle import StallWatchdog
 from common.protocol import Message, ProtocolError, decode, encode
+from common.security import Security
 
 log = logging.getLogger(__name__)
 
 
-def _prepare(sock: zmq.Socket, address: str, bind: bool, identity: bytes | None) -> None:
+def _prepare(
+    sock: zmq.Socket,
+    address: str,
+    bind: bool,
+    identity: bytes | None,
+    security: Security | None = None,
+    hub: str | None = None,
+) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if sock.type == zmq.ROUTER:
         # A reply to a peer that vanished must fail loudly in our code, not block the hub.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if security is not None:
+        security.prepare(sock, address, bind, hub)
     if bind:
         if address.startswith("ipc://"):
             Path(address[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
@@ -54,11 +66,13 @@ class Channel:
         *,
         bind: bool,
         identity: bytes | None = None,
+        security: Security | None = None,
+        hub: str | None = None,
     ) -> None:
         self.address = address
         self.sock: zmq.Socket = ctx.socket(kind)
         self.is_router = kind == zmq.ROUTER
-        _prepare(self.sock, address, bind, identity)
+        _prepare(self.sock, address, bind, identity, security, hub)
 
     def send(self, msg: Message) -> None:
         self.sock.send(encode(msg), copy=False)
@@ -92,11 +106,13 @@ class AsyncChannel:
         *,
         bind: bool,
         identity: bytes | None = None,
+        security: Security | None = None,
+        hub: str | None = None,
     ) -> None:
         self.address = address
         self.sock: zmq.asyncio.Socket = ctx.socket(kind)
         self.is_router = kind == zmq.ROUTER
-        _prepare(self.sock, address, bind, identity)
+        _prepare(self.sock, address, bind, identity, security, hub)
 
     async def send(self, msg: Message) -> None:
         await self.sock.send(encode(msg), copy=False)
@@ -115,6 +131,56 @@ class AsyncChannel:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+class CountingAuthenticator(ThreadAuthenticator):
+    """pyzmq's ZAP handler in a thread of its own (for asyncio contexts too: it never touches their loop), counting
+    the clients it turns away in ``security.denied`` and logging each (rate-limited by ZMQ's reconnect interval)."""
+
+    def __init__(self, ctx: zmq.Context, security: Security) -> None:
+        super().__init__(ctx, log=logging.getLogger("common.security.zap"))
+        self.security = security
+
+    def _send_zap_reply(self, request_id: bytes, status_code: bytes, status_text: bytes, user_id: str = "") -> None:
+        if status_code != b"200":
+            self.security.denied += 1
+            log.warning("%s: refused a CURVE client: %s", self.security.role, status_text.decode(errors="replace"))
+        super()._send_zap_reply(request_id, status_code, status_text, user_id or "anonymous")
+
+
+class Transport:
+    """A process's ZMQ context and its channels, made by hub name (`Config.endpoint`): a tcp:// hub is made a
+    CurveZMQ server or client as ``[security]`` says (`common.security`), with a ZAP handler on the context that
+    admits only our roles' public keys."""
+
+    def __init__(self, cfg: Config, role: str, *, asyncio: bool = False) -> None:
+        self.cfg = cfg
+        self.security = Security.for_process(cfg.security.mode, role, cfg.keys_path, list(cfg.endpoints.values()))
+        self.ctx: zmq.Context = zmq.asyncio.Context() if asyncio else zmq.Context()
+        self.authenticator: CountingAuthenticator | None = None
+        if self.security.curve:
+            self.authenticator = CountingAuthenticator(self.ctx, self.security)
+            self.authenticator.start()
+            self.authenticator.configure_curve(domain="*", location=str(self.security.allowed_clients_dir()))
+
+    def channel(self, kind: int, hub: str, *, bind: bool, identity: bytes | None = None) -> Channel:
+        return Channel(
+            self.ctx, kind, self.cfg.endpoint(hub), bind=bind, identity=identity, security=self.security, hub=hub
+        )
+
+    def async_channel(self, kind: int, hub: str, *, bind: bool, identity: bytes | None = None) -> AsyncChannel:
+        if not isinstance(self.ctx, zmq.asyncio.Context):
+            raise TypeError("async channels come from a Transport(..., asyncio=True)")
+        return AsyncChannel(
+            self.ctx, kind, self.cfg.endpoint(hub), bind=bind, identity=identity, security=self.security, hub=hub
+        )
+
+    def close(self) -> None:
+        """Stops the ZAP thread and ends the context, closing any channel of it still open."""
+        if self.authenticator is not None:
+            self.authenticator.stop()
+            self.authenticator = None
+        self.ctx.destroy(linger=0)
 
 
 Handler = Callable[[bytes, Message], None]

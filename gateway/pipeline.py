@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client import Histogram
 
-from common.config import Config
+from common.config import Config, decoder_hub
 from common.dispatch import Dispatcher, Job
 from common.lifecycle import StallWatchdog
 from common.liveness import LivenessClock
@@ -35,7 +35,7 @@ from common.protocol import (
     WorkerStatus,
     encode,
 )
-from common.transport import AsyncChannel
+from common.transport import AsyncChannel, Transport
 from gateway.errors import ApiError
 from gateway.offload import off_loop_if_large
 from gateway.replicas import Replica, Replicas, prefix_affinity
@@ -111,16 +111,16 @@ class Pipeline:
     def __init__(self, cfg: Config, media_prepare: Histogram) -> None:
         self.cfg = cfg
         self.media_prepare = media_prepare  # observed when a fetcher hands a request to the decoder
-        self.ctx = zmq.asyncio.Context()
-        self.fetch = AsyncChannel(self.ctx, zmq.ROUTER, cfg.endpoint("fetch"), bind=True)
-        self.inbox = AsyncChannel(self.ctx, zmq.PULL, cfg.endpoint("gateway"), bind=True)
+        self.transport = Transport(cfg, "gateway", asyncio=True)
+        self.fetch = self.transport.async_channel(zmq.ROUTER, "fetch", bind=True)
+        self.inbox = self.transport.async_channel(zmq.PULL, "gateway", bind=True)
         # Liveness (decoder replicas', fetchers') is judged on this clock, not the wall's: see `_tick`.
         self.clock = LivenessClock(cfg.liveness.heartbeat_s)
         self.replicas = Replicas(cfg, self.clock)
         self.decoders = [
-            AsyncChannel(self.ctx, zmq.PUSH, cfg.decoder_endpoint(r.index), bind=False) for r in self.replicas.all
+            self.transport.async_channel(zmq.PUSH, decoder_hub(r.index), bind=False) for r in self.replicas.all
         ]
-        self.cache = AsyncChannel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
+        self.cache = self.transport.async_channel(zmq.DEALER, "cache", bind=False)
         self.fetchers = Dispatcher(
             self._send_to_fetcher,
             self._fetch_failed,
@@ -162,6 +162,7 @@ class Pipeline:
             task.cancel()
         for channel in (self.fetch, self.inbox, self.cache, *self.decoders, *self.encoders):
             channel.close()
+        self.transport.close()
 
     # ------------------------------------------------------------------ submitting
     async def submit(
@@ -308,7 +309,7 @@ class Pipeline:
 
     def _open_encoders(self, count: int) -> None:
         for k in range(len(self.encoders), count):
-            channel = AsyncChannel(self.ctx, zmq.DEALER, self.cfg.endpoint(f"encoder.{k}"), bind=False)
+            channel = self.transport.async_channel(zmq.DEALER, f"encoder.{k}", bind=False)
             self.encoders.append(channel)
             self.tasks.append(asyncio.create_task(self._read_stats(channel)))
 

@@ -15,6 +15,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from common.config import load_config
+from common.security import SecurityError, check_keys, write_keys
 from ops.deploy import launcher_config, write_supervisord_conf
 
 # Each option of `serve` and the variable the stack's processes read it from (ops/vlm.toml: VLM_* win over
@@ -55,6 +57,19 @@ def parser() -> argparse.ArgumentParser:
         "--defaults", action="store_true", help="every setting with its default value and help text, as TOML"
     )
     config_parser.set_defaults(command=config)
+    keys_parser = commands.add_parser(
+        "keys",
+        help="write the CurveZMQ keys tcp:// endpoints need",
+        description="Write a CurveZMQ keypair for each role that has none, under [security] keys_dir (default "
+        "<run directory>/keys): public/<role>.key, which every host of the deployment needs, and "
+        "private/<role>.key_secret, which each host needs for the roles it runs. Existing keys are kept.",
+    )
+    keys_parser.add_argument(
+        "--config", type=Path, help="the TOML settings file (VLM_CONFIG; default ops/vlm.toml of this checkout)"
+    )
+    keys_parser.add_argument("--port", type=int, help="HTTP port (VLM_PORT), which names the default run directory")
+    keys_parser.add_argument("--dir", type=Path, help="write here instead of [security] keys_dir")
+    keys_parser.set_defaults(command=keys)
     return top
 
 
@@ -66,15 +81,34 @@ def serve(args: argparse.Namespace) -> None:
             os.environ[variable] = str(Path(value).resolve()) if option == "config" else str(value)
     try:
         cfg = launcher_config()
+        check_keys(cfg)
         run = cfg.run_path
         (run / "logs").mkdir(parents=True, exist_ok=True)
         conf = run / "supervisord.conf"
         write_supervisord_conf(cfg, conf)
-    except (OSError, ValueError) as exc:  # (stopped here, before supervisord restarts failing workers for ever)
+    except (OSError, ValueError, SecurityError) as exc:  # (stopped here, before supervisord restarts failing workers)
         sys.exit(f"vlm-serve: {exc}")
     print(f"supervisord: {conf} (supervisorctl -c {conf} status); logs in {run / 'logs'}", file=sys.stderr)
     supervisord = supervisord_argv()
     os.execv(supervisord[0], [*supervisord, "-c", str(conf)])
+
+
+def keys(args: argparse.Namespace) -> None:
+    for option, variable in (("config", "VLM_CONFIG"), ("port", "VLM_PORT")):
+        if getattr(args, option) is not None:
+            os.environ[variable] = str(getattr(args, option))
+    try:
+        keys_dir = args.dir.resolve() if args.dir is not None else load_config().keys_path
+        written = write_keys(keys_dir)
+    except (OSError, ValueError) as exc:
+        sys.exit(f"vlm-serve keys: {exc}")
+    for path in written:
+        print(path)
+    print(
+        f"keys in {keys_dir} ({len(written) // 2} new): give every host public/, and each host the private/ keys of "
+        "the roles it runs",
+        file=sys.stderr,
+    )
 
 
 def supervisord_argv() -> list[str]:

@@ -30,14 +30,14 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 
 
 def test_every_option_of_every_subcommand_has_help() -> None:
-    assert set(subcommands()) == {"serve", "config"}
+    assert set(subcommands()) == {"serve", "config", "keys"}
     for name, sub in subcommands().items():
         for action in sub._actions:
             if not isinstance(action, argparse._HelpAction):
                 assert action.help, f"vlm-serve {name}: {action.dest} has no help text"
 
 
-@pytest.mark.parametrize("command", ["serve", "config"])
+@pytest.mark.parametrize("command", ["serve", "config", "keys"])
 def test_help_exits_cleanly(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as stopped:
         cli.main([command, "--help"])
@@ -65,6 +65,34 @@ def test_serve_options_become_the_stacks_variables(monkeypatch: pytest.MonkeyPat
     assert cfg.model.path == str(tmp_path / "model") and cfg.server.host == "0.0.0.0"  # type: ignore[attr-defined]
     assert cfg.server.port == 8123 and cfg.source == str(config)  # type: ignore[attr-defined]
     assert seen["out"] == tmp_path / "run" / "supervisord.conf"
+
+
+def test_serve_refuses_tcp_endpoints_without_keys_before_supervisord(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for variable in cli.SERVE_ENV.values():
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)
+    config = tmp_path / "vlm.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\n[endpoints]\ncache = "tcp://127.0.0.1:5555"\n')
+    monkeypatch.setattr(cli, "write_supervisord_conf", lambda *_: pytest.fail("rendered a stack that cannot start"))
+    with pytest.raises(SystemExit, match=r"vlm-serve: .*tcp://127\.0\.0\.1:5555.*\./ops/keys"):
+        cli.main(["serve", "--config", str(config)])
+
+
+def test_keys_writes_a_keypair_per_role_where_the_config_says(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("VLM_CONFIG", "")  # (set first, so that monkeypatch restores what keys sets)
+    monkeypatch.delenv("VLM_CONFIG")
+    config = tmp_path / "vlm.toml"
+    config.write_text(f'[security]\nkeys_dir = "{tmp_path / "keys"}"\n')
+    cli.main(["keys", "--config", str(config)])
+    printed = capsys.readouterr().out.split()
+    assert str(tmp_path / "keys" / "public" / "decoder.key") in printed
+    assert str(tmp_path / "keys" / "private" / "decoder.key_secret") in printed
+    cli.main(["keys", "--config", str(config)])  # again: nothing new
+    assert capsys.readouterr().out == ""
 
 
 def _no_script_anywhere(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:

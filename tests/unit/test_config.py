@@ -270,7 +270,7 @@ def settings_of(cfg: Config) -> dict[str, list[dataclasses.Field]]:
 
 def test_every_setting_has_help() -> None:
     fields = settings_of(Config())
-    assert set(fields) == {"", "server", "model", "fetcher", "encoder", "cache", "decoder", "liveness"}
+    assert set(fields) == {"", "server", "model", "fetcher", "encoder", "cache", "decoder", "liveness", "security"}
     missing = [f"[{s}] {f.name}" for s, each in fields.items() for f in each if not f.metadata.get("help", "").strip()]
     assert not missing, f"settings without help: {missing}"
 

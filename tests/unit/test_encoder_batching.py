@@ -69,7 +69,7 @@ def test_the_worker_batches_queued_jobs_over_its_socket(worker: EncoderWorker, o
     jobs_grids = [*GRIDS, *GRIDS]  # 8 images: 232 patches > the budget of 200
     bad = 5
     pool = ShmPool(f"vlm-test-enc-{os.getpid()}", 1 << 20, create=True)
-    client = Channel(worker.ctx, zmq.DEALER, worker.jobs.address, bind=False)
+    client = Channel(worker.transport.ctx, zmq.DEALER, worker.jobs.address, bind=False)
     try:
         expected, offset = [], 0
         for i, grid in enumerate(jobs_grids):
@@ -162,7 +162,7 @@ def test_a_job_whose_grid_is_not_three_positive_sizes_is_refused_on_arrival(
 ) -> None:
     """(such a job was queued and the next step, planning the batch from its grid, ended the encoder: found by
     tests/integration/test_fuzz_zmq.py)"""
-    client = Channel(worker.ctx, zmq.DEALER, worker.jobs.address, bind=False)
+    client = Channel(worker.transport.ctx, zmq.DEALER, worker.jobs.address, bind=False)
     try:
         slot = TensorRef("shm", "float32", [4, 8], shm_name="vlm-nope")
         client.send(EncodeJob("job", "hash", inline_ref(torch.zeros(4, 8)), grid, slot))

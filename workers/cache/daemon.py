@@ -26,7 +26,7 @@ from common.protocol import (
     TensorRef,
 )
 from common.tensor_ref import SHM_DIR, CudaPool, ShmPool
-from common.transport import Channel, EventLoop, worker_identity
+from common.transport import EventLoop, Transport, worker_identity
 from workers.cache.store import MAIN, EmbeddingStore, Entry, NeverFits, PoolFull, Spill, Wanted
 from workers.cache.waiting import ReservationQueue, Waiting
 
@@ -57,8 +57,8 @@ class CacheDaemon:
         else:
             self.pool = ShmPool(name, cfg.cache.pool_bytes, create=True)
         self.store = EmbeddingStore(cfg.cache.pool_bytes, cfg.cache.spill_bytes if self.spill else 0)
-        self.ctx = zmq.Context()
-        self.channel = Channel(self.ctx, zmq.ROUTER, cfg.endpoint("cache"), bind=True)
+        self.transport = Transport(cfg, "cache")
+        self.channel = self.transport.channel(zmq.ROUTER, "cache", bind=True)
         self.waiters: dict[str, tuple[bytes, CacheAcquire]] = {}
         # fetchers' reservations that found no room, answered as releases make it (or at their deadline)
         self.reservations: ReservationQueue[tuple[bytes, CacheReserve]] = ReservationQueue()

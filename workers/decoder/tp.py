@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from common.config import Config, decoder_name
+from common.config import Config, decoder_hub, decoder_name
 from common.protocol import TPJoin, TPSetup
 from common.topology import vision_replicas
-from common.transport import Channel
+from common.transport import Transport
 from workers.decoder.config import EngineConfig
 from workers.decoder.graphs import StepGraphs, StepInputs, engine_graphs
 from workers.models.language import LanguageModel
@@ -243,8 +243,8 @@ def leader_rendezvous(cfg: Config, replica: int, incarnation: str, num_blocks: i
     for stale in run.glob(f"tp-{name}.*.store"):
         stale.unlink(missing_ok=True)
     store_path = str(run / f"tp-{name}.{incarnation}.store")
-    ctx = zmq.Context.instance()
-    channel = Channel(ctx, zmq.ROUTER, cfg.decoder_endpoint(replica, "decoder-tp"), bind=True)
+    transport = Transport(cfg, "decoder")
+    channel = transport.channel(zmq.ROUTER, decoder_hub(replica, "decoder-tp"), bind=True)
     try:
         joined: dict[int, bytes] = {}
         deadline = time.monotonic() + cfg.decoder.tp_timeout_s
@@ -264,14 +264,15 @@ def leader_rendezvous(cfg: Config, replica: int, incarnation: str, num_blocks: i
             channel.send_to(peer, TPSetup(store_path, world, num_blocks, incarnation))
     finally:
         channel.close()
+        transport.close()
     init_group(cfg, store_path, 0, world, device)
     log.info("tensor parallel group of %d ranks formed (%s)", world, store_path)
 
 
 def follower_rendezvous(cfg: Config, replica: int, rank: int, incarnation: str, device: torch.device) -> TPSetup:
     """Rank K of ``replica``: announce itself to its rank 0, wait for `TPSetup`, enter the group."""
-    ctx = zmq.Context.instance()
-    channel = Channel(ctx, zmq.DEALER, cfg.decoder_endpoint(replica, "decoder-tp"), bind=False)
+    transport = Transport(cfg, "decoder")
+    channel = transport.channel(zmq.DEALER, decoder_hub(replica, "decoder-tp"), bind=False)
     try:
         channel.send(TPJoin(rank, incarnation))
         deadline = time.monotonic() + cfg.decoder.tp_timeout_s
@@ -284,6 +285,7 @@ def follower_rendezvous(cfg: Config, replica: int, rank: int, incarnation: str, 
                 break
     finally:
         channel.close()
+        transport.close()
     init_group(cfg, msg.store_path, rank, msg.world, device)
     return msg
 

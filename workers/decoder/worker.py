@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from common.config import Config, decoder_name
+from common.config import Config, decoder_hub, decoder_name
 from common.lifecycle import REPORT_EVERY_S, CounterWindow
 from common.memory import device_pool_bytes
 from common.protocol import (
@@ -39,7 +39,7 @@ from common.protocol import (
 )
 from common.tensor_ref import ShmAttachments, TensorRef, gather_rows
 from common.topology import vision_replicas
-from common.transport import Channel, EventLoop, worker_identity
+from common.transport import EventLoop, Transport, worker_identity
 from workers.decoder.batch import Sequence
 from workers.decoder.config import EngineConfig
 from workers.decoder.engine import Engine
@@ -159,10 +159,10 @@ class DecoderWorker:
         config = EngineConfig.from_settings(cfg.decoder, device, num_blocks, max_len)
         grammars = Grammars.for_checkpoint(path, self.spec.vocab_size, self.spec.eos_token_ids)
         self.engine = Engine(model, self.spec, config, tp_steps, grammars)
-        self.ctx = zmq.Context()
-        self.inbox = Channel(self.ctx, zmq.PULL, cfg.decoder_endpoint(replica), bind=True)
-        self.results = Channel(self.ctx, zmq.PUSH, cfg.endpoint("gateway"), bind=False)
-        self.cache = Channel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
+        self.transport = Transport(cfg, "decoder")
+        self.inbox = self.transport.channel(zmq.PULL, decoder_hub(replica), bind=True)
+        self.results = self.transport.channel(zmq.PUSH, "gateway", bind=False)
+        self.cache = self.transport.channel(zmq.DEALER, "cache", bind=False)
         self.pools = ShmAttachments()
         self.waiting: dict[str, Waiting] = {}
         # (a request is never handed over later than its deadline: the gateway has failed it by then)

@@ -24,7 +24,7 @@ from common.config import Config
 from common.lifecycle import REPORT_EVERY_S, CounterWindow
 from common.protocol import EncodeJob, EncodeResult, Message, Ping, StatsRequest, StatsResult, WorkerStatus, commit_for
 from common.tensor_ref import ShmAttachments, read_tensor
-from common.transport import Channel, EventLoop, worker_identity
+from common.transport import EventLoop, Transport, worker_identity
 from workers.encoder.backends import VisionBackend, load_vision_backend
 from workers.models.pixels import Normalization, normalize_patches
 from workers.models.runtime import claim_device, encoder_gpu, resolve_dtype, upload
@@ -61,9 +61,9 @@ class EncoderWorker:
         self.dtype = resolve_dtype(cfg, self.device)
         started = time.monotonic()
         self.tower = load_vision_backend(cfg, self.device, self.dtype)
-        self.ctx = zmq.Context()
-        self.jobs = Channel(self.ctx, zmq.ROUTER, cfg.endpoint(self.name), bind=True)
-        self.cache = Channel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
+        self.transport = Transport(cfg, "encoder")
+        self.jobs = self.transport.channel(zmq.ROUTER, self.name, bind=True)
+        self.cache = self.transport.channel(zmq.DEALER, "cache", bind=False)
         self.pools = ShmAttachments()
         self.counters = {
             "images_encoded": 0.0,

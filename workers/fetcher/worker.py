@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from common.config import Config
+from common.config import Config, decoder_hub
 from common.dispatch import Dispatcher, Job
 from common.lifecycle import REPORT_EVERY_S, CounterWindow
 from common.liveness import LivenessClock
@@ -49,7 +49,7 @@ from common.protocol import (
 )
 from common.tensor_ref import inline_ref, nbytes_of
 from common.topology import encoder_count, model_device_type, model_dtype_name
-from common.transport import Channel, EventLoop, Wakeup, worker_identity
+from common.transport import EventLoop, Transport, Wakeup, worker_identity
 from workers.fetcher.errors import MediaError
 from workers.fetcher.image import ImageProcessorSpec
 from workers.fetcher.media import DecodedMemo, LoadedImage, load_media
@@ -141,15 +141,15 @@ class FetcherWorker:
         self.model_key = str(model_path.resolve())
         self.embed_dtype = model_dtype_name(cfg, model_device_type(cfg))
         self.max_model_len = cfg.decoder.max_model_len or self.spec.max_position_embeddings
-        self.ctx = zmq.Context()
-        self.gateway = Channel(self.ctx, zmq.DEALER, cfg.endpoint("fetch"), bind=False, identity=identity)
-        self.results = Channel(self.ctx, zmq.PUSH, cfg.endpoint("gateway"), bind=False)
+        self.transport = Transport(cfg, "fetcher")
+        self.gateway = self.transport.channel(zmq.DEALER, "fetch", bind=False, identity=identity)
+        self.results = self.transport.channel(zmq.PUSH, "gateway", bind=False)
         self.decoders = [  # a request goes to the replica the gateway chose for it
-            Channel(self.ctx, zmq.PUSH, cfg.decoder_endpoint(r), bind=False) for r in range(cfg.decoder.replicas)
+            self.transport.channel(zmq.PUSH, decoder_hub(r), bind=False) for r in range(cfg.decoder.replicas)
         ]
-        self.cache = Channel(self.ctx, zmq.DEALER, cfg.endpoint("cache"), bind=False)
+        self.cache = self.transport.channel(zmq.DEALER, "cache", bind=False)
         self.encoders = [
-            Channel(self.ctx, zmq.DEALER, cfg.endpoint(f"encoder.{k}"), bind=False) for k in range(encoder_count(cfg))
+            self.transport.channel(zmq.DEALER, f"encoder.{k}", bind=False) for k in range(encoder_count(cfg))
         ]
         # The encoders' and the cache daemon's liveness is judged on this clock, which `heartbeat` (the loop's
         # periodic tick) advances: a stall of this process's own loop is not their silence (`LivenessClock`).

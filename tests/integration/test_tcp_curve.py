@@ -1,0 +1,61 @@
+"""The whole stack with every hub on tcp:// (loopback) under CurveZMQ, keys from `vlm-serve keys`: the same greedy
+answers as over ipc://, text and image, streamed and not."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from benchmarks.gateway_load import free_port
+from ops import cli
+from tests.integration.conftest import MediaServer, Stack, serve
+from tests.media import make_image, png_bytes
+
+HUBS = ("gateway", "fetch", "cache", "decoder", "encoder.0")
+
+
+@pytest.fixture(scope="module")
+def curve_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    keys = tmp_path_factory.mktemp("keys")
+    cli.main(["keys", "--dir", str(keys)])
+    endpoints = "".join(f'"{hub}" = "tcp://127.0.0.1:{free_port()}"\n' for hub in HUBS)
+    yield from serve(tmp_path_factory, "curve", f'[security]\nkeys_dir = "{keys}"\n[endpoints]\n{endpoints}')
+
+
+def answer(stack: Stack, content: Any, stream: bool) -> str:
+    client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    args: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 12}
+    if not stream:
+        return client.chat.completions.create(**args, temperature=0).choices[0].message.content or ""
+    chunks = client.chat.completions.create(**args, temperature=0, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tcp_and_curve_answer_as_ipc(curve_stack: Stack, stack: Stack, media_server: MediaServer, stream: bool) -> None:
+    url = media_server.put("curve.png", png_bytes(make_image(140, 112, seed=31)))
+    for content in (
+        "Say something about the sea.",
+        [{"type": "text", "text": "What is in it?"}, {"type": "image_url", "image_url": {"url": url}}],
+    ):
+        assert answer(curve_stack, content, stream) == answer(stack, content, stream)
+    assert listening(Path(stack.run_dir) / "cache.sock")  # (the probe sees the ipc:// stack's hub)
+    bound_on_ipc = [hub for hub in HUBS if listening(Path(curve_stack.run_dir) / f"{hub}.sock")]
+    assert not bound_on_ipc, f"hubs bound on ipc:// after all: {bound_on_ipc}"
+
+
+def listening(path: Path) -> bool:
+    """Whether a process listens on the unix socket ``path`` (a run directory keeps the files of earlier stacks on
+    its port)."""
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+        return True
