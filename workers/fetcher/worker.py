@@ -201,6 +201,10 @@ class FetcherWorker:
         self.loop.every(REPORT_EVERY_S, self.report)
         # (first to the cache: what a predecessor of ours reserved there and did not encode is failed now)
         self.cache.send(FetcherStarted(self.name, self.incarnation))
+        # Then the daemon's incarnation, before any call: a restart is known by a ping's answer from another one,
+        # so without it a call lost with a daemon that died before answering any ping would be taken for one
+        # the new daemon holds, and wait out its reservation deadline.
+        self.ping_cache()
         self.heartbeat()
         log.info("fetcher ready: %d encoder(s), embeddings %s", len(self.encoders), self.embed_dtype)
 
@@ -376,9 +380,7 @@ class FetcherWorker:
         room at a live daemon is not re-sent: the daemon answers it by its deadline."""
         now = time.monotonic()
         if self.calls:
-            ping = uuid.uuid4().hex
-            self.pings[ping] = now
-            self.cache.send(StatsRequest(ping))
+            self.ping_cache()
         for call_id, call in list(self.calls.items()):
             age = now - call.sent
             if age > 2 * self.cfg.cache.pending_ttl_s + self.cfg.cache.reserve_wait_s:
@@ -393,6 +395,12 @@ class FetcherWorker:
                 self.finish_error(call.request_id, 503, "the embedding cache daemon is not answering")
             else:
                 self.call_cache(state, call.tries + 1)
+
+    def ping_cache(self) -> None:
+        """Ask the daemon its incarnation; its answer also says it has every message sent before this one."""
+        ping = uuid.uuid4().hex
+        self.pings[ping] = time.monotonic()
+        self.cache.send(StatsRequest(ping))
 
     def held_by_cache(self, call: CacheCall, now: float) -> bool:
         """The daemon has this reservation and is alive: it answers it by its deadline."""
