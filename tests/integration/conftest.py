@@ -116,6 +116,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from serve(tmp_path_factory, "test", "[cache]\npending_ttl_s = 30.0\n")
 
 
+CURVE_HUBS = ("gateway", "fetch", "cache", "decoder", "encoder.0")
+
+
+@pytest.fixture(scope="session")
+def curve_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The whole stack with every hub on tcp:// (loopback) under CurveZMQ, its keys written by `vlm-serve keys`."""
+    keys = tmp_path_factory.mktemp("keys")
+    subprocess.run(
+        [sys.executable, "-m", "ops.cli", "keys", "--dir", str(keys)], check=True, capture_output=True, cwd=REPO
+    )
+    endpoints = "".join(f'"{hub}" = "tcp://127.0.0.1:{free_port()}"\n' for hub in CURVE_HUBS)
+    yield from serve(tmp_path_factory, "curve", f'[security]\nkeys_dir = "{keys}"\n[endpoints]\n{endpoints}')
+
+
 def serve(
     tmp_path_factory: pytest.TempPathFactory, name: str, extra_toml: str = "", server_toml: str = ""
 ) -> Iterator[Stack]:

@@ -4,27 +4,14 @@ answers as over ipc://, text and image, streamed and not."""
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from openai import OpenAI
 
-from benchmarks.gateway_load import free_port
-from ops import cli
-from tests.integration.conftest import MediaServer, Stack, serve
+from tests.integration.conftest import CURVE_HUBS, MediaServer, Stack
 from tests.media import make_image, png_bytes
-
-HUBS = ("gateway", "fetch", "cache", "decoder", "encoder.0")
-
-
-@pytest.fixture(scope="module")
-def curve_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    keys = tmp_path_factory.mktemp("keys")
-    cli.main(["keys", "--dir", str(keys)])
-    endpoints = "".join(f'"{hub}" = "tcp://127.0.0.1:{free_port()}"\n' for hub in HUBS)
-    yield from serve(tmp_path_factory, "curve", f'[security]\nkeys_dir = "{keys}"\n[endpoints]\n{endpoints}')
 
 
 def answer(stack: Stack, content: Any, stream: bool) -> str:
@@ -46,7 +33,7 @@ def test_tcp_and_curve_answer_as_ipc(curve_stack: Stack, stack: Stack, media_ser
     ):
         assert answer(curve_stack, content, stream) == answer(stack, content, stream)
     assert listening(Path(stack.run_dir) / "cache.sock")  # (the probe sees the ipc:// stack's hub)
-    bound_on_ipc = [hub for hub in HUBS if listening(Path(curve_stack.run_dir) / f"{hub}.sock")]
+    bound_on_ipc = [hub for hub in CURVE_HUBS if listening(Path(curve_stack.run_dir) / f"{hub}.sock")]
     assert not bound_on_ipc, f"hubs bound on ipc:// after all: {bound_on_ipc}"
 
 
