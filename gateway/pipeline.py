@@ -8,6 +8,7 @@ import hashlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -142,7 +143,12 @@ class Pipeline:
     def start(self) -> None:
         self.tasks = [
             asyncio.create_task(coro)
-            for coro in (self._read_fetch(), self._read_inbox(), self._read_stats(self.cache), self._tick())
+            for coro in (
+                self._read(self.fetch, self._on_fetch),
+                self._read(self.inbox, self._on_inbox),
+                self._read(self.cache, self._on_stats),
+                self._tick(),
+            )
         ]
         if self.cfg.liveness.stall_exit_s > 0:
             self.tasks.append(asyncio.create_task(self._rearm(StallWatchdog(self.cfg.liveness.stall_exit_s))))
@@ -263,55 +269,59 @@ class Pipeline:
         tracked.events.put_nowait(event)
 
     # ------------------------------------------------------------------ reading
-    async def _read_fetch(self) -> None:
+    async def _read(self, channel: AsyncChannel, handle: Callable[[bytes, Message | None], None]) -> None:
+        """One socket's reader. A message its handler fails on is logged and dropped: it must not end the reader,
+        whose task would die without a word and leave the socket unread (a decoder's heartbeats with it)."""
         while True:
-            peer, msg = await self.fetch.recv()
-            match msg:
-                case WorkerStatus():
-                    self.fetchers.peer_status(peer, msg)
-                    self.encoders_seen[peer] = msg.workers_live
-                    self._open_encoders(msg.workers_known)
-                case StatsResult(call_id=call_id) if call_id in self.stats_waiters:
-                    self.stats_waiters.pop(call_id).set_result(msg)
-                case FetchDone(request_id=rid):
-                    self.fetchers.complete(rid)
-                    if (tracked := self._tracked(rid)) is not None:
-                        tracked.stage = "decode"
-                        self.media_prepare.observe(time.monotonic() - tracked.submitted)
-                case _:
-                    pass
+            peer, msg = await channel.recv()
+            try:
+                handle(peer, msg)
+            except Exception:
+                log.exception("dropped a message on %s that its handler failed on: %.300r", channel.address, msg)
 
-    async def _read_inbox(self) -> None:
-        while True:
-            _, msg = await self.inbox.recv()
-            match msg:
-                case TokenBatch(deltas=deltas):
-                    for delta in deltas:
-                        self._deliver(delta)
-                case RequestError() if not self._media_lost(msg):
-                    self._deliver(msg)
-                case DecoderStats(counters=counters, worker_id=name) if name in self.replicas.by_name:
-                    self.replicas.by_name[name].stats = counters
-                case WorkerStatus(role="decoder", worker_id=name, incarnation=inc) if name in self.replicas.by_name:
-                    replica = self.replicas.by_name[name]
-                    if self.replicas.heard(replica, inc):  # (live again first: its lost requests may go back to it)
-                        self._replica_lost(replica, "restarted")
-                    if self.held:
-                        self._release_held()
-                case _:
-                    pass
+    def _on_fetch(self, peer: bytes, msg: Message | None) -> None:
+        match msg:
+            case WorkerStatus():
+                self.fetchers.peer_status(peer, msg)
+                self.encoders_seen[peer] = msg.workers_live
+                self._open_encoders(msg.workers_known)
+            case StatsResult(call_id=call_id) if call_id in self.stats_waiters:
+                self.stats_waiters.pop(call_id).set_result(msg)
+            case FetchDone(request_id=rid):
+                self.fetchers.complete(rid)
+                if (tracked := self._tracked(rid)) is not None:
+                    tracked.stage = "decode"
+                    self.media_prepare.observe(time.monotonic() - tracked.submitted)
+            case _:
+                pass
 
-    async def _read_stats(self, channel: AsyncChannel) -> None:
-        while True:
-            _, msg = await channel.recv()
-            if isinstance(msg, StatsResult) and msg.call_id in self.stats_waiters:
-                self.stats_waiters.pop(msg.call_id).set_result(msg)
+    def _on_inbox(self, _peer: bytes, msg: Message | None) -> None:
+        match msg:
+            case TokenBatch(deltas=deltas):
+                for delta in deltas:
+                    self._deliver(delta)
+            case RequestError() if not self._media_lost(msg):
+                self._deliver(msg)
+            case DecoderStats(counters=counters, worker_id=name) if name in self.replicas.by_name:
+                self.replicas.by_name[name].stats = counters
+            case WorkerStatus(role="decoder", worker_id=name, incarnation=inc) if name in self.replicas.by_name:
+                replica = self.replicas.by_name[name]
+                if self.replicas.heard(replica, inc):  # (live again first: its lost requests may go back to it)
+                    self._replica_lost(replica, "restarted")
+                if self.held:
+                    self._release_held()
+            case _:
+                pass
+
+    def _on_stats(self, _peer: bytes, msg: Message | None) -> None:
+        if isinstance(msg, StatsResult) and msg.call_id in self.stats_waiters:
+            self.stats_waiters.pop(msg.call_id).set_result(msg)
 
     def _open_encoders(self, count: int) -> None:
         for k in range(len(self.encoders), count):
             channel = self.transport.async_channel(zmq.DEALER, f"encoder.{k}", bind=False)
             self.encoders.append(channel)
-            self.tasks.append(asyncio.create_task(self._read_stats(channel)))
+            self.tasks.append(asyncio.create_task(self._read(channel, self._on_stats)))
 
     async def _tick(self) -> None:
         """Every heartbeat period: peers silent for ``dead_after_s`` are taken for lost, held requests go on.
