@@ -127,7 +127,15 @@ class AsyncChannel:
             raise
 
     async def recv(self) -> tuple[bytes, Message | None]:
-        return _parse(await self.sock.recv_multipart(copy=True), self.is_router, self.address)
+        while True:
+            try:
+                frames = await self.sock.recv_multipart(copy=True)
+            except zmq.Again:
+                # pyzmq's asyncio receive can find the message it was woken for gone by the time it reads (a
+                # sender that closed mid-message; frequent over tcp:// with CurveZMQ): nothing arrived, so wait on.
+                # Raised, it ended the reader's task, and that socket went unread.
+                continue
+            return _parse(frames, self.is_router, self.address)
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -47,6 +47,7 @@ from common.protocol import (
     TokenDelta,
     encode,
 )
+from common.security import Security
 from tests.integration.conftest import Stack
 from tests.integration.test_fuzz_http import fixed_examples
 from tests.media import data_url, make_image
@@ -237,9 +238,22 @@ def zmq_context() -> Iterator[zmq.Context]:
     ctx.term()
 
 
-def send_all(ctx: zmq.Context, address: str, kind: int, answers: bool, messages: list[list[bytes]]) -> None:
+def send_all(
+    ctx: zmq.Context,
+    stack: Stack,
+    hub: str,
+    kind: int,
+    answers: bool,
+    messages: list[list[bytes]],
+) -> None:
+    """``messages`` on a socket of our own to ``hub``: through CurveZMQ with the gateway role's keys where the
+    stack's hubs are tcp:// (an allowed client: the frames reach the worker, as the fuzzing needs)."""
+    cfg = load_config(stack.config_path)
+    address = cfg.endpoint(hub)
+    security = Security.for_process(cfg.security.mode, "gateway", cfg.keys_path, list(cfg.endpoints.values()))
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 1000)
+    security.prepare(sock, address, bind=False, hub=hub)
     sock.connect(address)
     try:
         for frames in messages:
@@ -281,11 +295,13 @@ def settled(stack: Stack, timeout_s: float = 60.0) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("hub", sorted(HUBS))
+@pytest.mark.parametrize("transport", ["ipc", "tcp+curve"])
 def test_hostile_frames_are_dropped_and_the_worker_keeps_serving(
-    stack: Stack, client: OpenAI, zmq_context: zmq.Context, hub: str
+    request: pytest.FixtureRequest, zmq_context: zmq.Context, hub: str, transport: str
 ) -> None:
+    stack: Stack = request.getfixturevalue("stack" if transport == "ipc" else "curve_stack")
+    client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     process, kind, answers = HUBS[hub]
-    address = load_config(stack.config_path).endpoint(hub)
     before_text = image_answer(client)
     pid = stack.pid(process)
     fds = fd_count(pid)
@@ -301,11 +317,11 @@ def test_hostile_frames_are_dropped_and_the_worker_keeps_serving(
     # Sent in batches, checking the process between them, so that a crash names the frames near it.
     for start in range(0, len(sent), 10):
         batch = sent[start : start + 10]
-        send_all(zmq_context, address, kind, answers, batch)
+        send_all(zmq_context, stack, hub, kind, answers, batch)
         time.sleep(0.2)
         assert stack.pid(process) == pid, f"{process} died on one of {batch}"
     releases = [[encode(CacheRelease(r))] for r in request_ids(sent)]
-    send_all(zmq_context, load_config(stack.config_path).endpoint("cache"), zmq.DEALER, True, releases)
+    send_all(zmq_context, stack, "cache", zmq.DEALER, True, releases)
     assert stack.get_json("/health")[0] == 200
     assert image_answer(client) == before_text
     metrics = settled(stack)
