@@ -81,10 +81,11 @@ def write_keys(keys_dir: Path, roles: tuple[str, ...] = ROLES) -> list[Path]:
     return written
 
 
-def check_keys(cfg: Config) -> None:
-    """Refuse a deployment (`SecurityError`) whose tcp:// endpoints lack a role's keys under "curve": the launcher
-    calls it before supervisord starts processes that would fail on it one by one."""
-    for role in ROLES:
+def check_keys(cfg: Config, roles: tuple[str, ...] = ROLES) -> None:
+    """Refuse a deployment (`SecurityError`) whose tcp:// endpoints lack the keys of a role it runs (``roles``; a
+    host needs only the secret keys of its own) under "curve": the launcher calls it before supervisord starts
+    processes that would fail on it one by one."""
+    for role in roles:
         Security.for_process(cfg.security.mode, role, cfg.keys_path, list(cfg.endpoints.values()), quiet=True)
 
 
