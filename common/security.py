@@ -11,7 +11,7 @@ authenticated with CurveZMQ (zmq_curve(7)):
   authenticator, one per ZMQ context) admits only clients whose public key is in ``<keys_dir>/public`` and counts
   the others (`Security.denied`): no key, an unknown key or plaintext get no reply;
 - a socket that connects to one is a CURVE client with its own keypair and the public key of the role that binds the
-  hub (`HUB_SERVER_ROLE`), so it talks to our server and no other.
+  hub (`server_role`), so it talks to our server and no other.
 
 ``mode = "isolated-network"`` leaves tcp:// in plaintext: a choice for a network nothing else can reach, logged at
 start. A tcp:// endpoint under ``"curve"`` without the keys refuses to start (`Security.for_process`).
@@ -26,12 +26,11 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
-from common.config import SECURITY_MODES, Config
+from common.config import Config
 
 log = logging.getLogger(__name__)
 
 ROLES = ("gateway", "fetcher", "encoder", "cache", "decoder")
-MODES = SECURITY_MODES
 
 
 class SecurityError(RuntimeError):
@@ -86,7 +85,7 @@ def check_keys(cfg: Config, roles: tuple[str, ...] = ROLES) -> None:
     host needs only the secret keys of its own) under "curve": the launcher calls it before supervisord starts
     processes that would fail on it one by one."""
     for role in roles:
-        Security.for_process(cfg.security.mode, role, cfg.keys_path, list(cfg.endpoints.values()), quiet=True)
+        Security.for_process(cfg, role, quiet=True)
 
 
 @dataclass
@@ -102,17 +101,15 @@ class Security:
     denied: int = 0  # ZAP refusals seen by this process's authenticators
 
     @classmethod
-    def for_process(
-        cls, mode: str, role: str, keys_dir: Path, addresses: list[str], *, quiet: bool = False
-    ) -> Security:
-        """The security of a process of ``role`` whose config names ``addresses``: under "curve" with any tcp://
-        address among them, its keys are loaded now, and missing ones stop the start with a message naming them."""
-        if mode not in MODES:
-            raise SecurityError(f"[security] mode must be one of {MODES}, got {mode!r}")
+    def for_process(cls, cfg: Config, role: str, *, quiet: bool = False) -> Security:
+        """The security of a process of ``role`` in the deployment ``cfg`` describes: under "curve" with any tcp://
+        endpoint, its keys are loaded now, and missing ones stop the start with a message naming them."""
+        cfg.security.validate("[security]")  # (a Config made in code has not been through the file's checks)
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; one of {ROLES}")
-        security = cls(mode, role, keys_dir)
-        tcp = [a for a in addresses if is_tcp(a)]
+        mode = cfg.security.mode
+        security = cls(mode, role, cfg.keys_path)
+        tcp = [a for a in cfg.endpoints.values() if is_tcp(a)]
         if not tcp:
             return security
         if mode == "isolated-network":

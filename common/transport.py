@@ -163,7 +163,7 @@ class Transport:
 
     def __init__(self, cfg: Config, role: str, *, asyncio: bool = False) -> None:
         self.cfg = cfg
-        self.security = Security.for_process(cfg.security.mode, role, cfg.keys_path, list(cfg.endpoints.values()))
+        self.security = Security.for_process(cfg, role)
         self.ctx: zmq.Context = zmq.asyncio.Context() if asyncio else zmq.Context()
         self.authenticator: CountingAuthenticator | None = None
         if self.security.curve:

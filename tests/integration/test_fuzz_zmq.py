@@ -250,7 +250,7 @@ def send_all(
     stack's hubs are tcp:// (an allowed client: the frames reach the worker, as the fuzzing needs)."""
     cfg = load_config(stack.config_path)
     address = cfg.endpoint(hub)
-    security = Security.for_process(cfg.security.mode, "gateway", cfg.keys_path, list(cfg.endpoints.values()))
+    security = Security.for_process(cfg, "gateway")
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 1000)
     security.prepare(sock, address, bind=False, hub=hub)

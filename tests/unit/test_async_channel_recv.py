@@ -35,7 +35,7 @@ def test_a_reader_outlives_clients_that_close_mid_message(tmp_path: Path) -> Non
     cfg = Config(run_dir=str(tmp_path / "run"))
     cfg.endpoints = {"gateway": f"tcp://127.0.0.1:{free_port()}"}
     write_keys(cfg.keys_path)
-    client = Security.for_process("curve", "decoder", cfg.keys_path, [cfg.endpoint("gateway")])
+    client = Security.for_process(cfg, "decoder")
     stop = threading.Event()
 
     def sender(churn: bool) -> None:
