@@ -465,7 +465,7 @@ def decoder_hub(replica: int, hub: str = "decoder") -> str:
 def decoder_name(replica: int) -> str:
     """A decoder replica's name: its program's under supervisord, its heartbeat's, its sockets' (``decoder``
     for replica 0, so that one-replica deployments keep their names; ``decoder-1`` ...)."""
-    return "decoder" if replica == 0 else f"decoder-{replica}"
+    return decoder_hub(replica)
 
 
 @dataclass
