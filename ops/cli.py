@@ -75,10 +75,7 @@ def parser() -> argparse.ArgumentParser:
 
 def serve(args: argparse.Namespace) -> None:
     """Render the run directory's supervisord.conf for these options and exec supervisord on it."""
-    for option, variable in SERVE_ENV.items():
-        value = getattr(args, option)
-        if value is not None:
-            os.environ[variable] = str(Path(value).resolve()) if option == "config" else str(value)
+    export_options(args)
     try:
         cfg = launcher_config()
         check_keys(cfg)
@@ -93,10 +90,17 @@ def serve(args: argparse.Namespace) -> None:
     os.execv(supervisord[0], [*supervisord, "-c", str(conf)])
 
 
+def export_options(args: argparse.Namespace) -> None:
+    """The command's options that are settings (`SERVE_ENV`, those it has and was given) as the VLM_* variables the
+    configuration is read with."""
+    for option, variable in SERVE_ENV.items():
+        value = getattr(args, option, None)
+        if value is not None:
+            os.environ[variable] = str(Path(value).resolve()) if option == "config" else str(value)
+
+
 def keys(args: argparse.Namespace) -> None:
-    for option, variable in (("config", "VLM_CONFIG"), ("port", "VLM_PORT")):
-        if getattr(args, option) is not None:
-            os.environ[variable] = str(getattr(args, option))
+    export_options(args)
     try:
         keys_dir = args.dir.resolve() if args.dir is not None else load_config().keys_path
         written = write_keys(keys_dir)

@@ -45,11 +45,16 @@ def test_help_exits_cleanly(command: str, capsys: pytest.CaptureFixture[str]) ->
     assert f"usage: vlm-serve {command}" in capsys.readouterr().out
 
 
-def test_serve_options_become_the_stacks_variables(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """What serve hands the stack: the VLM_* variables every process reads, then the rendered configuration."""
-    for variable in cli.SERVE_ENV.values():  # (set first, so that monkeypatch restores what serve sets)
+def without_serve_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No VLM_* variable a command sets from its options (set first, so that monkeypatch restores what it sets)."""
+    for variable in cli.SERVE_ENV.values():
         monkeypatch.setenv(variable, "")
         monkeypatch.delenv(variable)
+
+
+def test_serve_options_become_the_stacks_variables(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """What serve hands the stack: the VLM_* variables every process reads, then the rendered configuration."""
+    without_serve_variables(monkeypatch)
     config = tmp_path / "vlm.toml"
     config.write_text(f'run_dir = "{tmp_path / "run"}"\n')
     seen: dict[str, object] = {}
@@ -70,9 +75,7 @@ def test_serve_options_become_the_stacks_variables(monkeypatch: pytest.MonkeyPat
 def test_serve_refuses_tcp_endpoints_without_keys_before_supervisord(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    for variable in cli.SERVE_ENV.values():
-        monkeypatch.setenv(variable, "")
-        monkeypatch.delenv(variable)
+    without_serve_variables(monkeypatch)
     config = tmp_path / "vlm.toml"
     config.write_text(f'run_dir = "{tmp_path / "run"}"\n[endpoints]\ncache = "tcp://127.0.0.1:5555"\n')
     monkeypatch.setattr(cli, "write_supervisord_conf", lambda *_: pytest.fail("rendered a stack that cannot start"))
@@ -83,8 +86,7 @@ def test_serve_refuses_tcp_endpoints_without_keys_before_supervisord(
 def test_keys_writes_a_keypair_per_role_where_the_config_says(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("VLM_CONFIG", "")  # (set first, so that monkeypatch restores what keys sets)
-    monkeypatch.delenv("VLM_CONFIG")
+    without_serve_variables(monkeypatch)
     config = tmp_path / "vlm.toml"
     config.write_text(f'[security]\nkeys_dir = "{tmp_path / "keys"}"\n')
     cli.main(["keys", "--config", str(config)])
@@ -137,9 +139,7 @@ def test_serve_execs_this_interpreter_on_the_supervisor_package(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """serve execs the module fallback with the rendered configuration, and that command line is supervisord's."""
-    for variable in cli.SERVE_ENV.values():
-        monkeypatch.setenv(variable, "")
-        monkeypatch.delenv(variable)
+    without_serve_variables(monkeypatch)
     config = tmp_path / "vlm.toml"
     config.write_text(f'run_dir = "{tmp_path / "run"}"\n')
     real_python = sys.executable
