@@ -47,8 +47,8 @@ def quantize_tile_rows(x):
     """x [R, C] fp32 (masked lanes 0) as values on e4m3's range and their scales [R]: amax / 448 per row,
     q = x * (1 / scale) (`fp8.quantize_reference`); the two divisions a row are IEEE ones (div_rn), as torch's
     (compiled Triton's ``/`` is an approximate fp32 division)."""
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), FP8_MIN_SCALE_AMAX), FP8_MAX)
-    return tl.clamp(x * tl.div_rn(1.0, scale)[:, None], -FP8_MAX, FP8_MAX), scale
+    scale, inverse = row_scale(tl.max(tl.abs(x), 1))
+    return to_e4m3_range(x, inverse[:, None]), scale
 
 
 @triton.jit
@@ -60,7 +60,8 @@ def quantize_row(x):
 
 @triton.jit
 def row_scale(amax):
-    """(scale, its reciprocal) of a row's amax, as `quantize_row` takes them: for a row held in pieces."""
+    """(scale, its reciprocal) of a row's amax (or of each row's, given a vector): for the quantize kernels, and
+    for a row held in pieces."""
     scale = tl.div_rn(tl.maximum(amax, FP8_MIN_SCALE_AMAX), FP8_MAX)
     return scale, tl.div_rn(1.0, scale)
 
@@ -114,13 +115,11 @@ def _quantize_kernel(
         for c in range(start, end, BLOCK):
             x = tl.load(x_row + c + offs, mask=c + offs < end, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.div_rn(tl.maximum(tl.max(amax, 0), FP8_MIN_SCALE_AMAX), FP8_MAX)
-        inverse = tl.div_rn(1.0, scale)
+        scale, inverse = row_scale(tl.max(amax, 0))
         for c in range(start, end, BLOCK):
             mask = c + offs < end
             x = tl.load(x_row + c + offs, mask=mask, other=0.0).to(tl.float32)
-            q = tl.clamp(x * inverse, -FP8_MAX, FP8_MAX)
-            tl.store(q_row + c + offs, _to_e4m3(q, INTERPRETED), mask=mask)
+            tl.store(q_row + c + offs, _to_e4m3(to_e4m3_range(x, inverse), INTERPRETED), mask=mask)
         tl.store(s_ptr + row * stride_s + first * stride_sg, scale)
 
 
