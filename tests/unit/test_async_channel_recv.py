@@ -10,25 +10,19 @@ receiving the steady sender's messages throughout.
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from pathlib import Path
 
 import zmq
 
+from benchmarks.gateway_load import free_port
 from common.config import Config
 from common.protocol import Ping, encode
 from common.security import Security, write_keys
 from common.transport import Transport
 
 CHURN_S = 3.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_reader_outlives_clients_that_close_mid_message(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ the server's handler sees nothing. ipc:// sockets and ``"isolated-network"`` sta
 
 from __future__ import annotations
 
-import socket
 import stat
 from pathlib import Path
 
@@ -16,18 +15,13 @@ import pytest
 import zmq
 import zmq.auth
 
+from benchmarks.gateway_load import free_port
 from common.config import Config
 from common.protocol import Ping
 from common.security import ROLES, SecurityError, check_keys, public_key_path, secret_key_path, write_keys
 from common.transport import Transport
 
 REPLY_WAIT_MS = 1500  # a CURVE handshake on loopback takes milliseconds; a refused one never answers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tcp_config(tmp_path: Path, mode: str = "curve") -> Config:
