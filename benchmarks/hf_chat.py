@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoTokenizer
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer, FineGrainedFP8Config
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 
@@ -22,6 +22,20 @@ def _load_url(url: str) -> Image.Image:
         with urllib.request.urlopen(url, timeout=10) as r:
             data = r.read()
     return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+def _fp8_without_kernels(model_dir: Path) -> bool:
+    """Whether the checkpoint is block FP8 (``quant_method: fp8``) and transformers lacks its FP8 kernels."""
+    quantization = getattr(AutoConfig.from_pretrained(str(model_dir)), "quantization_config", None) or {}
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    if quantization.get("quant_method") != "fp8":
+        return False
+    try:
+        import kernels  # noqa: F401
+    except ImportError:
+        return True
+    return False
 
 
 def processor_template(model_dir: Path, tokenizer: Any) -> str:
@@ -43,7 +57,11 @@ class HfChat:
         self.chat_template = processor_template(model_dir, self.tokenizer)
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
         # The class of the checkpoint's model_type (Qwen2VL..., Qwen2_5_VL...ForConditionalGeneration).
-        model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype)
+        self.fp8_dequantized = _fp8_without_kernels(model_dir)
+        # transformers computes block-FP8 layers with the `kernels` package's hub kernels; without it (the GPU box
+        # is offline) it can still read the format and dequantize each weight into `dtype` at load.
+        extra = {"quantization_config": FineGrainedFP8Config(dequantize=True)} if self.fp8_dequantized else {}
+        model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype, **extra)
         self.model = model.to(device).eval()
 
     def inputs(self, messages: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

@@ -86,10 +86,9 @@ def reference(model_dir: Path, out: Path, device: str) -> None:
             pairs = [[hf.tokenizer.decode([int(t)]), float(lp)] for t, lp in zip(top.indices, top.values, strict=True)]
             answer.append({"token": hf.tokenizer.decode([token]), "logprob": float(logprobs[token]), "top": pairs})
         answers.append(answer)
-    out.write_text(
-        json.dumps({"model": str(model_dir), "reference": f"transformers {dtype} on {device}", "answers": answers})
-    )
-    print(f"recorded transformers' {len(answers)} answers ({dtype}, {device}) into {out}")
+    described = f"transformers {dtype} on {device}" + (", FP8 weights dequantized at load" * hf.fp8_dequantized)
+    out.write_text(json.dumps({"model": str(model_dir), "reference": described, "answers": answers}))
+    print(f"recorded transformers' {len(answers)} answers ({described}) into {out}")
 
 
 def compare_answer(ref: list[dict[str, Any]], other: list[dict[str, Any]], tolerance: float) -> dict[str, Any]:
