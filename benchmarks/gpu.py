@@ -842,9 +842,13 @@ def part_vllm(run: Run) -> None:
     peer_quantization_imports(PEER_SITE)
     model = checkpoint(run.args)
     start = f"source {shlex.quote(peer_script(run))} && vllm_start {shlex.quote(str(model))} {PEER_PORT} && wait"
+    # On Hopper vLLM 0.22 serves block FP8 through DeepGEMM, whose kernels it JIT-compiles at start-up for longer
+    # than a device call lasts; without it, its CUTLASS block-scaled GEMM (no warm-up). The caller's value wins.
+    env = {"VLLM_USE_DEEP_GEMM": "0", **os.environ}
+    log(f"vLLM: VLLM_USE_DEEP_GEMM={env['VLLM_USE_DEEP_GEMM']}")
     with open(run.raw / "vllm.log", "w") as out:
         server = subprocess.Popen(
-            ["bash", "-c", start], cwd=HERE, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            ["bash", "-c", start], cwd=HERE, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
         if not wait_healthy(f"http://127.0.0.1:{PEER_PORT}", 420, server):

@@ -1,23 +1,20 @@
 """FP8 weights (`workers.models.fp8`): both hub formats, as the synthetic generator writes them, load into FP8 layers
-whose weights equal the format's definition, and the model on them answers as transformers does on the same weights
-dequantized.
+whose weights equal the format's definition, and the model on them answers as transformers does on the same
+checkpoint.
 
-transformers 5 loads FineGrainedFP8 checkpoints on CPU only with ``accelerate`` (and compressed-tensors ones only
-with the ``compressed-tensors`` package); neither is installed here, so the definition is checked against a
-transcription of transformers' own dequantization (`transformers_dequantize`), and the logits against transformers
-loading the dequantized weights."""
+The definition is transformers' own loading of each format, dequantizing at load (FineGrainedFP8 with ``accelerate``,
+compressed-tensors with the ``compressed-tensors`` package: both in the test extras, so both run on the CPU), and a
+transcription of its dequantization (`transformers_dequantize`) besides, which says what that definition is."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
-from transformers import AutoModelForImageTextToText
+from transformers import AutoModelForImageTextToText, CompressedTensorsConfig, FineGrainedFP8Config
 
 from common.quantization import FP8_BLOCK, FP8_CHANNEL, Quantization
 from workers.models.fp8 import FP8, Fp8Linear, Fp8Weight, fuse_weights, quantize_per_channel
@@ -84,28 +81,32 @@ def test_both_formats_load_with_weights_equal_to_the_format(fp8_checkpoint: tupl
         assert torch.equal(layer.fp8_weight().dequantize(torch.float32), expected), name
 
 
-def dequantized_copy(path: Path, out: Path) -> Path:
-    """The checkpoint with its FP8 weights dequantized (transformers' definition) and no quantization_config."""
-    shutil.copytree(path, out)
-    config = json.loads((out / "config.json").read_text())
-    block = config.pop("quantization_config").get("weight_block_size")
-    (out / "config.json").write_text(json.dumps(config))
-    for file in out.glob("*.safetensors"):
-        tensors = load_file(str(file))
-        plain = {k: v for k, v in tensors.items() if not k.endswith(("weight_scale_inv", "weight_scale"))}
-        for name, tensor in tensors.items():
-            if tensor.dtype == FP8:
-                scale = tensors.get(name + "_scale_inv", tensors.get(name + "_scale"))
-                plain[name] = transformers_dequantize(tensor, scale, block)  # fp32, as ours at float32
-        save_file(plain, str(file), metadata={"format": "pt"})
-    return out
-
-
-def test_logits_equal_transformers_on_the_dequantized_weights(fp8_checkpoint: tuple[Path, str], tmp_path: Path) -> None:
-    path, _ = fp8_checkpoint
-    reference = AutoModelForImageTextToText.from_pretrained(
-        dequantized_copy(path, tmp_path / "dq"), dtype=torch.float32
+def transformers_fp8_model(path: Path, method: str) -> nn.Module:
+    """transformers' own model of the FP8 checkpoint, its quantizer dequantizing each FP8 weight into fp32 at load
+    (its FP8 compute needs the `kernels` package's hub kernels and a GPU)."""
+    dequantize = (
+        FineGrainedFP8Config(dequantize=True) if method == FP8_BLOCK else CompressedTensorsConfig(dequantize=True)
     )
+    return AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32, quantization_config=dequantize)
+
+
+def test_fp8_weights_equal_transformers_own_loading_of_the_format(fp8_checkpoint: tuple[Path, str]) -> None:
+    path, method = fp8_checkpoint
+    spec = read_spec(path)
+    found = checkpoint_family(path)
+    language = found.language_model(path, dtype=torch.float32, spec=spec)
+    tower = found.vision_tower(path, dtype=torch.float32)
+    ours = {"model.language_model." + n: m for n, m in fp8_layers(language).items()}
+    ours |= {"model.visual." + n: m for n, m in fp8_layers(tower).items()}
+    theirs = dict(transformers_fp8_model(path, method).named_modules())
+    assert ours and set(ours) <= set(theirs)
+    for name, layer in ours.items():
+        assert torch.equal(layer.fp8_weight().dequantize(torch.float32), theirs[name].weight.detach()), name
+
+
+def test_logits_equal_transformers_on_the_fp8_checkpoint(fp8_checkpoint: tuple[Path, str]) -> None:
+    path, method = fp8_checkpoint
+    reference = transformers_fp8_model(path, method)
     spec = read_spec(path)
     model = checkpoint_family(path).language_model(path, dtype=torch.float32, spec=spec)
     ids = torch.tensor([[15, 27, 301, 9, 4000, 12, 77, 5]])
