@@ -4,6 +4,7 @@ same checkpoint and messages."""
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 import urllib.request
 from pathlib import Path
@@ -11,7 +12,13 @@ from typing import Any
 
 import torch
 from PIL import Image
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer, FineGrainedFP8Config
+from transformers import (
+    AutoConfig,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    CompressedTensorsConfig,
+    FineGrainedFP8Config,
+)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 
@@ -24,18 +31,20 @@ def _load_url(url: str) -> Image.Image:
     return Image.open(io.BytesIO(data)).convert("RGB")
 
 
-def _fp8_without_kernels(model_dir: Path) -> bool:
-    """Whether the checkpoint is block FP8 (``quant_method: fp8``) and transformers lacks its FP8 kernels."""
+def fp8_dequantizing_config(model_dir: Path, device: str) -> FineGrainedFP8Config | CompressedTensorsConfig | None:
+    """For an FP8 checkpoint that transformers cannot compute in FP8 here, its loader told to dequantize each FP8
+    weight into the model's dtype at load (the format as transformers reads it); None otherwise. Block FP8 computes
+    only on a GPU with the `kernels` package's hub kernels; compressed-tensors FP8 only on a GPU."""
     quantization = getattr(AutoConfig.from_pretrained(str(model_dir)), "quantization_config", None) or {}
     if not isinstance(quantization, dict):
         quantization = quantization.to_dict()
-    if quantization.get("quant_method") != "fp8":
-        return False
-    try:
-        import kernels  # noqa: F401
-    except ImportError:
-        return True
-    return False
+    method = quantization.get("quant_method")
+    on_cpu = not device.startswith("cuda")
+    if method == "fp8" and (on_cpu or importlib.util.find_spec("kernels") is None):
+        return FineGrainedFP8Config(dequantize=True)
+    if method == "compressed-tensors" and on_cpu:
+        return CompressedTensorsConfig(dequantize=True)
+    return None
 
 
 def processor_template(model_dir: Path, tokenizer: Any) -> str:
@@ -57,10 +66,9 @@ class HfChat:
         self.chat_template = processor_template(model_dir, self.tokenizer)
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
         # The class of the checkpoint's model_type (Qwen2VL..., Qwen2_5_VL...ForConditionalGeneration).
-        self.fp8_dequantized = _fp8_without_kernels(model_dir)
-        # transformers computes block-FP8 layers with the `kernels` package's hub kernels; without it (the GPU box
-        # is offline) it can still read the format and dequantize each weight into `dtype` at load.
-        extra = {"quantization_config": FineGrainedFP8Config(dequantize=True)} if self.fp8_dequantized else {}
+        dequantizing = fp8_dequantizing_config(model_dir, device)
+        self.fp8_dequantized = dequantizing is not None
+        extra = {"quantization_config": dequantizing} if dequantizing is not None else {}
         model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype, **extra)
         self.model = model.to(device).eval()
 
