@@ -6,6 +6,10 @@ are maps carrying their own tag. Decoding accepts only the registered set, so a 
 malicious frame becomes a ``ProtocolError``, never an arbitrary object (no pickle anywhere).
 One exception to the maps: a `TokenBatch`'s deltas travel as rows of field values in declaration
 order (see `_ROWS`), since the decoder sends one every step with a delta per running stream.
+
+A message may take several ZMQ frames (`encode_frames`): a bytes value of `FRAME_MIN_BYTES` or more (a tensor
+sent by value) travels as a frame of its own after the msgpack header, which names it by an extension value, so
+that neither side copies it through msgpack.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 _TAG = "~t"
+FRAME_MIN_BYTES = 64 * 1024
+_FRAME_EXT = 1  # msgpack extension code: "the bytes are frame N after the header"
 
 _REGISTRY: dict[str, type[Message]] = {}
 
@@ -66,22 +72,26 @@ def _send_as_rows(cls: type[Message], field: str, item: type[Message]) -> None:
 _PLAIN = (int, float, str, bytes, bool, type(None))
 
 
-def _to_wire(value: Any) -> Any:
+def _to_wire(value: Any, frames: list[bytes] | None = None) -> Any:
+    """``value`` as msgpack values; with ``frames``, large bytes values moved there (see `encode_frames`)."""
     if type(value) in _PLAIN:  # most values: returned before any isinstance check
+        if frames is not None and type(value) is bytes and len(value) >= FRAME_MIN_BYTES:
+            frames.append(value)
+            return msgpack.ExtType(_FRAME_EXT, len(frames).to_bytes(4, "big"))
         return value
     if isinstance(value, Message):
         rows = _ROWS.get(type(value))
         names = _FIELD_NAMES[type(value)]
-        out = {name: _to_wire(getattr(value, name)) for name in names if rows is None or name != rows[0]}
+        out = {name: _to_wire(getattr(value, name), frames) for name in names if rows is None or name != rows[0]}
         if rows is not None:
             field, _, values = rows
             out[field] = [values(item) for item in getattr(value, field)]
         out[_TAG] = value.TAG
         return out
     if isinstance(value, list | tuple):
-        return [_to_wire(v) for v in value]
+        return [_to_wire(v, frames) for v in value]
     if isinstance(value, dict):
-        return {k: _to_wire(v) for k, v in value.items()}
+        return {k: _to_wire(v, frames) for k, v in value.items()}
     return value
 
 
@@ -144,20 +154,54 @@ def _checked(msg: M) -> M:
 
 
 def encode(msg: Message) -> bytes:
+    """``msg`` as one frame, every value inside the msgpack header."""
+    return _pack(msg, None)
+
+
+def encode_frames(msg: Message) -> list[bytes]:
+    """``msg`` as the msgpack header and, after it, each bytes value of `FRAME_MIN_BYTES` or more as a frame of its
+    own (sent as it is: ZMQ needs no copy of it into the header, nor the receiver out of it)."""
+    frames: list[bytes] = []
+    return [_pack(msg, frames), *frames]
+
+
+def _pack(msg: Message, frames: list[bytes] | None) -> bytes:
     if not isinstance(msg, Message):
         raise TypeError(f"not a protocol message: {type(msg).__name__}")
-    body = _to_wire(msg)
+    body = _to_wire(msg, frames)
     tag = body.pop(_TAG)
     return msgpack.packb([PROTOCOL_VERSION, tag, body], use_bin_type=True)
 
 
 def decode(frame: bytes) -> Message:
+    """A message of one frame (`encode`)."""
+    return decode_frames([frame])
+
+
+def decode_frames(frames: list[bytes]) -> Message:
+    """A message from its frames (`encode_frames`; one frame is `encode`'s form): every frame after the header must
+    be one the header names, once."""
+    if not frames:
+        raise ProtocolError("no frames")
+    named: set[int] = set()
+
+    def frame_of(code: int, data: bytes) -> bytes:
+        index = int.from_bytes(data, "big") if code == _FRAME_EXT and len(data) == 4 else 0
+        if not 0 < index < len(frames) or index in named:
+            raise ProtocolError(f"a value names frame {index} of {len(frames)} (extension {code})")
+        named.add(index)
+        return frames[index]
+
     try:
-        version, tag, body = msgpack.unpackb(frame, raw=False, object_hook=_from_wire, strict_map_key=True)
+        version, tag, body = msgpack.unpackb(
+            frames[0], raw=False, object_hook=_from_wire, ext_hook=frame_of, strict_map_key=True
+        )
     except ProtocolError:
         raise
     except Exception as exc:
         raise ProtocolError(f"undecodable frame: {exc}") from exc
+    if len(named) != len(frames) - 1:
+        raise ProtocolError(f"{len(frames) - 1 - len(named)} of the message's frames are named by no value")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version}, expected {PROTOCOL_VERSION}")
     if not isinstance(body, dict):
@@ -323,16 +367,22 @@ class EncodeJob(Message):
     # False for one part of a video encoded in chunks of frames: the fetcher commits the cache entry once
     # every part is in its place in the slot (or fails it if one part fails).
     commit: bool = True
+    # True for an encoder that may be on another host (a tcp:// endpoint), where ``slot`` (shared or GPU memory)
+    # cannot be reached: the rows come back in the `EncodeResult`, and the fetcher has its cache write and commit
+    # them (`CacheWrite`); the encoder tells no cache anything.
+    by_value: bool = False
 
 
 @message
 class EncodeResult(Message):
-    """Encoder -> fetcher: the embedding is in its slot (``status`` 200) or it failed."""
+    """Encoder -> fetcher: the embedding is in its slot (``status`` 200) or it failed. For a job ``by_value``,
+    ``rows`` holds the embedding (inline, a frame of its own)."""
 
     job_id: str
     content_hash: str
     status: int = 200
     message: str = ""
+    rows: TensorRef | None = None
 
 
 # --------------------------------------------------------------------------- cache daemon
@@ -410,6 +460,16 @@ class CacheCommit(Message):
     # hash (freed and reserved again, or a pool lost with a restarted daemon) is stale and ignored
     pool_incarnation: str = ""
     offset: int = -1
+
+
+@message
+class CacheWrite(Message):
+    """Fetcher -> cache: an embedding an encoder sent by value (``rows``, inline), to be written into ``slot`` (a
+    slot of ``content_hash``'s entry that this daemon reserved, or a part of it). The commit follows as usual."""
+
+    content_hash: str
+    slot: TensorRef
+    rows: TensorRef
 
 
 def commit_for(content_hash: str, slot: TensorRef, error: str = "") -> CacheCommit:

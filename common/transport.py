@@ -16,7 +16,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from common.config import Config
 from common.lifecycle import StallWatchdog
-from common.protocol import Message, ProtocolError, decode, encode
+from common.protocol import Message, ProtocolError, decode_frames, encode_frames
 from common.security import Security
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def _prepare(
 def _parse(frames: list[bytes], is_router: bool, address: str) -> tuple[bytes, Message | None]:
     peer = frames[0] if is_router else b""
     try:
-        return peer, decode(frames[-1])
+        return peer, decode_frames(frames[1:] if is_router else frames)
     except ProtocolError as exc:
         log.warning("dropping a bad frame on %s: %s", address, exc)
         return peer, None
@@ -75,12 +75,12 @@ class Channel:
         _prepare(self.sock, address, bind, identity, security, hub)
 
     def send(self, msg: Message) -> None:
-        self.sock.send(encode(msg), copy=False)
+        self.sock.send_multipart(encode_frames(msg), copy=False)
 
     def send_to(self, peer: bytes, msg: Message) -> bool:
         """Send to one ROUTER peer; False if that peer is gone."""
         try:
-            self.sock.send_multipart([peer, encode(msg)], copy=False)
+            self.sock.send_multipart([peer, *encode_frames(msg)], copy=False)
             return True
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
@@ -115,11 +115,11 @@ class AsyncChannel:
         _prepare(self.sock, address, bind, identity, security, hub)
 
     async def send(self, msg: Message) -> None:
-        await self.sock.send(encode(msg), copy=False)
+        await self.sock.send_multipart(encode_frames(msg), copy=False)
 
     async def send_to(self, peer: bytes, msg: Message) -> bool:
         try:
-            await self.sock.send_multipart([peer, encode(msg)], copy=False)
+            await self.sock.send_multipart([peer, *encode_frames(msg)], copy=False)
             return True
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:

@@ -69,6 +69,8 @@ CATALOGUE: dict[str, tuple[str, str]] = {
     "vlm_cache_pending_hits": ("counter", "Lookups that found the embeddings being computed for another request."),
     "vlm_cache_misses": ("counter", "Lookups that reserved a slot for an encoder to fill."),
     "vlm_cache_commits": ("counter", "Slots an encoder filled."),
+    "vlm_cache_writes": ("counter", "Embeddings sent by value by encoders on tcp:// endpoints, written here."),
+    "vlm_cache_written_bytes": ("counter", "Bytes of the embeddings sent by value, written here."),
     "vlm_cache_evictions": ("counter", "Entries evicted (least recently used first) to make room."),
     "vlm_cache_spills": ("counter", "Entries moved from the GPU pool to the host spill tier."),
     "vlm_cache_failed": ("counter", "Reserved slots whose encode failed or expired."),

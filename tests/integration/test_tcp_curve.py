@@ -1,5 +1,6 @@
 """The whole stack with every hub on tcp:// (loopback) under CurveZMQ, keys from `vlm-serve keys`: the same greedy
-answers as over ipc://, text and image, streamed and not."""
+answers as over ipc://, text and image, streamed and not. Its encoder, on a tcp:// endpoint, sends the embeddings
+back by value (as one on another host must), and the cache daemon writes them: the same answers say the same rows."""
 
 from __future__ import annotations
 
@@ -27,11 +28,15 @@ def answer(stack: Stack, content: Any, stream: bool) -> str:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_tcp_and_curve_answer_as_ipc(curve_stack: Stack, stack: Stack, media_server: MediaServer, stream: bool) -> None:
     url = media_server.put("curve.png", png_bytes(make_image(140, 112, seed=31)))
+    written = curve_stack.metrics().get("vlm_cache_writes_total", 0.0)
     for content in (
         "Say something about the sea.",
         [{"type": "text", "text": "What is in it?"}, {"type": "image_url", "image_url": {"url": url}}],
     ):
         assert answer(curve_stack, content, stream) == answer(stack, content, stream)
+    if not stream:  # (the streamed run finds the image's embedding in the cache already)
+        assert curve_stack.metrics()["vlm_cache_writes_total"] == written + 1
+    assert stack.metrics()["vlm_cache_writes_total"] == 0  # over ipc:// the encoder writes into the slot itself
     assert listening(Path(stack.run_dir) / "cache.sock")  # (the probe sees the ipc:// stack's hub)
     bound_on_ipc = [hub for hub in CURVE_HUBS if listening(Path(curve_stack.run_dir) / f"{hub}.sock")]
     assert not bound_on_ipc, f"hubs bound on ipc:// after all: {bound_on_ipc}"

@@ -7,6 +7,7 @@ freed slot, or for a lost daemon's pool) is ignored: it must not mark a slot rea
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,10 +48,11 @@ class Daemon:
         return decode(self.decoder.recv()) if self.decoder.poll(timeout_ms) else None
 
 
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
+@contextlib.contextmanager
+def running_daemon(run_dir: Path) -> Iterator[Daemon]:
+    """A cache daemon (handled by the test, message by message) and a decoder's socket connected to it."""
     cfg = Config()
-    cfg.run_dir, cfg.cache.pool_bytes = str(tmp_path), 1 << 20
+    cfg.run_dir, cfg.cache.pool_bytes = str(run_dir), 1 << 20
     cache = CacheDaemon(cfg)
     decoder = zmq.Context.instance().socket(zmq.DEALER)
     decoder.setsockopt(zmq.IDENTITY, b"decoder")
@@ -61,6 +63,12 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
         decoder.close(linger=0)
         cache.channel.close()
         cache.pool.unlink()
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    with running_daemon(tmp_path) as running:
+        yield running
 
 
 def reserve(cache: CacheDaemon, request_id: str, incarnation: str) -> None:

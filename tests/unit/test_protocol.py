@@ -13,6 +13,7 @@ import pytest
 
 from common import protocol
 from common.protocol import (
+    FRAME_MIN_BYTES,
     PROTOCOL_VERSION,
     Abort,
     CacheAcquire,
@@ -23,6 +24,7 @@ from common.protocol import (
     CacheRelease,
     CacheReserve,
     CacheReserveResult,
+    CacheWrite,
     CudaIpcHandle,
     DecoderStats,
     EncodeJob,
@@ -47,7 +49,9 @@ from common.protocol import (
     TPSetup,
     WorkerStatus,
     decode,
+    decode_frames,
     encode,
+    encode_frames,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,8 +150,10 @@ def one_of_each() -> list[Message]:
             image_mean=[0.48, 0.45, 0.4],
             image_std=[0.26, 0.26, 0.27],
             commit=False,
+            by_value=True,
         ),
-        EncodeResult(job_id="job-1", content_hash="cd" * 32, status=500, message="encoder exploded"),
+        EncodeResult(job_id="job-1", content_hash="cd" * 32, status=500, message="encoder exploded", rows=INLINE_REF),
+        CacheWrite(content_hash="cd" * 32, slot=SHM_REF, rows=INLINE_REF),
         CacheLookup(call_id="c1", content_hash="ef" * 32, nbytes=1 << 20, dtype="bfloat16", shape=[64, 8192]),
         CacheLookupResult(call_id="c1", state="reserved", slot=SHM_REF, status=201, message="yours"),
         CacheCommit(content_hash="ef" * 32, error="boom", pool_incarnation="cache-2", offset=512),
@@ -209,6 +215,40 @@ def test_round_trip(msg: Message) -> None:
     assert type(back) is type(msg)
     assert back == msg
     assert encode(back) == frame
+
+
+def large_rows(nbytes: int) -> TensorRef:
+    return TensorRef(kind="inline", dtype="uint8", shape=[nbytes], data=bytes(range(256)) * (nbytes // 256))
+
+
+def test_large_bytes_travel_as_frames_of_their_own() -> None:
+    big, small = large_rows(FRAME_MIN_BYTES), large_rows(FRAME_MIN_BYTES - 256)
+    msg = EncodeResult(job_id="j", content_hash="h", rows=big)
+    header, blob = encode_frames(msg)
+    assert blob is big.data and len(header) < 200  # (sent as it is, not copied into the header)
+    assert decode_frames([header, blob]) == msg
+    assert encode_frames(CacheWrite(content_hash="h", slot=SHM_REF, rows=small)) == [
+        encode(CacheWrite(content_hash="h", slot=SHM_REF, rows=small))
+    ]
+    two = encode_frames(CacheWrite(content_hash="h", slot=big, rows=big))
+    assert len(two) == 3 and decode_frames(two) == CacheWrite(content_hash="h", slot=big, rows=big)
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda frames: frames[:1],  # the header names a frame that is not there
+        lambda frames: [*frames, b"x"],  # a frame no value names
+        lambda frames: [frames[0], frames[1], frames[1]],
+        lambda frames: [frames[0].replace(b"\x00\x00\x00\x01", b"\x00\x00\x00\x00"), frames[1]],  # frame 0
+        lambda frames: [],
+    ],
+    ids=["missing", "unnamed", "extra", "header-itself", "none"],
+)
+def test_bad_frame_lists_are_protocol_errors(mangle: Any) -> None:
+    frames = encode_frames(EncodeResult(job_id="j", content_hash="h", rows=large_rows(FRAME_MIN_BYTES)))
+    with pytest.raises(ProtocolError):
+        decode_frames(mangle(frames))
 
 
 def test_round_trip_keeps_nested_types() -> None:

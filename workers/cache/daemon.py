@@ -1,4 +1,5 @@
-"""The cache daemon process: owns the embedding pool and answers lookups, commits and leases."""
+"""The cache daemon process: owns the embedding pool and answers lookups, commits and leases; writes the embeddings
+that encoders on other hosts send by value."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from common.protocol import (
     CacheRelease,
     CacheReserve,
     CacheReserveResult,
+    CacheWrite,
     CudaIpcHandle,
     FetcherStarted,
     Message,
@@ -25,7 +27,7 @@ from common.protocol import (
     StatsResult,
     TensorRef,
 )
-from common.tensor_ref import SHM_DIR, CudaPool, ShmPool
+from common.tensor_ref import SHM_DIR, CudaPool, ShmPool, nbytes_of, read_tensor, torch_dtype
 from common.transport import EventLoop, Transport, worker_identity
 from workers.cache.store import MAIN, EmbeddingStore, Entry, NeverFits, PoolFull, Spill, Wanted
 from workers.cache.waiting import ReservationQueue, Waiting
@@ -106,11 +108,9 @@ class CacheDaemon:
                 self.serve_reservations()  # (a committed entry nobody leases can be evicted)
             case CacheCommit(content_hash=h):
                 log.warning("encode of %s failed: %s", h[:12], msg.error)
-                self.owners.pop(h, None)
-                self.store.fail(h)
-                self.remember_failure(h, msg.error)
-                self.answer_waiters()
-                self.serve_reservations()
+                self.fail_entry(h, msg.error)
+            case CacheWrite():
+                self.write(msg)
             case FetcherStarted(fetcher=name, incarnation=incarnation):
                 self.fetcher_seen(name, incarnation)
             case CacheReserve(request_id=r):
@@ -133,6 +133,44 @@ class CacheDaemon:
                 self.channel.send_to(peer, StatsResult(c, "cache", self.incarnation, stats))
             case _:
                 log.warning("unexpected %s from %r", msg.TAG, peer)
+
+    def write(self, msg: CacheWrite) -> None:
+        """An embedding sent by value into its entry's slot here. A write for a slot this daemon no longer gives
+        that hash is stale and ignored, as a stale commit is; rows that do not fit their own slot fail the entry,
+        so that the requests waiting for it are answered."""
+        entry, slot = self.store.entries.get(msg.content_hash), msg.slot
+        start, end = slot.offset, slot.offset + nbytes_of(slot.dtype, slot.shape)
+        if (
+            entry is None
+            or entry.ready
+            or entry.tier != MAIN
+            or slot.pool_incarnation != self.incarnation
+            or slot.shm_name != self.pool.name
+            or not entry.offset <= start < end <= entry.offset + entry.nbytes
+        ):
+            log.info("a write for %s names a slot it no longer has: ignored", msg.content_hash[:12])
+            return
+        try:
+            rows = read_tensor(msg.rows) if msg.rows.kind == "inline" else None
+            if rows is None or rows.dtype != torch_dtype(slot.dtype) or list(rows.shape) != slot.shape:
+                raise ValueError(
+                    f"rows {msg.rows.dtype} {msg.rows.shape} ({msg.rows.kind}) for a slot of {slot.dtype} {slot.shape}"
+                )
+            self.pool.view(slot).copy_(rows)
+        except ValueError as exc:
+            log.warning("an embedding of %s sent by value does not fit its slot: %s", msg.content_hash[:12], exc)
+            self.fail_entry(msg.content_hash, f"the embedding sent by value does not fit its slot: {exc}")
+            return
+        self.store.counters["writes"] += 1
+        self.store.counters["written_bytes"] += end - start
+
+    def fail_entry(self, content_hash: str, why: str) -> None:
+        """A reserved entry that will not be filled: dropped, and every request waiting for it answered."""
+        self.owners.pop(content_hash, None)
+        self.store.fail(content_hash)
+        self.remember_failure(content_hash, why)
+        self.answer_waiters()
+        self.serve_reservations()
 
     def stale(self, commit: CacheCommit) -> bool:
         """A commit for a slot this daemon does not give its hash now: written into a lost daemon's pool, or

@@ -133,7 +133,11 @@ class EmbeddingStore:
         self.leases: dict[str, tuple[set[str], float]] = {}  # request_id -> (hashes, expiry)
         self.spills: list[Spill] = []  # moves the daemon has yet to copy (take_spills)
         self.counters: dict[str, float] = dict.fromkeys(
-            ("hits", "misses", "pending_hits", "commits", "evictions", "spills", "failed", "full", "waited"), 0.0
+            (
+                *("hits", "misses", "pending_hits", "commits", "evictions", "spills", "failed", "full", "waited"),
+                *("writes", "written_bytes"),  # embeddings sent by value (`CacheWrite`), written by the daemon
+            ),
+            0.0,
         )
 
     # ------------------------------------------------------------------ lookup / reserve

@@ -1,4 +1,5 @@
-"""The encoder process: one per GPU, runs the vision tower and writes embeddings into cache slots.
+"""The encoder process: one per GPU, runs the vision tower and writes embeddings into cache slots, or for a job
+``by_value`` (an encoder on another host than the cache) sends them back in its result.
 
 Jobs that arrive together are encoded together: the event loop drains the socket, then `step` packs
 the queued images of any requests into one forward (each image its own attention segments), bounded
@@ -23,7 +24,7 @@ import zmq
 from common.config import Config
 from common.lifecycle import REPORT_EVERY_S, CounterWindow
 from common.protocol import EncodeJob, EncodeResult, Message, Ping, StatsRequest, StatsResult, WorkerStatus, commit_for
-from common.tensor_ref import ShmAttachments, read_tensor
+from common.tensor_ref import ShmAttachments, inline_ref, read_tensor, torch_dtype
 from common.transport import EventLoop, Transport, worker_identity
 from workers.encoder.backends import VisionBackend, load_vision_backend
 from workers.models.pixels import Normalization, normalize_patches
@@ -210,6 +211,11 @@ class EncoderWorker:
         if isinstance(out, Exception):
             return Staged(peer, job, error=out)
         try:
+            if job.by_value:
+                if tuple(job.slot.shape) != tuple(out.shape):
+                    raise ValueError(f"slot shape {job.slot.shape} != embedding shape {list(out.shape)}")
+                rows = out.to(torch_dtype(job.slot.dtype))
+                return Staged(peer, job, host_rows=rows.to("cpu", non_blocking=True) if rows.is_cuda else rows)
             if job.slot.shm_name not in self.pools.pools:
                 self.pools.forget_except("")  # a restarted cache daemon made a new pool; drop the old map
             slot = self.pools.view(job.slot)
@@ -227,6 +233,10 @@ class EncoderWorker:
     def finish(self, item: Staged) -> EncodeResult:
         """After the batch's copies: the rows in the job's slot, the cache told."""
         job, slot = item.job, item.slot
+        if job.by_value and item.error is None and item.host_rows is not None:
+            self.counters["images_encoded"] += 1
+            self.counters["patches_encoded"] += job_patches(job)
+            return EncodeResult(job.job_id, job.content_hash, rows=inline_ref(item.host_rows))
         if item.error is not None or slot is None:
             return self.fail(job, item.error or RuntimeError("no slot was staged"))
         try:
@@ -249,7 +259,7 @@ class EncoderWorker:
     def fail(self, job: EncodeJob, exc: Exception) -> EncodeResult:
         log.error("encode job %s failed: %r", job.job_id, exc)
         self.counters["failures"] += 1
-        if job.commit:
+        if job.commit and not job.by_value:  # (a job by value: its fetcher fails the entry)
             self.cache.send(commit_for(job.content_hash, job.slot, str(exc) or type(exc).__name__))
         return EncodeResult(job.job_id, job.content_hash, status=500, message=f"vision encoder failed: {exc}")
 

@@ -30,6 +30,7 @@ from common.protocol import (
     CacheRelease,
     CacheReserve,
     CacheReserveResult,
+    CacheWrite,
     EncodeJob,
     EncodeResult,
     FetchDone,
@@ -151,6 +152,9 @@ class FetcherWorker:
         self.encoders = [
             self.transport.channel(zmq.DEALER, f"encoder.{k}", bind=False) for k in range(encoder_count(cfg))
         ]
+        # An encoder on a tcp:// endpoint may be on another host, which this host's shared or GPU memory (the
+        # slots) cannot reach: it sends the rows back, and the cache here writes them (`EncodeJob.by_value`).
+        self.by_value = [not channel.address.startswith("ipc://") for channel in self.encoders]
         # The encoders' and the cache daemon's liveness is judged on this clock, which `heartbeat` (the loop's
         # periodic tick) advances: a stall of this process's own loop is not their silence (`LivenessClock`).
         self.clock = LivenessClock(cfg.liveness.heartbeat_s)
@@ -547,7 +551,10 @@ class FetcherWorker:
         return True
 
     def send_encode(self, key: bytes, job: Message) -> bool:
-        self.encoders[int(key)].send(job)
+        k = int(key)
+        if self.by_value[k] and isinstance(job, EncodeJob):
+            job = dataclasses.replace(job, by_value=True)
+        self.encoders[k].send(job)
         return True
 
     def on_encoder(self, k: int, msg: Message) -> None:
@@ -555,10 +562,26 @@ class FetcherWorker:
             case WorkerStatus():
                 self.encode.peer_status(str(k).encode(), msg)
             case EncodeResult(job_id=job_id):
-                if self.encode.complete(job_id) is not None:
-                    self.part_done(job_id, msg.status == 200, msg.message)
+                job = self.encode.complete(job_id)
+                if job is None:
+                    return
+                ok, why = msg.status == 200, msg.message
+                if self.by_value[k] and isinstance(job.payload, EncodeJob):
+                    ok, why = self.store_by_value(job.payload, msg)
+                self.part_done(job_id, ok, why)
             case _:
                 pass
+
+    def store_by_value(self, job: EncodeJob, result: EncodeResult) -> tuple[bool, str]:
+        """The rows an encoder sent back, to the cache to write into the job's slot, and (for a whole item) the
+        entry committed or failed: what an encoder that reaches the slot does itself. (ok, why not)."""
+        rows = result.rows if result.status == 200 else None
+        why = "" if rows is not None else result.message or "the encoder sent no embedding"
+        if rows is not None:
+            self.cache.send(CacheWrite(job.content_hash, job.slot, rows))
+        if job.commit:
+            self.cache.send(commit_for(job.content_hash, job.slot, why))
+        return rows is not None, why
 
     def encode_failed(self, job: Job, why: str) -> None:
         assert isinstance(job.payload, EncodeJob)
