@@ -143,6 +143,7 @@ class Gateway:
             "replicas_lost": sum(r.lost for r in pipeline.replicas.all),
             "requests_waiting_first_answer": len(self.waiting_since),
             "first_answers_per_s_best": self.first_answers.best(time.monotonic()),
+            "security_denied": pipeline.transport.security.denied,
         }
         reported = [Reported("vlm_gateway", gateway)]
         workers = await pipeline.worker_stats()

@@ -9,8 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
+import zmq.auth
 from openai import OpenAI
 
+from common.config import load_config
+from common.protocol import StatsRequest, encode
+from common.security import public_key_path
 from tests.integration.conftest import CURVE_HUBS, MediaServer, Stack
 from tests.media import make_image, png_bytes
 
@@ -51,3 +56,21 @@ def listening(path: Path) -> bool:
         except OSError:
             return False
         return True
+
+
+def test_a_client_with_an_unknown_key_is_turned_away_and_counted(curve_stack: Stack) -> None:
+    cfg = load_config(curve_stack.config_path)
+    server_key, _ = zmq.auth.load_certificate(str(public_key_path(cfg.keys_path, "cache")))
+    before = curve_stack.metrics().get("vlm_cache_security_denied_total", 0.0)
+    ctx = zmq.Context()
+    try:
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.linger = 0
+        stranger.curve_publickey, stranger.curve_secretkey = zmq.curve_keypair()
+        stranger.curve_serverkey = server_key
+        stranger.connect(cfg.endpoint("cache"))
+        stranger.send(encode(StatsRequest("stranger")))
+        assert not stranger.poll(1000)  # no answer: the frame never reached the daemon
+    finally:
+        ctx.destroy(linger=0)
+    assert curve_stack.metrics()["vlm_cache_security_denied_total"] > before

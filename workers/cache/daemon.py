@@ -129,7 +129,11 @@ class CacheDaemon:
                 self.store.release(r)
                 self.serve_reservations()
             case StatsRequest(call_id=c):
-                stats = {**self.store.snapshot(), "reservations_waiting": float(len(self.reservations))}
+                stats = {
+                    **self.store.snapshot(),
+                    "reservations_waiting": float(len(self.reservations)),
+                    "security_denied": float(self.transport.security.denied),
+                }
                 self.channel.send_to(peer, StatsResult(c, "cache", self.incarnation, stats))
             case _:
                 log.warning("unexpected %s from %r", msg.TAG, peer)

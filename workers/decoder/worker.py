@@ -369,6 +369,7 @@ class DecoderWorker:
             "requests_waiting_for_grammar": float(len(self.compiles) if self.compiles is not None else 0),
             "requests_queued": float(len(self.engine.scheduler.waiting)),
             "requests_running": float(len(self.engine.scheduler.running)),
+            "security_denied": float(self.transport.security.denied),
         }
         return {**self.engine.stats(), **gauges}
 

@@ -115,7 +115,11 @@ class EncoderWorker:
             case EncodeJob():
                 self.queued.append((peer, msg, time.monotonic()))
             case StatsRequest(call_id=c):
-                stats = {**self.counters, "jobs_queued": float(len(self.queued))}
+                stats = {
+                    **self.counters,
+                    "jobs_queued": float(len(self.queued)),
+                    "security_denied": float(self.transport.security.denied),
+                }
                 self.jobs.send_to(peer, StatsResult(c, self.name, self.incarnation, stats))
             case _:
                 log.warning("unexpected %s", msg.TAG)
