@@ -47,6 +47,13 @@ class ServerConfig:
             "them (or VLM_API_KEYS, comma-separated). /health and /metrics stay open for probes."
         },
     )
+    role: str = setting(
+        "all",
+        "What this host runs of the deployment (VLM_ROLE; ./ops/serve --role). \"all\": every process. \"pd\": the "
+        "gateway, fetchers, cache daemon and decoders; the vision encoders are on other hosts, at [endpoints] "
+        "encoder.K (tcp://, as many as [encoder] count). \"encoder\": the vision encoders alone, bound on their "
+        "tcp:// [endpoints] for pd units elsewhere (they send embeddings back by value).",
+    )
     served_model_name: str = setting("", "The model's id in /v1/models and in answers; empty: the checkpoint's name.")
     request_timeout_s: float = setting(300.0, "A completion request not answered in this many seconds fails.")
     max_request_bytes: int = setting(64 * 1024 * 1024, "Largest request body (inline images included); larger: 413.")
@@ -71,6 +78,8 @@ class ServerConfig:
     def validate(self, where: str) -> None:
         if not 1 <= self.port <= 65535:
             raise ValueError(f"{where}.port: expected 1..65535, got {self.port}")
+        if self.role not in UNIT_ROLES:
+            raise ValueError(f"{where}.role: expected one of {UNIT_ROLES}, got {self.role!r}")
         if not (isinstance(self.api_keys, list) and all(isinstance(k, str) and k for k in self.api_keys)):
             raise ValueError(f'{where}.api_keys: expected a list of non-empty strings like ["sk-..."]')
         if self.max_requests_in_flight < 1:
@@ -455,6 +464,7 @@ class SecurityConfig:
 
 
 SECURITY_MODES = ("curve", "isolated-network")
+UNIT_ROLES = ("all", "pd", "encoder")
 
 
 def decoder_hub(replica: int, hub: str = "decoder") -> str:
@@ -552,6 +562,7 @@ _ENV = {
     "VLM_MODEL": ("model", "path", str),
     "VLM_HOST": ("server", "host", str),
     "VLM_PORT": ("server", "port", int),
+    "VLM_ROLE": ("server", "role", str),
     "VLM_DEVICE": ("model", "device", str),
     "VLM_DTYPE": ("model", "dtype", str),
 }

@@ -22,6 +22,40 @@ def encoder_count(cfg: Config) -> int:
     return max(1, visible_gpus())
 
 
+# The processes a host runs for each `[server] role` (the names are also the CurveZMQ roles, `common.security`).
+UNIT_PROCESSES = {
+    "all": ("gateway", "fetcher", "encoder", "cache", "decoder"),
+    "pd": ("gateway", "fetcher", "cache", "decoder"),
+    "encoder": ("encoder",),
+}
+
+
+def unit_processes(cfg: Config) -> tuple[str, ...]:
+    return UNIT_PROCESSES[cfg.server.role]
+
+
+def check_unit(cfg: Config) -> None:
+    """A ValueError where a unit of another role could not reach this one's encoders, or these the others': a pd unit
+    dials its encoders on other hosts and an encoder unit serves them, both over tcp://."""
+    role = cfg.server.role
+    if role == "all":
+        return
+    for k in range(encoder_count(cfg)):
+        address = cfg.endpoint(f"encoder.{k}")
+        if address.startswith("tcp://"):
+            continue
+        if role == "pd":
+            raise ValueError(
+                f'[server] role = "pd" runs no vision encoders, and encoder.{k} is {address}: name the encoder '
+                f'units\' addresses in [endpoints], "encoder.{k}" = "tcp://HOST:PORT" for each of the [encoder] '
+                f"count ({encoder_count(cfg)})"
+            )
+        raise ValueError(
+            f'[server] role = "encoder" serves pd units on other hosts, and encoder.{k} is {address}: bind the '
+            'encoders on tcp://, e.g. [endpoints] encoder = "tcp://0.0.0.0:710{gpu}"'
+        )
+
+
 def vision_replicas(cfg: Config) -> frozenset[int]:
     """Media-only decoder replicas that share a GPU with a replica that takes text."""
     text_gpus = cfg.decoder_gpus(r for r in range(cfg.decoder.replicas) if cfg.takes_text(r))

@@ -15,13 +15,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from common.config import load_config
+from common.config import UNIT_ROLES, load_config
 from common.security import SecurityError, check_keys, write_keys
+from common.topology import unit_processes
 from ops.deploy import launcher_config, write_supervisord_conf
 
 # Each option of `serve` and the variable the stack's processes read it from (ops/vlm.toml: VLM_* win over
 # the file).
-SERVE_ENV = {"model": "VLM_MODEL", "host": "VLM_HOST", "port": "VLM_PORT", "config": "VLM_CONFIG"}
+SERVE_ENV = {"model": "VLM_MODEL", "host": "VLM_HOST", "port": "VLM_PORT", "role": "VLM_ROLE", "config": "VLM_CONFIG"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,6 +47,12 @@ def parser() -> argparse.ArgumentParser:
     )
     serve_parser.add_argument("--host", help="address the HTTP server listens on (VLM_HOST; default 127.0.0.1)")
     serve_parser.add_argument("--port", type=int, help="HTTP port (VLM_PORT; default 8000)")
+    serve_parser.add_argument(
+        "--role",
+        choices=UNIT_ROLES,
+        help="what this host runs (VLM_ROLE; default all): pd, the gateway, fetchers, cache and decoders with the "
+        "encoders elsewhere; encoder, the vision encoders alone ([server] role)",
+    )
     serve_parser.add_argument(
         "--config", type=Path, help="the TOML settings file (VLM_CONFIG; default ops/vlm.toml of this checkout)"
     )
@@ -78,7 +85,7 @@ def serve(args: argparse.Namespace) -> None:
     export_options(args)
     try:
         cfg = launcher_config()
-        check_keys(cfg)
+        check_keys(cfg, unit_processes(cfg))
         run = cfg.run_path
         (run / "logs").mkdir(parents=True, exist_ok=True)
         conf = run / "supervisord.conf"

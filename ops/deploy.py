@@ -23,7 +23,15 @@ from pathlib import Path
 
 from common.config import Config, decoder_name, load_config
 from common.memory import PoolPlan, host_memory, pool_plan
-from common.topology import encoder_count, has_gpu, visible_gpus, vision_replicas
+from common.topology import (
+    UNIT_PROCESSES,
+    check_unit,
+    encoder_count,
+    has_gpu,
+    unit_processes,
+    visible_gpus,
+    vision_replicas,
+)
 from workers.models.synth import prepared_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,17 +59,25 @@ def render(
     mps: MpsPlan | None = None,
     replicas: int = 1,
     fetchers: int = 1,
+    processes: tuple[str, ...] = UNIT_PROCESSES["all"],
 ) -> str:
-    """The configuration to run; ``mps`` adds the CUDA MPS control daemon and each GPU process's share."""
+    """The configuration to run: the programs of ``processes`` (a unit's, `common.topology.UNIT_PROCESSES`);
+    ``mps`` adds the CUDA MPS control daemon and each GPU process's share."""
     if min(encoders, decoder_ranks, replicas, fetchers) < 1:
         raise ValueError(
             "a deployment needs at least one encoder, one decoder replica, one rank each and one fetcher, got "
             f"{encoders}, {replicas}, {decoder_ranks}, {fetchers}"
         )
     text = template.replace("%(here)s/../run/", f"{run}/").replace("%(here)s/..", str(repo))
-    text = _with_processes(text, "encoder", encoders)
-    text = _with_processes(text, "fetcher", fetchers)
-    text = _add_decoders(text, replicas, decoder_ranks)
+    for program in UNIT_PROCESSES["all"]:
+        if program not in processes:
+            text = _without(text, program)
+    if "encoder" in processes:
+        text = _with_processes(text, "encoder", encoders)
+    if "fetcher" in processes:
+        text = _with_processes(text, "fetcher", fetchers)
+    if "decoder" in processes:
+        text = _add_decoders(text, replicas, decoder_ranks)
     if mps is not None:
         text = _add_mps(text, repo, run, mps)
     return text
@@ -100,6 +116,11 @@ def _with_processes(text: str, program: str, count: int) -> str:
         raise ValueError(f"the template's [program:{program}] section has no 'numprocs = 1' to set")
     body = section.group(0).replace("numprocs = 1", f"numprocs = {count}", 1)
     return text[: section.start()] + body + text[section.end() :]
+
+
+def _without(text: str, program: str) -> str:
+    section = _section(text, program)
+    return text[: section.start()] + text[section.end() :]
 
 
 def _section(text: str, program: str) -> re.Match[str]:
@@ -179,7 +200,7 @@ def write_supervisord_conf(cfg: Config, out: Path) -> None:
     print(f"CUDA MPS: {'on' if wanted else 'off'} ({why})", file=sys.stderr)
     mps = MpsPlan.of(cfg) if wanted else None
     decoder = cfg.decoder
-    counts = {"replicas": decoder.replicas, "fetchers": cfg.fetcher.count}
+    counts = {"replicas": decoder.replicas, "fetchers": cfg.fetcher.count, "processes": unit_processes(cfg)}
     text = render(template, REPO, cfg.run_path, encoder_count(cfg), decoder.tensor_parallel, mps, **counts)
     out.write_text(with_gpu_count(text, os.environ.get("VLM_GPU_COUNT", "")))
 
@@ -211,6 +232,7 @@ def preflight(cfg: Config) -> None:
     The checks that need the checkpoint's spec import torch with its family's module (a second of every start): they
     run where they can refuse, a vision backend other than torch's (which runs every tower) and a tensor_parallel
     other than 1."""
+    check_unit(cfg)
     model = prepared_model(cfg)
     if cfg.encoder.backend != "torch" or cfg.decoder.tensor_parallel != 1:
         from workers.encoder.backends import check_backend
@@ -220,6 +242,8 @@ def preflight(cfg: Config) -> None:
         spec = read_spec(model, cfg.model.quantization)
         check_backend(cfg, spec.vision)
         check_tensor_parallel(spec, cfg.decoder.tensor_parallel)
+    if "gateway" not in unit_processes(cfg):
+        return
     host, port = cfg.server.host, cfg.server.port
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
         # SO_REUSEADDR as aiohttp binds: a port in TIME_WAIT after the last stop is free to it
@@ -250,6 +274,8 @@ def mps_wanted(cfg: Config, has_gpu: Callable[[], bool], has_daemon: bool) -> tu
         return False, "no CUDA GPU"
     if setting is True:
         return True, "[encoder] mps = true"
+    if cfg.server.role != "all":
+        return False, f"auto: [server] role = {cfg.server.role!r} runs no encoder beside a decoder"
     if cfg.encoder.sm_split:
         return True, "auto: [encoder] sm_split runs the two sides of a GPU at once"
     encoders = set(cfg.encoder.gpus or range(encoder_count(cfg)))

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import Config
-from common.topology import encoder_count
+from common.config import UNIT_ROLES, Config
+from common.topology import UNIT_PROCESSES, check_unit, encoder_count
 from ops.deploy import REPO, MpsPlan, mps_wanted, preflight, render
 from workers.models.runtime import encoder_gpu, resolve_device
 
@@ -219,3 +219,46 @@ def test_preflight_refuses_what_workers_would_fail_on_for_ever(tmp_path: Path) -
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{cfg.server.port} .*another program holds it"):
             preflight(cfg)
     preflight(cfg)  # (the port free again)
+
+
+def unit_programs(role: str, tmp_path: Path) -> configparser.RawConfigParser:
+    text = render((REPO / "ops/vlm.conf").read_text(), REPO, tmp_path, 2, processes=UNIT_PROCESSES[role])
+    parser = configparser.RawConfigParser()
+    parser.read_string(text)
+    return parser
+
+
+def test_a_units_role_chooses_its_programs(tmp_path: Path) -> None:
+    programs = {role: unit_programs(role, tmp_path) for role in UNIT_ROLES}
+    names = {
+        role: {s.removeprefix("program:") for s in p.sections() if s.startswith("program:")}
+        for role, p in programs.items()
+    }
+    assert names == {
+        "all": {"gateway", "fetcher", "encoder", "cache", "decoder"},
+        "pd": {"gateway", "fetcher", "cache", "decoder"},
+        "encoder": {"encoder"},
+    }
+    assert programs["encoder"]["program:encoder"]["numprocs"] == "2"
+    for role in ("pd", "encoder"):  # the programs a unit keeps are those of the whole deployment, unchanged
+        for section in programs[role].sections():
+            assert dict(programs[role][section]) == dict(programs["all"][section]), (role, section)
+
+
+def test_a_unit_of_a_role_reaches_the_other_units_encoders_over_tcp_only() -> None:
+    for role in ("pd", "encoder"):
+        cfg = Config()
+        cfg.server.role, cfg.encoder.count = role, 2
+        with pytest.raises(ValueError, match=rf'role = "{role}".*encoder\.0 is ipc://'):
+            check_unit(cfg)
+        cfg.endpoints = {"encoder": "tcp://127.0.0.1:710{gpu}"}
+        check_unit(cfg)
+        assert (cfg.endpoint("encoder.0"), cfg.endpoint("encoder.1")) == (
+            "tcp://127.0.0.1:7100",
+            "tcp://127.0.0.1:7101",
+        )
+        cfg.endpoints = {"encoder.0": "tcp://10.0.0.2:7100", "encoder.1": "ipc:///tmp/e1.sock"}
+        with pytest.raises(ValueError, match=r"encoder\.1 is ipc://"):
+            check_unit(cfg)
+        assert mps_wanted(cfg, has_gpu=lambda: True, has_daemon=True)[0] is False
+    check_unit(Config())  # "all": anything goes
