@@ -49,9 +49,9 @@ class ServerConfig:
     )
     role: str = setting(
         "all",
-        "What this host runs of the deployment (VLM_ROLE; ./ops/serve --role). \"all\": every process. \"pd\": the "
+        'What this host runs of the deployment (VLM_ROLE; ./ops/serve --role). "all": every process. "pd": the '
         "gateway, fetchers, cache daemon and decoders; the vision encoders are on other hosts, at [endpoints] "
-        "encoder.K (tcp://, as many as [encoder] count). \"encoder\": the vision encoders alone, bound on their "
+        'encoder.K (tcp://, as many as [encoder] count). "encoder": the vision encoders alone, bound on their '
         "tcp:// [endpoints] for pd units elsewhere (they send embeddings back by value).",
     )
     served_model_name: str = setting("", "The model's id in /v1/models and in answers; empty: the checkpoint's name.")
@@ -170,7 +170,9 @@ VISION_BACKENDS = ("torch", "onnxruntime", "tensorrt")  # what runs the tower: w
 @dataclass
 class EncoderConfig:
     count: int = setting(
-        0, 'Vision encoder processes; 0: one per visible GPU, or one on a CPU host. Left out or "auto": see replicas.'
+        0,
+        'Vision encoder processes; 0: one per visible GPU, or one on a CPU host. Left out or "auto": see replicas. '
+        "In a pd unit ([server] role): the encoder endpoints it dials, encoder.0 .. count-1 (0: one).",
     )
     gpus: list[int] = field(
         default_factory=list,
@@ -181,6 +183,11 @@ class EncoderConfig:
         },
     )
     credits: int = setting(16, "Jobs an encoder holds at once: what it can pack into one forward.")
+    resolve_every_s: float = setting(
+        5.0,
+        "An encoder endpoint named by host (tcp://NAME:PORT, e.g. a headless Service) is every address NAME resolves "
+        "to, resolved again this often: encoders that appear are used, those gone are drained, without a restart.",
+    )
     max_batch_patches: int = setting(
         16384, "Patches (before merging) per forward of the vision tower; a larger single image runs alone."
     )
@@ -217,6 +224,8 @@ class EncoderConfig:
         for name, low in (("count", 0), ("max_batch_patches", 1), ("sm_split", 0)):  # (credits: _AT_LEAST_ONE)
             if getattr(self, name) < low:
                 raise ValueError(f"{where}.{name}: expected >= {low}, got {getattr(self, name)}")
+        if not self.resolve_every_s > 0:
+            raise ValueError(f"{where}.resolve_every_s: expected > 0, got {self.resolve_every_s}")
         indices = isinstance(self.gpus, list) and all(type(g) is int for g in self.gpus)  # (bool is an int)
         if not indices:
             raise ValueError(f"{where}.gpus: expected a list of GPU indices like [1], got {self.gpus!r}")
@@ -730,6 +739,8 @@ def place(cfg: Config, gpus: int) -> str:
     decoder, encoder = cfg.decoder, cfg.encoder
     override = "set [decoder] replicas / [encoder] gpus to override"
     set_by_hand = [key for key in PLACEMENT_KEYS if key not in cfg.auto]
+    if cfg.server.role != "all":
+        return f'layout: as configured ([server] role = "{cfg.server.role}": the auto layout is for whole deployments)'
     if set_by_hand:
         section, _, key = set_by_hand[0].partition(".")
         return f"layout: as configured ([{section}] {key} is set: the auto layout fills nothing)"

@@ -34,10 +34,11 @@ class Peer:
     credits: int
     last_seen: float  # `LivenessClock` time of its last status
     jobs: set[str] = field(default_factory=set)
+    draining: bool = False  # given no new jobs: it is leaving (`Dispatcher.drain`)
 
     @property
     def free(self) -> int:
-        return self.credits - len(self.jobs)
+        return 0 if self.draining else self.credits - len(self.jobs)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Dispatcher:
         self.hold_without_workers_s = hold_without_workers_s
         self.none_live_since = clock.now()  # (`LivenessClock` time, as every time a peer is judged by)
         self.peers: dict[bytes, Peer] = {}
+        self.draining: set[bytes] = set()  # workers leaving (`drain`), live or not
         self.jobs: dict[str, Job] = {}
         self.queue: deque[str] = deque()
 
@@ -85,17 +87,47 @@ class Dispatcher:
         if peer is None:
             log.info("worker %s (%s) is live with %d credits", key, status.incarnation, status.credits)
             peer = self.peers[key] = Peer(key, status.incarnation, status.credits, self.clock.now())
+            peer.draining = key in self.draining
         peer.credits = status.credits
         peer.last_seen = self.clock.now()
         self.dispatch()
 
     def live_peers(self) -> int:
-        return len(self.peers)
+        return sum(not peer.draining for peer in self.peers.values())
+
+    def drain(self, key: bytes) -> None:
+        """Give the worker ``key`` no new jobs (it is leaving); those it holds finish, or are re-issued if it goes
+        silent. `drained` says when it holds none."""
+        self.draining.add(key)
+        if key in self.peers and not self.peers[key].draining:
+            self.peers[key].draining = True
+            if not self.live_peers():
+                self.none_live_since = self.clock.now()
+
+    def undrain(self, key: bytes) -> None:
+        """The worker ``key`` takes jobs again (it came back before it was gone)."""
+        self.draining.discard(key)
+        if key in self.peers:
+            self.peers[key].draining = False
+            self.dispatch()
+
+    def drained(self, key: bytes) -> bool:
+        """Whether a draining worker holds no job now: it can be forgotten (`forget_peer`)."""
+        peer = self.peers.get(key)
+        return key in self.draining and (peer is None or not peer.jobs)
+
+    def forget_peer(self, key: bytes) -> None:
+        """A worker that is gone for good: its jobs (if any) are re-issued, and a status from it is news again."""
+        self.draining.discard(key)
+        peer = self.peers.get(key)
+        if peer is not None:
+            self._lose_peer(peer, "left")
+            self.dispatch()
 
     def _lose_peer(self, peer: Peer, why: str) -> None:
         log.warning("worker %s %s; re-issuing %d job(s)", peer.key, why, len(peer.jobs))
         self.peers.pop(peer.key, None)
-        if not self.peers:
+        if not self.live_peers():
             self.none_live_since = self.clock.now()
         for job_id in sorted(peer.jobs):
             job = self.jobs.get(job_id)
@@ -170,7 +202,7 @@ class Dispatcher:
         for job in [j for j in self.jobs.values() if j.deadline < now]:
             self._fail(job, "timed out waiting for a live worker" if self.peers else "no worker is live to take it")
         hold = self.hold_without_workers_s
-        if not self.peers and hold is not None and seen_now - self.none_live_since >= hold:
+        if not self.live_peers() and hold is not None and seen_now - self.none_live_since >= hold:
             for job in list(self.jobs.values()):
                 self._fail(job, f"no worker has been live for {seen_now - self.none_live_since:.0f} s")
         self.dispatch()

@@ -8,18 +8,22 @@ host with NVIDIA's driver tools.
 
 from __future__ import annotations
 
+import os
 import shutil
 
-from common.config import Config
+from common.config import Config, gpu_count
 
 
 def encoder_count(cfg: Config) -> int:
-    """Encoders to run: one per listed GPU, the configured count, or one per visible GPU (one on a CPU host)."""
+    """Encoders to run (or, in a pd unit, encoder endpoints to dial): one per listed GPU, the configured count, or
+    one per GPU (`common.config.gpu_count`, torch-free; one on a CPU host, and one endpoint in a pd unit)."""
     if cfg.encoder.gpus:
         return len(cfg.encoder.gpus)
     if cfg.encoder.count:
         return cfg.encoder.count
-    return max(1, visible_gpus())
+    if cfg.server.role == "pd":
+        return 1
+    return max(1, gpu_count(cfg, os.environ))
 
 
 # The processes a host runs for each `[server] role` (the names are also the CurveZMQ roles, `common.security`).

@@ -171,17 +171,21 @@ class Transport:
             self.authenticator.start()
             self.authenticator.configure_curve(domain="*", location=str(self.security.allowed_clients_dir()))
 
-    def channel(self, kind: int, hub: str, *, bind: bool, identity: bytes | None = None) -> Channel:
-        return Channel(
-            self.ctx, kind, self.cfg.endpoint(hub), bind=bind, identity=identity, security=self.security, hub=hub
-        )
+    def channel(
+        self, kind: int, hub: str, *, bind: bool, identity: bytes | None = None, address: str | None = None
+    ) -> Channel:
+        """A channel to (or of) ``hub``, at its configured endpoint or at ``address`` (one of the addresses a hub's
+        name resolved to: `common.discovery`)."""
+        at = address or self.cfg.endpoint(hub)
+        return Channel(self.ctx, kind, at, bind=bind, identity=identity, security=self.security, hub=hub)
 
-    def async_channel(self, kind: int, hub: str, *, bind: bool, identity: bytes | None = None) -> AsyncChannel:
+    def async_channel(
+        self, kind: int, hub: str, *, bind: bool, identity: bytes | None = None, address: str | None = None
+    ) -> AsyncChannel:
         if not isinstance(self.ctx, zmq.asyncio.Context):
             raise TypeError("async channels come from a Transport(..., asyncio=True)")
-        return AsyncChannel(
-            self.ctx, kind, self.cfg.endpoint(hub), bind=bind, identity=identity, security=self.security, hub=hub
-        )
+        at = address or self.cfg.endpoint(hub)
+        return AsyncChannel(self.ctx, kind, at, bind=bind, identity=identity, security=self.security, hub=hub)
 
     def close(self) -> None:
         """Stops the ZAP thread and ends the context, closing any channel of it still open."""
@@ -226,6 +230,11 @@ class EventLoop:
         self.poller.register(channel.sock, zmq.POLLIN)
         self.handlers[channel.sock] = (channel, handler)
 
+    def forget(self, channel: Channel) -> None:
+        """Stop reading ``channel`` (before closing it): a socket of a peer that left."""
+        if self.handlers.pop(channel.sock, None) is not None:
+            self.poller.unregister(channel.sock)
+
     def every(self, period_s: float, fn: Callable[[], None]) -> None:
         self.timers.append((time.monotonic() + period_s, period_s, fn))
 
@@ -258,6 +267,8 @@ class EventLoop:
             if isinstance(sock, int):
                 self.fd_handlers[sock]()
                 handled += 1
+                continue
+            if sock not in self.handlers:  # (forgotten by a handler earlier in this turn)
                 continue
             channel, handler = self.handlers[sock]
             # Drain what has arrived so a busy socket cannot starve timers for long.

@@ -16,6 +16,7 @@ import zmq.asyncio
 from prometheus_client import Histogram
 
 from common.config import Config, decoder_hub
+from common.discovery import EncoderDirectory
 from common.dispatch import Dispatcher, Job
 from common.lifecycle import StallWatchdog
 from common.liveness import LivenessClock
@@ -134,9 +135,10 @@ class Pipeline:
         self.held: dict[str, Tracked] = {}  # request id -> a request lost with its replica, waiting for a live one
         self.restarted = 0  # non-streamed requests generated again after their replica was lost mid-answer
         self.encoders_seen: dict[bytes, int] = {}  # fetcher -> the encoders it last said were live
-        # For /metrics: a channel to each encoder hub, opened once a fetcher has said how many there are (the
-        # count may hang on the GPUs there are, which the gateway does not look at)
-        self.encoders: list[AsyncChannel] = []
+        # For /metrics: a channel to each encoder, by address (`common.discovery`: a name in [endpoints] is every
+        # address it resolves to, looked up again every [encoder] resolve_every_s), with its metrics label
+        self.encoder_directory = EncoderDirectory(cfg)
+        self.encoders: dict[bytes, tuple[str, AsyncChannel, asyncio.Task[None]]] = {}
         self.stats_waiters: dict[str, asyncio.Future[StatsResult]] = {}
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -148,6 +150,7 @@ class Pipeline:
                 self._read(self.inbox, self._on_inbox),
                 self._read(self.cache, self._on_stats),
                 self._tick(),
+                self._follow_encoders(),
             )
         ]
         if self.cfg.liveness.stall_exit_s > 0:
@@ -166,7 +169,7 @@ class Pipeline:
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
-        for channel in (self.fetch, self.inbox, self.cache, *self.decoders, *self.encoders):
+        for channel in (self.fetch, self.inbox, self.cache, *self.decoders, *(e[1] for e in self.encoders.values())):
             channel.close()
         self.transport.close()
 
@@ -284,7 +287,6 @@ class Pipeline:
             case WorkerStatus():
                 self.fetchers.peer_status(peer, msg)
                 self.encoders_seen[peer] = msg.workers_live
-                self._open_encoders(msg.workers_known)
             case StatsResult(call_id=call_id) if call_id in self.stats_waiters:
                 self.stats_waiters.pop(call_id).set_result(msg)
             case FetchDone(request_id=rid):
@@ -317,11 +319,23 @@ class Pipeline:
         if isinstance(msg, StatsResult) and msg.call_id in self.stats_waiters:
             self.stats_waiters.pop(msg.call_id).set_result(msg)
 
-    def _open_encoders(self, count: int) -> None:
-        for k in range(len(self.encoders), count):
-            channel = self.transport.async_channel(zmq.DEALER, f"encoder.{k}", bind=False)
-            self.encoders.append(channel)
-            self.tasks.append(asyncio.create_task(self._read(channel, self._on_stats)))
+    async def _follow_encoders(self) -> None:
+        """The encoders' channels as the directory says (once, or every resolve_every_s for a name in it)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            joined, left = await loop.run_in_executor(None, self.encoder_directory.refresh)  # (a DNS lookup)
+            for endpoint in joined:
+                hub = f"encoder.{endpoint.label.split('@')[0]}"  # (whose server key it dials)
+                channel = self.transport.async_channel(zmq.DEALER, hub, bind=False, address=endpoint.address)
+                reader = asyncio.create_task(self._read(channel, self._on_stats))
+                self.encoders[endpoint.key] = (endpoint.label, channel, reader)
+            for endpoint in left:
+                _, channel, reader = self.encoders.pop(endpoint.key)
+                reader.cancel()
+                channel.close()
+            if not self.encoder_directory.named:
+                return
+            await asyncio.sleep(self.cfg.encoder.resolve_every_s)
 
     async def _tick(self) -> None:
         """Every heartbeat period: peers silent for ``dead_after_s`` are taken for lost, held requests go on.
@@ -471,7 +485,8 @@ class Pipeline:
         """Counters and gauges of the cache daemon, each encoder and each live fetcher, by the name each gives
         (``cache``, ``encoder.0``, ``fetcher.0``), asked all at once; one that does not answer within
         ``timeout_s`` (down, or busy past it) is left out."""
-        targets: list[AsyncChannel | bytes] = [self.cache, *self.encoders, *self.fetchers.peers]  # (bytes: a fetcher)
+        encoders = {channel: f"encoder.{label}" for label, channel, _ in self.encoders.values()}
+        targets: list[AsyncChannel | bytes] = [self.cache, *encoders, *self.fetchers.peers]  # (bytes: a fetcher)
         calls = {uuid.uuid4().hex: target for target in targets}
         loop = asyncio.get_running_loop()
         futures = {call_id: loop.create_future() for call_id in calls}
@@ -486,8 +501,14 @@ class Pipeline:
         finally:
             for call_id in futures:
                 self.stats_waiters.pop(call_id, None)
-        answers = [f.result() for f in futures.values() if f.done() and not f.cancelled()]
-        return {answer.role: answer.counters for answer in answers}
+        stats = {}
+        for call_id, future in futures.items():
+            if future.done() and not future.cancelled():
+                answer, target = future.result(), calls[call_id]
+                # (an encoder by the label it was dialled under: encoders of two hosts may name themselves alike)
+                name = encoders.get(target, answer.role) if isinstance(target, AsyncChannel) else answer.role
+                stats[name] = answer.counters
+        return stats
 
 
 # Enough of a data URL to tell images apart without reading megabytes on the event loop: its ends and its length.

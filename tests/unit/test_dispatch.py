@@ -418,3 +418,50 @@ def test_with_no_worker_live_for_the_hold_queued_jobs_fail_at_once(clock: Clock)
     h.submit("j4", timeout_s=600)  # still none live: the next tick answers it
     h.dispatcher.tick()
     assert h.failed[-1][0] == "j4"
+
+
+def test_a_draining_worker_takes_no_new_jobs_and_finishes_those_it_holds(h: Harness) -> None:
+    h.status(b"w1", credits=2)
+    h.status(b"w2", credits=2)
+    h.submit("j1")  # (both free: w1, the first of the freest)
+    assert h.sent_to(b"w1") == ["j1"]
+    h.dispatcher.drain(b"w1")
+    assert h.dispatcher.live_peers() == 1 and not h.dispatcher.drained(b"w1")
+    for job in ("j2", "j3", "j4"):
+        h.submit(job)
+    assert h.sent_to(b"w1") == ["j1"] and h.sent_to(b"w2") == ["j2", "j3"]  # j4 waits for w2, not for w1
+    h.status(b"w1", credits=2)  # (its heartbeat: still draining)
+    assert h.sent_to(b"w1") == ["j1"]
+    h.dispatcher.complete("j1")
+    assert h.dispatcher.drained(b"w1") and h.sent_to(b"w1") == ["j1"]
+    h.dispatcher.forget_peer(b"w1")
+    assert b"w1" not in h.dispatcher.peers and not h.dispatcher.drained(b"w1")
+
+
+def test_a_worker_forgotten_with_jobs_loses_them_to_the_others(h: Harness) -> None:
+    h.status(b"w1", credits=1)
+    h.submit("j1")
+    h.dispatcher.drain(b"w1")
+    h.status(b"w2", credits=1)
+    h.dispatcher.forget_peer(b"w1")  # (gone before it finished: its job goes again)
+    assert h.sent_to(b"w2") == ["j1"] and h.dispatcher.jobs["j1"].attempts == 2
+
+
+def test_a_worker_back_before_it_left_takes_jobs_again(h: Harness) -> None:
+    h.dispatcher.drain(b"w1")  # (drained before it was ever seen: it comes up draining)
+    h.status(b"w1", credits=1)
+    h.submit("j1")
+    assert h.sent == [] and h.dispatcher.live_peers() == 0
+    h.dispatcher.undrain(b"w1")
+    assert h.sent_to(b"w1") == ["j1"] and h.dispatcher.live_peers() == 1
+
+
+def test_with_every_worker_draining_queued_jobs_fail_after_the_hold(clock: Clock) -> None:
+    h = Harness(clock, hold=30.0)
+    h.status(b"w1", credits=1)
+    h.dispatcher.drain(b"w1")
+    h.submit("j1", timeout_s=600)
+    clock.advance(31)
+    h.status(b"w1", credits=1)
+    h.dispatcher.tick()
+    assert h.failed == [("j1", "no worker has been live for 31 s")]

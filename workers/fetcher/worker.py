@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from common.config import Config, decoder_hub
+from common.discovery import EncoderDirectory
 from common.dispatch import Dispatcher, Job
 from common.lifecycle import REPORT_EVERY_S, CounterWindow
 from common.liveness import LivenessClock
@@ -38,7 +39,6 @@ from common.protocol import (
     GenerateRequest,
     MediaInput,
     Message,
-    Ping,
     PreparedMedia,
     PreparedRequest,
     RequestError,
@@ -49,8 +49,9 @@ from common.protocol import (
     commit_for,
 )
 from common.tensor_ref import inline_ref, nbytes_of
-from common.topology import encoder_count, model_device_type, model_dtype_name
+from common.topology import model_device_type, model_dtype_name
 from common.transport import EventLoop, Transport, Wakeup, worker_identity
+from workers.fetcher.encoders import EncoderLinks
 from workers.fetcher.errors import MediaError
 from workers.fetcher.image import ImageProcessorSpec
 from workers.fetcher.media import DecodedMemo, LoadedImage, load_media
@@ -149,12 +150,6 @@ class FetcherWorker:
             self.transport.channel(zmq.PUSH, decoder_hub(r), bind=False) for r in range(cfg.decoder.replicas)
         ]
         self.cache = self.transport.channel(zmq.DEALER, "cache", bind=False)
-        self.encoders = [
-            self.transport.channel(zmq.DEALER, f"encoder.{k}", bind=False) for k in range(encoder_count(cfg))
-        ]
-        # An encoder on a tcp:// endpoint may be on another host, which this host's shared or GPU memory (the
-        # slots) cannot reach: it sends the rows back, and the cache here writes them (`EncodeJob.by_value`).
-        self.by_value = [not channel.address.startswith("ipc://") for channel in self.encoders]
         # The encoders' and the cache daemon's liveness is judged on this clock, which `heartbeat` (the loop's
         # periodic tick) advances: a stall of this process's own loop is not their silence (`LivenessClock`).
         self.clock = LivenessClock(cfg.liveness.heartbeat_s)
@@ -188,8 +183,14 @@ class FetcherWorker:
         self.decoded_again = Wakeup(self.loop, self.on_decoded_again)
         self.loop.on_message(self.gateway, self.on_gateway)
         self.loop.on_message(self.cache, self.on_cache)
-        for k, channel in enumerate(self.encoders):
-            self.loop.on_message(channel, lambda _peer, msg, k=k: self.on_encoder(k, msg))
+        # The encoders, by address (a name in [endpoints] is each address it resolves to, again every
+        # resolve_every_s). One on a tcp:// endpoint may be on another host, which this host's shared or GPU memory
+        # (the slots) cannot reach: it sends the rows back, and the cache here writes them (`EncodeJob.by_value`).
+        directory = EncoderDirectory(cfg)
+        self.encoders = EncoderLinks(directory, self.transport, self.loop, self.encode, self.on_encoder)
+        self.encoders.refresh()
+        if directory.named:
+            self.loop.every(cfg.encoder.resolve_every_s, self.encoders.refresh)
         self.loop.every(cfg.liveness.heartbeat_s, self.heartbeat)
         self.counters = {
             "items_loaded": 0.0,
@@ -210,25 +211,26 @@ class FetcherWorker:
         # the new daemon holds, and wait out its reservation deadline.
         self.ping_cache()
         self.heartbeat()
-        log.info("fetcher ready: %d encoder(s), embeddings %s", len(self.encoders), self.embed_dtype)
+        log.info("fetcher ready: %d encoder(s), embeddings %s", self.encoders.known, self.embed_dtype)
 
     def run(self) -> None:
         try:
             self.loop.run()
         finally:
             self.threads.shutdown(wait=False, cancel_futures=True)
-            for channel in [self.gateway, self.results, self.cache, *self.decoders, *self.encoders]:
+            for channel in [self.gateway, self.results, self.cache, *self.decoders]:
                 channel.close()
+            self.encoders.close()
 
     # ------------------------------------------------------------------ liveness
     def heartbeat(self) -> None:
         """The periodic tick: the clock first, so that the time this loop was late by is nobody's silence."""
         self.clock.tick()
-        live, known = self.encode.live_peers(), len(self.encoders)
+        live, known = self.encode.live_peers(), self.encoders.known
         self.gateway.send(WorkerStatus("fetcher", self.name, self.incarnation, self.cfg.fetcher.credits, live, known))
-        for channel in self.encoders:
-            channel.send(Ping("fetcher"))
+        self.encoders.ping()
         self.encode.tick()
+        self.encoders.close_drained()
         self.retry_cache_calls()
 
     def report(self) -> None:
@@ -551,22 +553,20 @@ class FetcherWorker:
         return True
 
     def send_encode(self, key: bytes, job: Message) -> bool:
-        k = int(key)
-        if self.by_value[k] and isinstance(job, EncodeJob):
+        if self.encoders.by_value(key) and isinstance(job, EncodeJob):
             job = dataclasses.replace(job, by_value=True)
-        self.encoders[k].send(job)
-        return True
+        return self.encoders.send(key, job)
 
-    def on_encoder(self, k: int, msg: Message) -> None:
+    def on_encoder(self, key: bytes, msg: Message) -> None:
         match msg:
             case WorkerStatus():
-                self.encode.peer_status(str(k).encode(), msg)
+                self.encode.peer_status(key, msg)
             case EncodeResult(job_id=job_id):
                 job = self.encode.complete(job_id)
                 if job is None:
                     return
                 ok, why = msg.status == 200, msg.message
-                if self.by_value[k] and isinstance(job.payload, EncodeJob):
+                if self.encoders.by_value(key) and isinstance(job.payload, EncodeJob):
                     ok, why = self.store_by_value(job.payload, msg)
                 self.part_done(job_id, ok, why)
             case _:
