@@ -24,6 +24,7 @@ memory, exiting 1 where Triton or ptxas rejects one.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -202,11 +203,13 @@ def norm_quantize_launches(meta: torch.device) -> Iterator[tuple[str, Launch]]:
 SM90_SHARED_BYTES = 232448  # the most shared memory a block of an sm_90 kernel can have
 
 
-def compile_all(arch: int) -> int:
+def compile_all(arch: int, shard: tuple[int, int] = (0, 1)) -> int:
+    """Compile every launch (``shard`` (K, N): the K-th of every N, so that N processes share the work)."""
     from benchmarks.aot import compile_launch
 
     failed = 0
-    for name, launch in launches():
+    index, shards = shard
+    for name, launch in itertools.islice(launches(), index, None, shards):
         try:
             used = compile_launch(launch, arch)
         except Exception as error:  # (any rejection by Triton or ptxas: reported, and the rest still compiled)
@@ -420,9 +423,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep-gemv", action="store_true", help="time the decode GEMV's tilings and exit")
     parser.add_argument("--sweep-block", action="store_true", help="time the block-scaled GEMM's tilings and exit")
     parser.add_argument("--aot", type=int, metavar="ARCH", help="compile the kernels for sm_ARCH (no GPU) and exit")
+    parser.add_argument(
+        "--shard", default="0/1", metavar="K/N", help="--aot: only the K-th of every N launches (N processes at once)"
+    )
     args = parser.parse_args(argv)
     if args.aot:
-        sys.exit(compile_all(args.aot))
+        index, shards = (int(part) for part in args.shard.split("/"))
+        sys.exit(compile_all(args.aot, (index, shards)))
     if not torch.cuda.is_available():
         print("benchmarks.fp8_gemm needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
