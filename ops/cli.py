@@ -77,6 +77,22 @@ def parser() -> argparse.ArgumentParser:
     keys_parser.add_argument("--port", type=int, help="HTTP port (VLM_PORT), which names the default run directory")
     keys_parser.add_argument("--dir", type=Path, help="write here instead of [security] keys_dir")
     keys_parser.set_defaults(command=keys)
+    k8s_parser = commands.add_parser(
+        "render-k8s",
+        help="write Kubernetes manifests: pd and encoder units, Services, key Secrets, NetworkPolicies",
+        description="Write the Kubernetes manifests of a deployment in units (ops/render_k8s.py) from the settings "
+        "file and the keys ./ops/keys wrote: a Deployment of pd units behind a Service, a Deployment of encoder units "
+        "behind a headless Service that the pd units' encoder endpoints name, the settings as ConfigMaps, the keys as "
+        "Secrets, and a NetworkPolicy admitting only pd pods to the encoders.",
+    )
+    k8s_parser.add_argument("--config", type=Path, help="the TOML settings file (VLM_CONFIG; default ops/vlm.toml)")
+    k8s_parser.add_argument("--out", type=Path, default=Path("deploy/k8s"), help="where (default deploy/k8s)")
+    k8s_parser.add_argument("--image", default="vlm-serve:latest", help="the container image (this checkout)")
+    k8s_parser.add_argument("--encoder-pods", type=int, default=1, help="encoder units to run (default 1)")
+    k8s_parser.add_argument(
+        "--model-claim", default="vlm-model", help="the PersistentVolumeClaim holding the checkpoint at [model] path"
+    )
+    k8s_parser.set_defaults(command=render_kubernetes)
     return top
 
 
@@ -120,6 +136,21 @@ def keys(args: argparse.Namespace) -> None:
         "the roles it runs",
         file=sys.stderr,
     )
+
+
+def render_kubernetes(args: argparse.Namespace) -> None:
+    from ops.render_k8s import render, write
+
+    export_options(args)
+    try:
+        if args.encoder_pods < 1:
+            raise ValueError(f"--encoder-pods: expected >= 1, got {args.encoder_pods}")
+        written = write(render(load_config(), args.image, args.encoder_pods, args.model_claim), args.out)
+    except (OSError, ValueError) as exc:
+        sys.exit(f"vlm-serve render-k8s: {exc}")
+    for path in written:
+        print(path)
+    print(f"{args.out}/secret-keys-*.yaml hold private keys: keep them out of version control", file=sys.stderr)
 
 
 def supervisord_argv() -> list[str]:
