@@ -153,6 +153,21 @@ def serve(
         STOPPING.add(name, port, process)
 
 
+def wait_listening(address: str, port: int, process: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
+    """Until something accepts TCP connections at ``address``:``port`` (a unit without a gateway, an encoder unit, is
+    up once its encoders bound their sockets, after loading their towers); ``process`` is its ops/serve."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the unit serving {address}:{port} exited with {process.returncode}")
+        with socket.socket() as probe:
+            probe.settimeout(1.0)
+            if probe.connect_ex((address, port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listened on {address}:{port} within {timeout_s:.0f} s")
+
+
 def wake_supervisord(stack: Stack, timeout_s: float = 60.0) -> None:
     """Connect once to the stack's supervisord socket as soon as it listens. supervisord spawns its programs only after
     its main loop's first poll, which waits up to a second for an event when none comes: a connection is one, so the

@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from benchmarks.media import jpeg_bytes, mjpeg_avi, video_frames
 from common.config import Config
 from common.protocol import StatsRequest, StatsResult, encode
 from common.transport import Transport
-from tests.integration.conftest import REPO, STOPPING, Stack, stack_config
+from tests.integration.conftest import REPO, STOPPING, Stack, stack_config, wait_listening
 from tests.media import data_url, make_image
 from tests.netns import Host, Network, available
 
@@ -60,19 +59,6 @@ def start(host: Host, config: Path, name: str) -> subprocess.Popen[bytes]:
     with open(REPO / "run" / f"serve-{name}.log", "wb") as log:
         env = {**os.environ, "VLM_CONFIG": str(config)}
         return subprocess.Popen(host.exec_argv(str(REPO / "ops/serve")), env=env, stdout=log, stderr=log)
-
-
-def wait_listening(address: str, port: int, process: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the unit at {address} exited with {process.returncode}")
-        with socket.socket() as probe:
-            probe.settimeout(1.0)
-            if probe.connect_ex((address, port)) == 0:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"nothing listened on {address}:{port} within {timeout_s:.0f} s")
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,24 +16,11 @@ import pytest
 from openai import OpenAI
 
 from benchmarks.gateway_load import free_port
-from tests.integration.conftest import REPO, STOPPING, MediaServer, Stack, serve, stack_config
+from tests.integration.conftest import REPO, STOPPING, MediaServer, Stack, serve, stack_config, wait_listening
 from tests.media import make_image, png_bytes
 
 # Small encoder batches: the video's four temporal patches go as two parts, one to each remote encoder.
 ENCODERS = "count = 2\nmax_batch_patches = 192\n"
-
-
-def wait_listening(port: int, process: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
-    """Until something accepts TCP connections on ``port`` (the encoder bound its socket, after loading its tower)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the encoder unit exited with {process.returncode} (run/serve-unit-encoder.log)")
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"no encoder listened on port {port} within {timeout_s:.0f} s")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +42,7 @@ def units(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         )
     try:
         for port in ports:
-            wait_listening(port, encoder_unit)
+            wait_listening("127.0.0.1", port, encoder_unit)
         assert programs(Stack("", config, encoder_unit)) == {"encoder-0", "encoder-1"}
         for pd_unit in serve(tmp_path_factory, "unit-pd", shared, 'role = "pd"\n'):
             assert programs(pd_unit) == {"gateway", "fetcher-0", "cache", "decoder"}
