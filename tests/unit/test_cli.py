@@ -30,14 +30,14 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 
 
 def test_every_option_of_every_subcommand_has_help() -> None:
-    assert set(subcommands()) == {"serve", "config", "keys"}
+    assert set(subcommands()) == {"serve", "config", "keys", "render-k8s"}
     for name, sub in subcommands().items():
         for action in sub._actions:
             if not isinstance(action, argparse._HelpAction):
                 assert action.help, f"vlm-serve {name}: {action.dest} has no help text"
 
 
-@pytest.mark.parametrize("command", ["serve", "config", "keys"])
+@pytest.mark.parametrize("command", ["serve", "config", "keys", "render-k8s"])
 def test_help_exits_cleanly(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as stopped:
         cli.main([command, "--help"])
