@@ -738,9 +738,9 @@ def place(cfg: Config, gpus: int) -> str:
     the text streams' GPU, which kept them near their throughput without image load."""
     decoder, encoder = cfg.decoder, cfg.encoder
     override = "set [decoder] replicas / [encoder] gpus to override"
-    set_by_hand = [key for key in PLACEMENT_KEYS if key not in cfg.auto]
     if cfg.server.role != "all":
         return f'layout: as configured ([server] role = "{cfg.server.role}": the auto layout is for whole deployments)'
+    set_by_hand = [key for key in PLACEMENT_KEYS if key not in cfg.auto]
     if set_by_hand:
         section, _, key = set_by_hand[0].partition(".")
         return f"layout: as configured ([{section}] {key} is set: the auto layout fills nothing)"

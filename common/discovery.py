@@ -26,10 +26,12 @@ Resolver = Callable[[str, int], list[str]]
 
 @dataclass(frozen=True)
 class EncoderEndpoint:
-    """One encoder to dial: ``address`` (an IP where the endpoint named a host), ``label`` for logs and metrics
-    (``K``, or ``K@IP:PORT`` for one of a name's addresses), ``by_value`` for one that may be on another host."""
+    """One encoder to dial: ``address`` (an IP where the endpoint named a host), ``hub`` the configured endpoint it
+    stands for (``encoder.K``: whose server key it has), ``label`` for logs and metrics (``K``, or ``K@IP:PORT`` for
+    one of a name's addresses), ``by_value`` for one that may be on another host."""
 
     address: str
+    hub: str
     label: str
 
     @property
@@ -71,7 +73,7 @@ class EncoderDirectory:
     """The encoders of ``cfg`` as they resolve now. `refresh` answers which joined and which left since the last."""
 
     def __init__(self, cfg: Config, resolve: Resolver = system_resolver) -> None:
-        self.configured = [(str(k), cfg.endpoint(f"encoder.{k}")) for k in range(encoder_count(cfg))]
+        self.configured = [(f"encoder.{k}", cfg.endpoint(f"encoder.{k}")) for k in range(encoder_count(cfg))]
         self.resolve = resolve
         self.current: dict[bytes, EncoderEndpoint] = {}
         self.named = any(host_and_port(address) for _, address in self.configured)
@@ -79,25 +81,26 @@ class EncoderDirectory:
     def refresh(self) -> tuple[list[EncoderEndpoint], list[EncoderEndpoint]]:
         """(joined, left) since the last refresh (the first: every encoder joined)."""
         found: dict[bytes, EncoderEndpoint] = {}
-        for label, address in self.configured:
-            for endpoint in self._expand(label, address):
+        for hub, address in self.configured:
+            for endpoint in self._expand(hub, address):
                 found.setdefault(endpoint.key, endpoint)
         joined = [e for key, e in found.items() if key not in self.current]
         left = [e for key, e in self.current.items() if key not in found]
         self.current = found
         return joined, left
 
-    def _expand(self, label: str, address: str) -> list[EncoderEndpoint]:
+    def _expand(self, hub: str, address: str) -> list[EncoderEndpoint]:
+        label = hub.removeprefix("encoder.")
         named = host_and_port(address)
         if named is None:
-            return [EncoderEndpoint(address, label)]
+            return [EncoderEndpoint(address, hub, label)]
         host, port = named
         try:
             ips = self.resolve(host, port)
         except socket.gaierror as exc:
             if exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
-                log.warning("encoder.%s: %s resolves to nothing now (%s): its encoders drain", label, host, exc)
+                log.warning("%s: %s resolves to nothing now (%s): its encoders drain", hub, host, exc)
                 return []
-            log.warning("encoder.%s: cannot resolve %s now (%s): keeping its encoders", label, host, exc)
-            return [e for e in self.current.values() if e.label.split("@")[0] == label]
-        return [EncoderEndpoint(tcp_address(ip, port), f"{label}@{ip}:{port}") for ip in ips]
+            log.warning("%s: cannot resolve %s now (%s): keeping its encoders", hub, host, exc)
+            return [e for e in self.current.values() if e.hub == hub]
+        return [EncoderEndpoint(tcp_address(ip, port), hub, f"{label}@{ip}:{port}") for ip in ips]

@@ -27,10 +27,11 @@ import zmq
 import zmq.auth
 
 from common.config import Config
+from common.topology import UNIT_PROCESSES
 
 log = logging.getLogger(__name__)
 
-ROLES = ("gateway", "fetcher", "encoder", "cache", "decoder")
+ROLES = UNIT_PROCESSES["all"]  # a keypair for each kind of process
 
 
 class SecurityError(RuntimeError):

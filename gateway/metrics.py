@@ -144,22 +144,13 @@ CATALOGUE: dict[str, tuple[str, str]] = {
     "vlm_decoder_requests_waiting_for_grammar": ("gauge", "Requests waiting for their grammar to compile."),
     "vlm_decoder_requests_queued": ("gauge", "Requests waiting for a decoding slot or KV blocks."),
     "vlm_decoder_requests_running": ("gauge", "Sequences decoding."),
-    "vlm_gateway_security_denied": (
-        "counter",
-        "CurveZMQ clients this process's tcp:// sockets turned away (no key, an unknown key, plaintext).",
-    ),
-    "vlm_cache_security_denied": (
-        "counter",
-        "CurveZMQ clients this process's tcp:// sockets turned away (no key, an unknown key, plaintext).",
-    ),
-    "vlm_encoder_security_denied": (
-        "counter",
-        "CurveZMQ clients this process's tcp:// sockets turned away (no key, an unknown key, plaintext).",
-    ),
-    "vlm_decoder_security_denied": (
-        "counter",
-        "CurveZMQ clients this process's tcp:// sockets turned away (no key, an unknown key, plaintext).",
-    ),
+    **{
+        f"vlm_{role}_security_denied": (
+            "counter",
+            "CurveZMQ clients this process's tcp:// sockets turned away (no key, an unknown key, plaintext).",
+        )
+        for role in ("gateway", "cache", "encoder", "decoder")  # (the processes that bind sockets)
+    },
 }
 UNDOCUMENTED = "Not described in gateway/metrics.py."
 

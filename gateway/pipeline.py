@@ -325,8 +325,7 @@ class Pipeline:
         while True:
             joined, left = await loop.run_in_executor(None, self.encoder_directory.refresh)  # (a DNS lookup)
             for endpoint in joined:
-                hub = f"encoder.{endpoint.label.split('@')[0]}"  # (whose server key it dials)
-                channel = self.transport.async_channel(zmq.DEALER, hub, bind=False, address=endpoint.address)
+                channel = self.transport.async_channel(zmq.DEALER, endpoint.hub, bind=False, address=endpoint.address)
                 reader = asyncio.create_task(self._read(channel, self._on_stats))
                 self.encoders[endpoint.key] = (endpoint.label, channel, reader)
             for endpoint in left:

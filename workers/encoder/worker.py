@@ -215,17 +215,14 @@ class EncoderWorker:
         if isinstance(out, Exception):
             return Staged(peer, job, error=out)
         try:
-            if job.by_value:
-                if tuple(job.slot.shape) != tuple(out.shape):
-                    raise ValueError(f"slot shape {job.slot.shape} != embedding shape {list(out.shape)}")
-                rows = out.to(torch_dtype(job.slot.dtype))
+            if tuple(job.slot.shape) != tuple(out.shape):
+                raise ValueError(f"slot shape {job.slot.shape} != embedding shape {list(out.shape)}")
+            rows = out.to(torch_dtype(job.slot.dtype))
+            if job.by_value:  # (to the host, sent back by `finish`)
                 return Staged(peer, job, host_rows=rows.to("cpu", non_blocking=True) if rows.is_cuda else rows)
             if job.slot.shm_name not in self.pools.pools:
                 self.pools.forget_except("")  # a restarted cache daemon made a new pool; drop the old map
             slot = self.pools.view(job.slot)
-            if tuple(slot.shape) != tuple(out.shape):
-                raise ValueError(f"slot shape {list(slot.shape)} != embedding shape {list(out.shape)}")
-            rows = out.to(slot.dtype)
             if slot.is_cuda or not rows.is_cuda:
                 slot.copy_(rows)
                 return Staged(peer, job, slot)
@@ -235,16 +232,16 @@ class EncoderWorker:
             return Staged(peer, job, error=exc)
 
     def finish(self, item: Staged) -> EncodeResult:
-        """After the batch's copies: the rows in the job's slot, the cache told."""
+        """After the batch's copies: the rows in the job's slot and the cache told, or (``by_value``) the rows in
+        the result."""
         job, slot = item.job, item.slot
-        if job.by_value and item.error is None and item.host_rows is not None:
-            self.counters["images_encoded"] += 1
-            self.counters["patches_encoded"] += job_patches(job)
-            return EncodeResult(job.job_id, job.content_hash, rows=inline_ref(item.host_rows))
-        if item.error is not None or slot is None:
+        if item.error is not None or (slot is None and item.host_rows is None):
             return self.fail(job, item.error or RuntimeError("no slot was staged"))
+        rows = None
         try:
-            if item.host_rows is not None:
+            if job.by_value:
+                rows = inline_ref(item.host_rows)
+            elif item.host_rows is not None:
                 slot.copy_(item.host_rows)
             elif slot.is_cuda and slot.device != self.device:
                 # A GPU pool: the rows must be there before the cache says they are. On the tower's own
@@ -256,9 +253,9 @@ class EncoderWorker:
             return self.fail(job, exc)
         self.counters["images_encoded"] += 1
         self.counters["patches_encoded"] += job_patches(job)
-        if job.commit:
+        if job.commit and not job.by_value:  # (a job by value: its fetcher commits the entry)
             self.cache.send(commit_for(job.content_hash, job.slot))
-        return EncodeResult(job.job_id, job.content_hash)
+        return EncodeResult(job.job_id, job.content_hash, rows=rows)
 
     def fail(self, job: EncodeJob, exc: Exception) -> EncodeResult:
         log.error("encode job %s failed: %r", job.job_id, exc)

@@ -59,8 +59,7 @@ class EncoderLinks:
         self.close_drained()
 
     def open(self, endpoint: EncoderEndpoint) -> None:
-        hub = f"encoder.{endpoint.label.split('@')[0]}"  # (whose server key it dials: the encoder role's)
-        channel = self.transport.channel(zmq.DEALER, hub, bind=False, address=endpoint.address)
+        channel = self.transport.channel(zmq.DEALER, endpoint.hub, bind=False, address=endpoint.address)
         self.channels[endpoint.key], self.endpoints[endpoint.key] = channel, endpoint
         self.loop.on_message(channel, lambda _peer, msg, key=endpoint.key: self.on_message(key, msg))
         channel.send(Ping("fetcher"))  # (its status says it is live at once, not at the next heartbeat)
