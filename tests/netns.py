@@ -5,13 +5,17 @@ Needs root and iproute2; `available` says why not where they are missing. Everyt
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ETC_NETNS = Path("/etc/netns")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def available() -> str:
@@ -57,18 +61,6 @@ class Host:
             out.write("\n".join(lines) + "\n")
             out.truncate()
 
-    def netem(self, spec: str | None) -> str:
-        """``tc netem`` on this host's link (e.g. "delay 20ms loss 1%"), or none; "" if done, else why not (a
-        kernel without the netem qdisc, sch_netem)."""
-        base = ["ip", "netns", "exec", self.name, "tc", "qdisc"]
-        if spec is None:
-            subprocess.run([*base, "del", "dev", self.interface, "root"], capture_output=True)
-            return ""
-        done = subprocess.run(
-            [*base, "replace", "dev", self.interface, "root", "netem", *spec.split()], capture_output=True, text=True
-        )
-        return f"tc netem {spec}: {done.stderr.strip()}" if done.returncode else ""
-
 
 @dataclass
 class Network:
@@ -112,6 +104,25 @@ class Network:
         host.hosts({})
         self.hosts[label] = host
         return host
+
+    @contextlib.contextmanager
+    def slow_lossy_links(self, hub: str, delay_ms: float, loss: float) -> Iterator[list[str]]:
+        """Every link between host ``hub`` and the other hosts ``delay_ms`` slow and losing ``loss`` of its packets,
+        each way, while in the block: the user-space wire of `tests.netem` (as ``tc netem delay loss`` would on a
+        kernel with sch_netem). Yields a list that holds, after the block, what the wire says it carried and
+        dropped."""
+        argv = [sys.executable, "-m", "tests.netem", f"--delay-ms={delay_ms}", f"--loss={loss}", f"--tag={self.tag}"]
+        argv.append(f"--hub={self.hosts[hub].name}={self.hosts[hub].address}")
+        argv += [f"--host={h.name}={h.address}" for label, h in self.hosts.items() if label != hub]
+        wire = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        said: list[str] = []
+        try:
+            if wire.stdout is None or wire.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the netem wire did not start: {wire.communicate(timeout=10)[1].strip()}")
+            yield said
+        finally:
+            wire.terminate()
+            said.append(wire.communicate(timeout=10)[1].strip())
 
     def __exit__(self, *_: object) -> None:
         for host in self.hosts.values():
