@@ -297,47 +297,83 @@ def first_token_s(stack: Stack, messages: list[dict[str, Any]]) -> float:
     return first
 
 
-def test_under_load_a_killed_encoder_a_link_down_and_a_lossy_network_fail_no_request(units: Units) -> None:
-    if netem_available():
-        pytest.skip(netem_available())
-    b = units.network.hosts["b"]
-    phases = ("encoder killed", "link down", "lossy")
-    ttfts: dict[str, list[float]] = {phase: [] for phase in phases}
-    failed: list[str] = []
-    phase = phases[0]
-    stopping = threading.Event()
+class Load:
+    """Four clients asking about two new images each, over and over, while in the block: each request's time to first
+    token is kept under the phase it began in (``phase``, set as the load goes on), and each failure."""
 
-    def client(seed: int) -> None:
-        while not stopping.is_set():
+    def __init__(self, units: Units, phase: str, seed: int) -> None:
+        """``seed``: the first image's (each load its own, so that its images are in no cache yet)."""
+        self.units, self.phase, self.seed = units, phase, seed
+        self.ttfts: dict[str, list[float]] = {phase: []}
+        self.failed: list[str] = []
+        self.stopping = threading.Event()
+        self.pool = concurrent.futures.ThreadPoolExecutor(4)
+
+    def __enter__(self) -> Load:
+        self.running = [self.pool.submit(self.client, self.seed + 10 * k) for k in range(4)]
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stopping.set()
+        for future in self.running:
+            future.result()
+        self.pool.shutdown()
+
+    def enter(self, phase: str) -> None:
+        self.ttfts[phase] = []
+        self.phase = phase
+
+    def client(self, seed: int) -> None:
+        while not self.stopping.is_set():
             try:
-                started_in = phase
-                ttfts[started_in].append(
-                    first_token_s(units.pd, [{"role": "user", "content": [*images(seed, seed + 1)]}])
-                )
+                kept = self.ttfts[self.phase]
+                kept.append(first_token_s(self.units.pd, [{"role": "user", "content": [*images(seed, seed + 1)]}]))
             except Exception as exc:  # a failed request: counted, and the load goes on
-                failed.append(repr(exc))
+                self.failed.append(repr(exc))
             seed += 100
 
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(client, 1000 + 10 * k) for k in range(4)]
+    def verdict(self, record: str) -> None:
+        """Writes each phase's times to first token into ``run/RECORD`` (what the load saw; not judged), then
+        fails if a request failed or a phase had none succeed."""
+        summary = "; ".join(f"{phase}: {percentiles(seconds)}" for phase, seconds in self.ttfts.items())
+        (REPO / "run" / record).write_text(summary + "\n")
+        assert all(self.ttfts.values()), f"a phase had no request succeed: {summary}; {self.failed[:3]}"
+        assert not self.failed, f"{len(self.failed)} failed ({self.failed[:3]}); {summary}"
+
+
+def test_under_load_a_killed_encoder_and_a_link_down_fail_no_request(units: Units) -> None:
+    b = units.network.hosts["b"]
+    with Load(units, "encoder killed", seed=1000) as load:
         time.sleep(2)
         os.kill(units.encoders["b"].pid("encoder-0"), signal.SIGKILL)  # (supervisord there restarts it)
         time.sleep(5)
-        phase = phases[1]
+        load.enter("link down")
         b.link(False)
         time.sleep(10)
         b.link(True)
-        phase = phases[2]
-        with units.network.slow_lossy_links("a", delay_ms=20, loss=0.01) as wire:
-            time.sleep(15)
-            stopping.set()
-            for future in running:
-                future.result()
-    summary = "; ".join(f"{name}: {percentiles(ttfts[name])}" for name in phases) + f"; the wire {wire[0]}"
-    (REPO / "run" / "netns-chaos.txt").write_text(summary + "\n")  # (what the load saw; not judged here)
-    assert all(ttfts.values()), f"a phase had no request succeed: {summary}; {failed[:3]}"
-    assert wire[0].startswith("carried") and int(wire[0].split()[1]) > 1000, summary  # (the load went over it)
-    assert not failed, f"{len(failed)} failed ({failed[:3]}); {summary}"
+        load.enter("link back")
+        time.sleep(3)
+    load.verdict("netns-chaos.txt")
+
+
+def test_under_load_slow_lossy_links_fail_no_request(units: Units) -> None:
+    """Every link between the pd unit and the encoder units 20 ms slower and losing 1% of its packets, each way."""
+    if netem_available():
+        pytest.skip(netem_available())
+    encoded_before = images_encoded(units.pd)
+    lossy = units.network.slow_lossy_links("a", delay_ms=20, loss=0.01)
+    with lossy as wire, Load(units, "slow, lossy", seed=900_000) as load:
+        time.sleep(15)
+    assert wire[0].startswith("carried") and int(wire[0].split()[1]) > 1000, wire
+    # (two new images a request: the encoders, across the wire, made every embedding the load asked for)
+    assert images_encoded(units.pd) - encoded_before >= 2 * len(load.ttfts["slow, lossy"])
+    load.ttfts[f"slow, lossy (the wire {wire[0]})"] = load.ttfts.pop("slow, lossy")
+    load.verdict("netns-lossy.txt")
+
+
+def images_encoded(stack: Stack) -> float:
+    """By all the stack's encoders, as its gateway counts them."""
+    return sum(v for k, v in stack.metrics().items() if k.startswith("vlm_encoder_images_encoded_total{"))
 
 
 def percentiles(seconds: list[float]) -> str:
