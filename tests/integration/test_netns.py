@@ -363,7 +363,7 @@ def test_under_load_slow_lossy_links_fail_no_request(units: Units) -> None:
     encoded_before = images_encoded(units.pd)
     lossy = units.network.slow_lossy_links("a", delay_ms=20, loss=0.01)
     with lossy as wire, Load(units, "slow, lossy", seed=900_000) as load:
-        time.sleep(15)
+        time.sleep(10)
     assert wire[0].startswith("carried") and int(wire[0].split()[1]) > 1000, wire
     # (two new images a request: the encoders, across the wire, made every embedding the load asked for)
     assert images_encoded(units.pd) - encoded_before >= 2 * len(load.ttfts["slow, lossy"])
