@@ -62,11 +62,14 @@ import tempfile
 import time
 import tomllib
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from benchmarks.prune_results import load_json, summarise_json
+from benchmarks.units import EncoderUnit, UnitsPlan, plans
+from common.config import Config, gpu_count
 from common.model_files import SUPPORTED_MODEL_TYPES
 
 HERE = Path(__file__).resolve().parents[1]  # this checkout: the client, the wheels, gpu.toml
@@ -79,6 +82,7 @@ PARTS = (
     "engine",
     "vision",
     "serve",
+    "units",
     "hf",
     "hf-parity",
     "vllm",
@@ -97,6 +101,9 @@ PARITY_TOLERANCE = 0.1875
 # A timed-out tool's time between SIGTERM and SIGKILL: past the soak's stop of its stack (supervisord's own wait
 # for its programs, benchmarks.soak_stack.STOP_WAIT_S).
 STOP_GRACE_S = 90
+
+
+Settings = Sequence[tuple[str, str, object]]  # (section, key, value), as ``--set`` gives them
 
 
 @dataclass
@@ -326,17 +333,18 @@ def machine(run: Run) -> dict[str, Any]:
 # --- the stack ------------------------------------------------------------------------------------------------
 
 
-def stack_config(run: Run) -> Path:
-    """benchmarks/gpu.toml (the repository's, else this one's) with every ``--set SECTION.KEY=VALUE`` applied."""
+def stack_config(run: Run, extra: Settings = (), name: str = "gpu.toml") -> Path:
+    """benchmarks/gpu.toml (the repository's, else this one's) with every ``--set SECTION.KEY=VALUE`` applied, then
+    ``extra``'s, into raw/NAME."""
     base = run.repo / "benchmarks" / "gpu.toml"
     config = tomllib.loads((base if base.exists() else HERE / "benchmarks" / "gpu.toml").read_text())
-    for section, name, value in run.args.set:
-        config.setdefault(section, {})[name] = value
+    for section, name_, value in [*run.args.set, *extra]:
+        config.setdefault(section, {})[name_] = value
     lines = []
     for section, values in config.items():
         lines.append(f"[{section}]")
-        lines += [f"{name} = {json.dumps(value)}" for name, value in values.items()]
-    path = run.raw / "gpu.toml"
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+    path = run.raw / name
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -356,14 +364,17 @@ def setting(item: str) -> tuple[str, str, object]:
         raise argparse.ArgumentTypeError(f"{item!r}: VALUE is neither TOML nor a bare word") from None
 
 
-def start_stack(run: Run, model: Path) -> subprocess.Popen[bytes]:
-    """supervisord with the repository's deploy (ops.deploy, or common.deploy before it), healthy or raise."""
+def start_stack(
+    run: Run, model: Path, extra: Settings = (), env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """supervisord with the repository's deploy (ops.deploy, or common.deploy before it), healthy or raise; with
+    ``extra`` settings after ``--set``'s and ``env`` added to its environment."""
     if missing := missing_distributions(run):  # fail in seconds, not after the health wait
         raise RuntimeError(
             f"the stack needs {', '.join(missing)}, missing here: carry their wheels in .whl "
             f"(../shared/tools/device-wheels.sh {' '.join(missing)})"
         )
-    env = {**run.env(), "VLM_CONFIG": str(stack_config(run)), "VLM_MODEL": str(model)}
+    env = {**run.env(), **(env or {}), "VLM_CONFIG": str(stack_config(run, extra)), "VLM_MODEL": str(model)}
     deploy = "ops.deploy" if (run.repo / "ops" / "deploy.py").exists() else "common.deploy"
     conf = run.repo / "run" / str(PORT) / "supervisord.conf"
     shutil.rmtree(conf.parent / "logs", ignore_errors=True)
@@ -552,19 +563,17 @@ def part_hf(run: Run) -> None:
 
 def part_hf_parity(run: Run) -> None:
     """transformers' bf16 answers to `benchmarks.parity`'s prompts on the checkpoint, compared with each server's
-    answers recorded before (the ``parity`` workload of ``serve`` and ``vllm``) within ``--parity-tolerance``."""
+    answers recorded before (the ``parity`` workload of ``serve``, ``units`` and ``vllm``) within
+    ``--parity-tolerance``."""
     reference = run.raw / "hf-parity.json"
     argv = ["reference", "--model", str(checkpoint(run.args)), "--out", str(reference), "--device", run.args.hf_device]
     if run.python("hf-parity", "benchmarks.parity", *argv, timeout=run.args.timeout, cwd=HERE):
         run.rows.append({"name": "hf-parity", "failed": "benchmarks.parity reference (raw/hf-parity.log)"})
         return
     shutil.copy(reference, run.out / "hf-parity.json")
-    compared = 0
-    for server in ("", "vllm-"):
-        answers = run.raw / f"{server}parity.json"
-        if not answers.exists():
-            continue
-        compared += 1
+    recorded = [path for path in sorted(run.raw.glob("*parity.json")) if path != reference]
+    for answers in recorded:
+        server = answers.name.removesuffix("parity.json")  # "", "vllm-", "units-2enc-"
         name = f"{server}parity-vs-hf"
         verdict = run.raw / f"{name}.json"
         argv = ["compare", str(reference), str(answers), "--tolerance", str(run.args.parity_tolerance)]
@@ -574,8 +583,9 @@ def part_hf_parity(run: Run) -> None:
             shutil.copy(verdict, run.out / verdict.name)
         lines = (run.raw / f"{name}.log").read_text().strip().splitlines()
         run.rows.append({"name": name, "exit": code, "verdict": lines[-1] if lines else ""})
-    if not compared:
-        run.rows.append({"name": "hf-parity", "note": "no server answers to compare: run serve/vllm with parity first"})
+    if not recorded:
+        note = "no server answers to compare: run serve, units or vllm with parity first"
+        run.rows.append({"name": "hf-parity", "note": note})
 
 
 def workload_argv(workload: str, clients: int, requests: int | None, prefix: str = "") -> list[tuple[str, list[str]]]:
@@ -790,6 +800,40 @@ def part_serve(run: Run) -> None:
         stop_stack(run, process)
 
 
+def part_units(run: Run) -> None:
+    """Issue 31's split (`benchmarks.units`): for each plan, the encoder unit on its GPUs and the pd unit on GPU 0,
+    over loopback tcp:// + CurveZMQ, the ``--workloads`` at each ``--clients`` named ``units-Kenc-...``."""
+    venv_wrapper(run.repo)
+    keys = run.raw / "keys"
+    if not (keys / "public").is_dir():
+        run_checked([sys.executable, "-m", "ops.cli", "keys", "--dir", str(keys)], run)
+    secured = [("security", "keys_dir", str(keys))]
+    model = checkpoint(run.args)
+    for plan in plans(gpu_count(Config(), os.environ)):
+        log(f"units: pd on GPU {plan.visible_devices('pd')}, encoders on GPU {plan.visible_devices('encoder')}")
+        units_run(run, plan, model, secured)
+
+
+def units_run(run: Run, plan: UnitsPlan, model: Path, secured: Settings) -> None:
+    config = stack_config(run, [*plan.settings("encoder"), *secured], name=f"{plan.prefix}encoder-unit.toml")
+    env = {**run.env(), "VLM_MODEL": str(model), "CUDA_VISIBLE_DEVICES": plan.visible_devices("encoder")}
+    encoders = EncoderUnit(run.repo, config, run.repo / "run" / "encoder-unit", env, len(plan.encoder_gpus))
+    try:
+        encoders.start()
+        pd_env = {"CUDA_VISIBLE_DEVICES": plan.visible_devices("pd")}
+        process = start_stack(run, model, [*plan.settings("pd"), *secured], pd_env)
+        try:
+            run_workloads(run, f"http://127.0.0.1:{PORT}", prefix=plan.prefix)
+        finally:
+            stop_stack(run, process)
+    finally:
+        encoders.stop(run.raw / f"{plan.prefix}encoder-unit-logs")
+
+
+def run_checked(command: list[str], run: Run) -> None:
+    subprocess.run(command, cwd=run.repo, env=run.env(), check=True, capture_output=True)
+
+
 def peer_script(run: Run) -> str:
     return str((HERE / run.args.peer_dir / "device.sh").resolve())
 
@@ -974,6 +1018,7 @@ def run_part(run: Run, part: str) -> None:
         "engine": part_engine,
         "vision": part_vision,
         "serve": part_serve,
+        "units": part_units,
         "hf": part_hf,
         "hf-parity": part_hf_parity,
         "vllm": part_vllm,
