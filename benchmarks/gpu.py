@@ -9,6 +9,9 @@ Parts (run in the order given, each against every ``--repo``):
 - ``vision``: the ViT's images/s (`benchmarks.vision`) and where its time goes (`benchmarks.vit_profile`).
 - ``serve``: the stack under supervisord, the ``--workloads`` at each of ``--clients`` (`benchmarks.serve`); with
   ``--url`` against a server already running instead.
+- ``units``: issue 31's split (`benchmarks.units`): an encoder unit on its own GPUs and a pd unit on GPU 0, each its
+  own supervisord, over loopback tcp:// + CurveZMQ, the ``--workloads`` at each of ``--clients`` for 1, 2 and 3
+  encoder GPUs where there are that many (one GPU: both units on it).
 - ``hf``: the transformers baseline on seed3img's prompts (`benchmarks.baseline_hf`).
 - ``hf-parity``: transformers' bf16 answers to `benchmarks.parity`'s prompts, compared with those the ``parity``
   workload recorded from each server before it (ours, vLLM's) within ``--parity-tolerance``.
