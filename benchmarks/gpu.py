@@ -336,18 +336,18 @@ def machine(run: Run) -> dict[str, Any]:
 # --- the stack ------------------------------------------------------------------------------------------------
 
 
-def stack_config(run: Run, extra: Settings = (), name: str = "gpu.toml") -> Path:
+def stack_config(run: Run, extra: Settings = (), file_name: str = "gpu.toml") -> Path:
     """benchmarks/gpu.toml (the repository's, else this one's) with every ``--set SECTION.KEY=VALUE`` applied, then
-    ``extra``'s, into raw/NAME."""
+    ``extra``'s, into raw/FILE_NAME."""
     base = run.repo / "benchmarks" / "gpu.toml"
     config = tomllib.loads((base if base.exists() else HERE / "benchmarks" / "gpu.toml").read_text())
-    for section, name_, value in [*run.args.set, *extra]:
-        config.setdefault(section, {})[name_] = value
+    for section, name, value in [*run.args.set, *extra]:
+        config.setdefault(section, {})[name] = value
     lines = []
     for section, values in config.items():
         lines.append(f"[{section}]")
-        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
-    path = run.raw / name
+        lines += [f"{name} = {json.dumps(value)}" for name, value in values.items()]
+    path = run.raw / file_name
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -808,8 +808,8 @@ def part_units(run: Run) -> None:
     over loopback tcp:// + CurveZMQ, the ``--workloads`` at each ``--clients`` named ``units-Kenc-...``."""
     venv_wrapper(run.repo)
     keys = run.raw / "keys"
-    if not (keys / "public").is_dir():
-        run_checked([sys.executable, "-m", "ops.cli", "keys", "--dir", str(keys)], run)
+    if not (keys / "public").is_dir() and run.python("keys", "ops.cli", "keys", "--dir", str(keys), timeout=60):
+        raise RuntimeError("ops.cli keys failed (raw/keys.log)")
     secured = [("security", "keys_dir", str(keys))]
     model = checkpoint(run.args)
     for plan in plans(gpu_count(Config(), os.environ)):
@@ -818,11 +818,11 @@ def part_units(run: Run) -> None:
 
 
 def units_run(run: Run, plan: UnitsPlan, model: Path, secured: Settings) -> None:
-    config = stack_config(run, [*plan.settings("encoder"), *secured], name=f"{plan.prefix}encoder-unit.toml")
+    config = stack_config(run, [*plan.settings("encoder"), *secured], file_name=f"{plan.prefix}encoder-unit.toml")
     env = {**run.env(), "VLM_MODEL": str(model), "CUDA_VISIBLE_DEVICES": plan.visible_devices("encoder")}
     encoders = EncoderUnit(run.repo, config, run.repo / "run" / "encoder-unit", env, len(plan.encoder_gpus))
     try:
-        encoders.start()
+        encoders.start(logs_to=run.raw / f"{plan.prefix}encoder-unit")
         pd_env = {"CUDA_VISIBLE_DEVICES": plan.visible_devices("pd")}
         process = start_stack(run, model, [*plan.settings("pd"), *secured], pd_env)
         try:
@@ -830,11 +830,7 @@ def units_run(run: Run, plan: UnitsPlan, model: Path, secured: Settings) -> None
         finally:
             stop_stack(run, process)
     finally:
-        encoders.stop(run.raw / f"{plan.prefix}encoder-unit-logs")
-
-
-def run_checked(command: list[str], run: Run) -> None:
-    subprocess.run(command, cwd=run.repo, env=run.env(), check=True, capture_output=True)
+        encoders.stop()
 
 
 def peer_script(run: Run) -> str:

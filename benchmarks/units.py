@@ -7,15 +7,15 @@ for a machine's GPU count; `EncoderUnit` starts and stops the encoder unit (the 
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.soak_stack import Stack
 
 ENCODER_PORT = 7100
 ENDPOINT = "tcp://127.0.0.1:710{gpu}"  # encoder K listens on ENCODER_PORT + K (K < 10; `plans` keeps it so)
@@ -52,47 +52,38 @@ def plans(gpus: int, most_encoders: int = MOST_ENCODERS) -> list[UnitsPlan]:
 
 
 class EncoderUnit:
-    """An encoder unit under its own supervisord: ``ops.deploy`` renders its programs from ``config`` into
-    ``run_dir``; up once each of its ``count`` encoders accepts connections on its port."""
+    """An encoder unit as ``ops/serve`` runs it (``vlm-serve serve``: its keys checked, its programs rendered into
+    ``run_dir``, supervisord), up once each of its ``count`` encoders accepts connections on its port; stopped as
+    the soak stops its stack (`benchmarks.soak_stack.Stack.stop`), its logs kept in ``logs_to``/logs."""
 
     def __init__(self, repo: Path, config: Path, run_dir: Path, env: dict[str, str], count: int) -> None:
         self.repo, self.run_dir, self.count = repo, run_dir, count
         self.env = {**env, "VLM_CONFIG": str(config), "VLM_RUN_DIR": str(run_dir)}
-        self.process: subprocess.Popen[bytes] | None = None
+        self.stack: Stack | None = None
 
-    def start(self, timeout_s: float = 240) -> None:
+    def start(self, logs_to: Path, timeout_s: float = 240) -> None:
         shutil.rmtree(self.run_dir, ignore_errors=True)
-        (self.run_dir / "logs").mkdir(parents=True)
-        conf = self.run_dir / "supervisord.conf"
-        subprocess.run([sys.executable, "-m", "ops.deploy", str(conf)], cwd=self.repo, env=self.env, check=True)
-        with open(self.run_dir / "supervisord.out", "wb") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)],
+        self.run_dir.mkdir(parents=True)
+        with open(self.run_dir / "serve.log", "wb") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "ops.cli", "serve"],
                 cwd=self.repo,
                 env=self.env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        self.stack = Stack("", self.run_dir / "supervisord.conf", supervisord=process, keep_logs_in=logs_to)
         deadline = time.monotonic() + timeout_s
         for port in range(ENCODER_PORT, ENCODER_PORT + self.count):
             while not accepts(port):
-                if self.process.poll() is not None or time.monotonic() > deadline:
+                if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the encoder unit did not listen on port {port} (logs in {self.run_dir})")
                 time.sleep(0.5)
 
-    def stop(self, logs_to: Path) -> None:
-        """SIGTERM to its supervisord (it stops the encoders), SIGKILL to the group if it lingers; logs copied."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        logs_to.mkdir(parents=True, exist_ok=True)
-        for log_file in (self.run_dir / "logs").glob("*.log"):
-            shutil.copy(log_file, logs_to / log_file.name)
+    def stop(self) -> None:
+        if self.stack is not None:
+            self.stack.stop()
 
 
 def accepts(port: int) -> bool:

@@ -37,7 +37,7 @@ def test_the_driver_takes_the_units_part_and_writes_each_units_settings(tmp_path
     args = gpu.parse_args(["units", "--result-dir", str(tmp_path), "--set", "encoder.quantization=fp8"])
     run = gpu.Run(tmp_path, tmp_path, args)
     run.raw.mkdir()
-    path = gpu.stack_config(run, UnitsPlan((0,), (1,)).settings("encoder"), name="enc.toml")
+    path = gpu.stack_config(run, UnitsPlan((0,), (1,)).settings("encoder"), file_name="enc.toml")
     text = path.read_text()
     assert (
         'role = "encoder"' in text and 'quantization = "fp8"' in text and 'encoder = "tcp://127.0.0.1:710{gpu}"' in text
